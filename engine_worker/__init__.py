@@ -1,0 +1,1 @@
+"""tokenfan engine worker: runs an LLM backend and publishes token deltas over ZeroMQ."""

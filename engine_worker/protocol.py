@@ -1,0 +1,154 @@
+"""Wire protocol between gateway and engine worker (pure: no sockets, no asyncio).
+
+Every ZeroMQ message is two frames: ``[MAGIC, payload]``. ``MAGIC`` carries the
+protocol version; the payload is msgpack of one of the tagged structs below
+(array-like, so the tag is the first element). Decoding is typed and strict:
+msgspec builds only these structs, never arbitrary objects (no pickle anywhere).
+A frame that fails to decode raises :class:`WireError`; callers drop and count it.
+
+Directions:
+  gateway -> engine: Submit, Abort, Ping
+  engine  -> gateway: Accepted, DeltaBatch, Error, Heartbeat
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAGIC = b"tokenfan/%d" % PROTOCOL_VERSION
+
+Endpoint = Literal["chat.completions", "completions"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class WireError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+class ChatMessage(msgspec.Struct, array_like=True, frozen=True):
+    role: str
+    content: str
+
+
+class Sampling(msgspec.Struct, array_like=True, frozen=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = []
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+
+
+class Submit(msgspec.Struct, tag="submit", array_like=True, frozen=True):
+    """Start a generation. Exactly one of ``prompt`` / ``messages`` is set."""
+
+    request_id: str
+    endpoint: Endpoint
+    sampling: Sampling
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    trace_id: str = ""
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True, frozen=True):
+    request_ids: list[str]
+
+
+class Ping(msgspec.Struct, tag="ping", array_like=True, frozen=True):
+    sent_ns: int
+
+
+class Accepted(msgspec.Struct, tag="accepted", array_like=True, frozen=True):
+    """The engine validated and queued the request (prompt tokenized)."""
+
+    request_id: str
+    prompt_tokens: int
+
+
+class Usage(msgspec.Struct, array_like=True, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Delta(msgspec.Struct, array_like=True, frozen=True):
+    """New text of one request after one engine step.
+
+    ``seq`` starts at 0 and increases by one per delta of a request. ``emit_ns`` is
+    the engine's wall clock (``time.time_ns()``) when the delta left the backend.
+    """
+
+    request_id: str
+    seq: int
+    text: str
+    token_count: int
+    emit_ns: int
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+class DeltaBatch(msgspec.Struct, tag="deltas", array_like=True, frozen=True):
+    """All deltas one engine step produced for one gateway."""
+
+    deltas: list[Delta]
+
+
+class Error(msgspec.Struct, tag="error", array_like=True, frozen=True):
+    """A request failed (``request_id`` set) or the engine itself did (empty id).
+
+    ``code`` is machine-readable: ``invalid_request``, ``context_length_exceeded``,
+    ``engine_error``, ``engine_overloaded``, ``bad_frame``.
+    """
+
+    request_id: str
+    code: str
+    message: str
+    param: str | None = None
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True):
+    """Engine liveness and load; sent in answer to every Ping."""
+
+    engine_id: str
+    backend: str
+    model: str
+    max_model_len: int
+    running: int
+    waiting: int
+    ping_sent_ns: int
+    sent_ns: int
+
+
+Message = Union[Submit, Abort, Ping, Accepted, DeltaBatch, Error, Heartbeat]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> list[bytes]:
+    """Frames for one message."""
+    return [MAGIC, _encoder.encode(msg)]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Decode the frames of one message; raises :class:`WireError` on anything invalid."""
+    if len(frames) != 2:
+        raise WireError(f"expected 2 frames, got {len(frames)}")
+    magic, payload = frames
+    if magic != MAGIC:
+        raise WireError(f"unsupported protocol header {bytes(magic[:32])!r}, expected {MAGIC!r}")
+    try:
+        return _decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"undecodable payload: {exc}") from exc
+
+
+def now_ns() -> int:
+    """Wall clock in epoch nanoseconds, the clock of every ``*_ns`` field."""
+    return time.time_ns()

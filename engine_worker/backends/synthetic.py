@@ -1,0 +1,151 @@
+"""Synthetic backend: a deterministic, paced token source for transport tests and benchmarks.
+
+It is *not* a model. Tokens are words (with their leading space) drawn from a built-in
+corpus, starting at an offset derived from the request's seed (or its prompt), so the same
+request always yields the same text. Time to first token and tokens/s are configurable; a
+request produces exactly ``max_tokens`` tokens unless a stop string ends it earlier.
+Tokens are scheduled on an absolute clock, so a late wake-up emits every token that is due
+in one step (as a real engine step would) instead of drifting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import zlib
+from collections.abc import AsyncIterator
+
+from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, Step
+from engine_worker.config import EngineConfig
+from engine_worker.protocol import Submit
+
+log = logging.getLogger(__name__)
+
+CORPUS = (
+    "The gateway receives token deltas from the engine and writes them to every subscriber. "
+    "A stream may be read by a browser through EventSource or by a WebSocket client, and both "
+    "see the same tokens in the same order. When a connection drops, the client resumes from the "
+    "last event it saw, and nothing is lost or repeated. Latency is measured from the moment the "
+    "engine emits a delta to the moment the client receives it. Good systems stay fast under load, "
+    "tell every client what happened when something fails, and never let one slow reader delay "
+    "the others. Rivers run to the sea, mountains hold the snow, and the night is full of quiet "
+    "stars. Every request is isolated, every limit is documented, and every error has a clear "
+    "message. A small model on a small machine can still teach us how the whole path behaves."
+)
+_WORDS = re.findall(r"\s*\S+", CORPUS)
+_WORD = re.compile(r"\w+|[^\w\s]")
+
+
+def count_tokens(text: str) -> int:
+    """The synthetic tokenizer: words and punctuation marks."""
+    return len(_WORD.findall(text))
+
+
+class SyntheticBackend:
+    """Paced corpus text. See the module docstring."""
+
+    MODEL_ID = "synthetic"
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.synthetic_tokens_per_s <= 0:
+            raise ValueError("--synthetic-tokens-per-s must be > 0")
+        self._config = config
+        self._info = BackendInfo(kind="synthetic", model=self.MODEL_ID, max_model_len=config.max_model_len)
+        self._waiting = 0
+        self._running = 0
+
+    @property
+    def info(self) -> BackendInfo:
+        return self._info
+
+    async def start(self) -> None:
+        log.warning(
+            "synthetic engine: NOT a model; paced corpus text (ttft=%.1f ms, %.1f tokens/s per stream)",
+            self._config.synthetic_ttft_ms, self._config.synthetic_tokens_per_s,
+        )
+
+    async def prepare(self, submit: Submit) -> Prepared:
+        if submit.messages is not None:
+            text = "".join(f"<{m.role}>{m.content}\n" for m in submit.messages)
+        else:
+            text = submit.prompt or ""
+        prompt_tokens = count_tokens(text)
+        max_tokens = submit.sampling.max_tokens
+        if prompt_tokens + max_tokens > self._info.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self._info.max_model_len} tokens. However, you "
+                f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages or completion.",
+                code="context_length_exceeded",
+                param="messages" if submit.messages is not None else "prompt",
+            )
+        seed = submit.sampling.seed if submit.sampling.seed is not None else zlib.crc32(text.encode())
+        return Prepared(submit=submit, prompt_tokens=prompt_tokens, payload=seed % len(_WORDS))
+
+    async def generate(self, prepared: Prepared) -> AsyncIterator[Step]:
+        sampling = prepared.submit.sampling
+        offset = int(prepared.payload)  # type: ignore[call-overload]
+        interval = 1.0 / self._config.synthetic_tokens_per_s
+        start = time.monotonic() + self._config.synthetic_ttft_ms / 1000.0
+        emitted = 0
+        text_so_far = ""
+        self._waiting += 1
+        started = False
+        try:
+            while emitted < sampling.max_tokens:
+                due = start + emitted * interval
+                delay = due - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if not started:
+                    started = True
+                    self._waiting -= 1
+                    self._running += 1
+                # Every token due by now goes out in this step.
+                now = time.monotonic()
+                n = min(sampling.max_tokens - emitted, 1 + max(0, int((now - due) / interval)))
+                piece = "".join(_WORDS[(offset + emitted + i) % len(_WORDS)] for i in range(n))
+                emitted += n
+                stop_at = _find_stop(text_so_far, piece, sampling.stop)
+                if stop_at is not None:
+                    yield Step(text=piece[:stop_at], token_count=n, finish_reason="stop")
+                    return
+                text_so_far += piece
+                yield Step(text=piece, token_count=n, finish_reason="length" if emitted >= sampling.max_tokens else None)
+            if sampling.max_tokens == 0:
+                yield Step(text="", token_count=0, finish_reason="length")
+        finally:
+            if started:
+                self._running -= 1
+            else:
+                self._waiting -= 1
+
+    async def abort(self, request_id: str) -> None:
+        # Generation is a plain async generator: the server closing it is the abort.
+        return None
+
+    def load(self) -> tuple[int, int]:
+        return self._running, self._waiting
+
+    async def shutdown(self) -> None:
+        return None
+
+
+def _find_stop(before: str, piece: str, stops: list[str]) -> int | None:
+    """Index in ``piece`` where the earliest stop string begins, if any completes in it."""
+    if not stops:
+        return None
+    window_start = max(0, len(before) - max(len(s) for s in stops))
+    haystack = before[window_start:] + piece
+    base = len(before) - window_start
+    best: int | None = None
+    for s in stops:
+        i = haystack.find(s)
+        while i != -1 and i + len(s) <= base:  # match lies wholly in earlier text: not new
+            i = haystack.find(s, i + 1)
+        if i != -1:
+            cut = max(0, i - base)
+            best = cut if best is None else min(best, cut)
+    return best

@@ -1,0 +1,55 @@
+"""ZeroMQ endpoint helpers shared by engine and gateway: private IPC paths, loopback checks."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import stat
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def ipc_path(address: str) -> Path | None:
+    return Path(address[len("ipc://"):]) if address.startswith("ipc://") else None
+
+
+def prepare_ipc_dir(address: str) -> None:
+    """Create the socket's directory private to this user (0700) and remove a stale socket."""
+    path = ipc_path(address)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = path.parent.stat()
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"IPC directory {path.parent} belongs to uid {st.st_uid}, not to us")
+    os.chmod(path.parent, 0o700)
+    if path.exists() and stat.S_ISSOCK(path.stat().st_mode):
+        path.unlink()
+
+
+def secure_ipc_socket(address: str) -> None:
+    """After bind: make the socket file 0600."""
+    path = ipc_path(address)
+    if path is not None and path.exists():
+        os.chmod(path, 0o600)
+
+
+def check_tcp_bind(address: str, allow_remote: bool) -> None:
+    """Refuse a non-loopback ``tcp://`` bind unless explicitly allowed (then warn)."""
+    if not address.startswith("tcp://"):
+        return
+    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        return
+    if not allow_remote:
+        raise ValueError(
+            f"refusing to bind the engine socket to non-loopback {address}: the engine link is "
+            "unauthenticated; pass --allow-remote-engine to do it anyway on a private network"
+        )
+    log.warning("engine socket bound to non-loopback %s: anyone who can reach it can submit requests", address)

@@ -1,0 +1,231 @@
+"""The engine server: a ZeroMQ ROUTER that runs a backend and streams deltas back.
+
+One socket (ROUTER, bound). Each gateway connects a DEALER; the ROUTER identity of the
+frame that submitted a request is where that request's deltas go, so several gateways
+share one engine and each sees only its own requests. Deltas produced in the same event-loop
+turn (one engine step) are sent to each gateway as one :class:`DeltaBatch`.
+
+A malformed frame is dropped, logged (rate-limited) and counted; it never stops the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from engine_worker import protocol as p
+from engine_worker.backends.base import Backend, RequestRejected
+from engine_worker.ipc import check_tcp_bind, prepare_ipc_dir, secure_ipc_socket
+
+log = logging.getLogger(__name__)
+
+# A gateway that has not pinged for this long is presumed dead and its requests aborted.
+GATEWAY_TIMEOUT_S = 10.0
+
+
+@dataclass(slots=True)
+class _Request:
+    identity: bytes
+    task: asyncio.Task[None]
+    trace_id: str
+
+
+@dataclass(slots=True)
+class ServerStats:
+    bad_frames: int = 0
+    submitted: int = 0
+    aborted: int = 0
+    failed: int = 0
+
+
+@dataclass
+class EngineServer:
+    backend: Backend
+    address: str
+    max_queue: int = 1024
+    allow_remote_tcp: bool = False
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    stats: ServerStats = field(default_factory=ServerStats)
+
+    def __post_init__(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._requests: dict[str, _Request] = {}
+        self._outbox: dict[bytes, list[p.Delta]] = {}
+        self._outbox_ready = asyncio.Event()
+        self._last_ping: dict[bytes, float] = {}
+        self._last_bad_log = 0.0
+        self.bound = asyncio.Event()
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Bind, serve until ``stop`` is set, then abort everything and close."""
+        check_tcp_bind(self.address, self.allow_remote_tcp)
+        prepare_ipc_dir(self.address)
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # unknown peer: drop, don't raise
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind(self.address)
+        secure_ipc_socket(self.address)
+        self._sock = sock
+        self.bound.set()
+        info = self.backend.info
+        log.info("engine %s serving %s model=%s on %s", self.engine_id, info.kind, info.model, self.address)
+        tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._flush_loop()),
+                 asyncio.create_task(self._reap_loop())]
+        try:
+            await stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            for req in list(self._requests.values()):
+                req.task.cancel()
+            await asyncio.gather(*tasks, *(r.task for r in self._requests.values()), return_exceptions=True)
+            sock.close(linger=0)
+            self._ctx.term()
+            log.info("engine %s stopped", self.engine_id)
+
+    # -- receiving -------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart(copy=True)
+            identity, body = frames[0], frames[1:]
+            try:
+                msg = p.decode(body)  # type: ignore[arg-type]
+            except p.WireError as exc:
+                self._bad_frame(identity, str(exc))
+                continue
+            if isinstance(msg, p.Submit):
+                self._on_submit(identity, msg)
+            elif isinstance(msg, p.Abort):
+                self._on_abort(identity, msg)
+            elif isinstance(msg, p.Ping):
+                self._last_ping[identity] = time.monotonic()
+                await self._send(identity, self._heartbeat(msg.sent_ns))
+            else:
+                self._bad_frame(identity, f"unexpected {type(msg).__name__} from a gateway")
+
+    def _bad_frame(self, identity: bytes, reason: str) -> None:
+        self.stats.bad_frames += 1
+        now = time.monotonic()
+        if now - self._last_bad_log > 1.0:  # rate-limit: a flood of junk must not flood the log
+            self._last_bad_log = now
+            log.warning("dropped bad frame from %s: %s (total %d)", identity.hex(), reason, self.stats.bad_frames)
+
+    def _heartbeat(self, ping_sent_ns: int) -> p.Heartbeat:
+        running, waiting = self.backend.load()
+        info = self.backend.info
+        return p.Heartbeat(
+            engine_id=self.engine_id, backend=info.kind, model=info.model, max_model_len=info.max_model_len,
+            running=running, waiting=waiting, ping_sent_ns=ping_sent_ns, sent_ns=p.now_ns(),
+        )
+
+    def _on_submit(self, identity: bytes, msg: p.Submit) -> None:
+        self._last_ping.setdefault(identity, time.monotonic())
+        if msg.request_id in self._requests:
+            self._reply_error(identity, msg.request_id, "invalid_request", f"duplicate request id {msg.request_id}")
+            return
+        if len(self._requests) >= self.max_queue:
+            self._reply_error(identity, msg.request_id, "engine_overloaded",
+                              f"engine has {len(self._requests)} requests in flight (limit {self.max_queue})")
+            return
+        self.stats.submitted += 1
+        task = asyncio.create_task(self._run(identity, msg), name=f"req-{msg.request_id}")
+        self._requests[msg.request_id] = _Request(identity=identity, task=task, trace_id=msg.trace_id)
+
+    def _on_abort(self, identity: bytes, msg: p.Abort) -> None:
+        for rid in msg.request_ids:
+            req = self._requests.get(rid)
+            if req is not None and req.identity == identity:
+                self.stats.aborted += 1
+                log.info("abort %s trace=%s", rid, req.trace_id)
+                req.task.cancel()
+
+    # -- generating ------------------------------------------------------------------------
+
+    async def _run(self, identity: bytes, submit: p.Submit) -> None:
+        rid = submit.request_id
+        try:
+            try:
+                prepared = await self.backend.prepare(submit)
+            except RequestRejected as exc:
+                self._reply_error(identity, rid, exc.code, exc.message, exc.param)
+                return
+            await self._send(identity, p.Accepted(request_id=rid, prompt_tokens=prepared.prompt_tokens))
+            log.debug("accepted %s trace=%s prompt_tokens=%d", rid, submit.trace_id, prepared.prompt_tokens)
+            seq = 0
+            completion = 0
+            gen = self.backend.generate(prepared)
+            try:
+                async for step in gen:
+                    completion += step.token_count
+                    usage = None
+                    if step.finish_reason is not None:
+                        usage = p.Usage(prompt_tokens=prepared.prompt_tokens, completion_tokens=completion)
+                    self._queue(identity, p.Delta(
+                        request_id=rid, seq=seq, text=step.text, token_count=step.token_count,
+                        emit_ns=p.now_ns(), finish_reason=step.finish_reason, usage=usage,
+                    ))
+                    seq += 1
+                    if step.finish_reason is not None:
+                        break
+            finally:
+                await gen.aclose()  # type: ignore[attr-defined]
+        except asyncio.CancelledError:
+            await self.backend.abort(rid)
+            raise
+        except Exception as exc:  # a backend bug or engine failure: tell the gateway, keep serving
+            self.stats.failed += 1
+            log.exception("request %s failed trace=%s", rid, submit.trace_id)
+            self._reply_error(identity, rid, "engine_error", f"engine error: {type(exc).__name__}: {exc}")
+        finally:
+            self._requests.pop(rid, None)
+
+    def _reply_error(self, identity: bytes, rid: str, code: str, message: str, param: str | None = None) -> None:
+        asyncio.ensure_future(self._send(identity, p.Error(request_id=rid, code=code, message=message, param=param)))
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _queue(self, identity: bytes, delta: p.Delta) -> None:
+        self._outbox.setdefault(identity, []).append(delta)
+        self._outbox_ready.set()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._outbox_ready.wait()
+            # One more turn lets every generator woken by the same engine step append first.
+            await asyncio.sleep(0)
+            self._outbox_ready.clear()
+            outbox, self._outbox = self._outbox, {}
+            for identity, deltas in outbox.items():
+                await self._send(identity, p.DeltaBatch(deltas=deltas))
+
+    async def _send(self, identity: bytes, msg: p.Message) -> None:
+        assert self._sock is not None
+        try:
+            await self._sock.send_multipart([identity, *p.encode(msg)], copy=False)
+        except zmq.ZMQError as exc:
+            log.warning("send to %s failed: %s", identity.hex(), exc)
+
+    async def _reap_loop(self) -> None:
+        """Abort the requests of gateways that stopped pinging (crashed or cut off)."""
+        while True:
+            await asyncio.sleep(GATEWAY_TIMEOUT_S / 2)
+            now = time.monotonic()
+            dead = {i for i, t in self._last_ping.items() if now - t > GATEWAY_TIMEOUT_S}
+            for identity in dead:
+                del self._last_ping[identity]
+                orphans = [rid for rid, r in self._requests.items() if r.identity == identity]
+                if orphans:
+                    log.warning("gateway %s silent for %.0fs: aborting %d requests",
+                                identity.hex(), GATEWAY_TIMEOUT_S, len(orphans))
+                    self._on_abort(identity, p.Abort(request_ids=orphans))

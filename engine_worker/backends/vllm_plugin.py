@@ -1,0 +1,29 @@
+"""vLLM general plugin (entry point ``vllm.general_plugins``): let vLLM's CPU kernels use AMX.
+
+On Linux a process must ask the kernel for permission to use the AMX tile registers
+(``arch_prctl(ARCH_REQ_XCOMP_PERM)``); PyTorch does so lazily inside its own AMX paths, but vLLM's CPU
+attention/GEMM kernels and oneDNN bfloat16 paths may execute AMX instructions first and die with
+SIGILL. vLLM loads general plugins in every process (front end, engine core, workers), so this is the
+one hook that runs inside the worker before the model loads. It is a no-op without AMX (older CPUs,
+ARM) and harmless on GPU machines.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """Request AMX permission for this process when the CPU has AMX."""
+    import torch
+
+    supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    init = getattr(torch.cpu, "_init_amx", None)
+    if supported is None or init is None or not supported():
+        return
+    if init():
+        log.debug("AMX tile permission granted")
+    else:
+        log.warning("the CPU has AMX but the kernel refused permission; bfloat16 on CPU may crash")

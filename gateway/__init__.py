@@ -1,0 +1,1 @@
+"""tokenfan gateway: fans engine token deltas out over SSE and WebSocket (Starlette)."""

@@ -1,0 +1,381 @@
+"""The Starlette application: routes, lifespan, and the OpenAI-compatible endpoints.
+
+Transports stay thin: they move the chunk objects :mod:`gateway.generation` produces, framed by
+:mod:`gateway.sse` or as WebSocket JSON messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.websockets import WebSocket
+
+from engine_worker import protocol as p
+from gateway import sse
+from gateway.config import GatewayConfig
+from gateway.engine_client import EngineClient, RequestHandle, new_request_id
+from gateway.errors import APIError, engine_unavailable
+from gateway.generation import chunk_events
+from gateway.metrics import Metrics
+from gateway.openai_api import ChunkBuilder, Endpoint, ParsedRequest, dumps, new_id, parse_request
+
+log = logging.getLogger(__name__)
+
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class Gateway:
+    """Everything the routes share: config, engine link, metrics (owned by the lifespan)."""
+
+    config: GatewayConfig
+    engine: EngineClient
+    metrics: Metrics = field(default_factory=Metrics)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_id(self) -> str | None:
+        return self.config.served_model_name or self.engine.model
+
+    def check_model(self, requested: str | None) -> str:
+        served = self.model_id
+        if served is None or not self.engine.healthy:
+            raise engine_unavailable()
+        if requested is not None and requested != served:
+            raise APIError(404, f"The model `{requested}` does not exist. This server serves `{served}`.",
+                           param="model", code="model_not_found")
+        return served
+
+    async def open(self, parsed: ParsedRequest) -> tuple[RequestHandle, ChunkBuilder]:
+        """Submit to the engine and wait until it accepted (prompt validated); raises APIError."""
+        model = self.check_model(parsed.model)
+        rid = new_id(parsed.endpoint)
+        handle = self.engine.submit(parsed.to_submit(rid, trace_id=rid))
+        try:
+            await handle.wait_accepted(self.config.accept_timeout)
+        except BaseException:
+            handle.close()
+            raise
+        return handle, ChunkBuilder(parsed.endpoint, rid, model, parsed.include_usage)
+
+
+def gateway_of(scope_holder: Request | WebSocket) -> Gateway:
+    return scope_holder.app.state.gateway  # type: ignore[no-any-return]
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"Request body is {declared} bytes; the limit is {limit}.", code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# -- OpenAI HTTP endpoints --------------------------------------------------------------------
+
+
+def completions_route(endpoint: Endpoint):  # type: ignore[no-untyped-def]
+    async def handler(request: Request) -> Response:
+        gw = gateway_of(request)
+        name = "/v1/" + endpoint.replace(".", "/")
+        try:
+            body = await read_body(request, gw.config.max_body_bytes)
+            parsed = parse_request(endpoint, body, gw.config.limits)
+            handle, builder = await gw.open(parsed)
+        except APIError as exc:
+            gw.metrics.requests.labels(name, str(exc.status)).inc()
+            gw.metrics.errors.labels("client" if exc.status < 500 else "engine").inc()
+            return exc.response()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        gw.metrics.requests.labels(name, "200").inc()
+        if parsed.stream:
+            return StreamingResponse(sse_body(gw, handle, builder, time.monotonic()), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        return await full_response(gw, handle, builder)
+
+    return handler
+
+
+async def sse_body(gw: Gateway, handle: RequestHandle, builder: ChunkBuilder, t0: float) -> AsyncIterator[bytes]:
+    """The POST streaming body; aborts the engine request if the client leaves (task cancelled)."""
+    m = gw.metrics
+    m.active_streams.labels("sse").inc()
+    first = True
+    try:
+        async for ev in chunk_events(handle, builder, idle=gw.config.keepalive_interval):
+            if ev is None:
+                yield sse.comment("keep-alive")
+                continue
+            if first and ev.text:
+                first = False
+                m.ttft.labels("sse").observe(time.monotonic() - t0)
+            m.delivery.labels("sse").observe(max(0, p.now_ns() - ev.emit_ns) / 1e9)
+            m.chunks.labels("sse").inc()
+            m.tokens.inc(ev.tokens)
+            yield b"data: " + dumps(ev.chunk) + b"\n\n"
+        yield sse.DONE
+    except APIError as exc:
+        m.errors.labels("engine").inc()
+        yield sse.event(exc.to_bytes(), event="error")
+    finally:
+        m.active_streams.labels("sse").dec()
+        if not handle.done:
+            m.aborted.inc()
+            log.info("client left: aborting %s", handle.request_id)
+        handle.close()
+
+
+async def full_response(gw: Gateway, handle: RequestHandle, builder: ChunkBuilder) -> Response:
+    texts: list[str] = []
+    finish: str | None = None
+    usage: p.Usage | None = None
+    try:
+        async for ev in chunk_events(handle, builder):
+            assert ev is not None
+            texts.append(ev.text)
+            if ev.finish_reason is not None:
+                finish, usage = ev.finish_reason, ev.usage
+    except APIError as exc:
+        return exc.response()
+    finally:
+        handle.close()
+    assert usage is not None
+    return Response(dumps(builder.full_response("".join(texts), finish, usage)), media_type="application/json")
+
+
+# -- WebSocket /v1/ws -------------------------------------------------------------------------
+
+
+class WsSession:
+    """One ``/v1/ws`` connection: many generations multiplexed by client-chosen ids.
+
+    A single writer task owns the socket's send side; generations put encoded messages on this
+    connection's own bounded queue. A client that lets the queue fill is closed with 1013.
+    """
+
+    def __init__(self, gw: Gateway, ws: WebSocket) -> None:
+        self.gw = gw
+        self.ws = ws
+        self.out: asyncio.Queue[str] = asyncio.Queue(gw.config.ws_send_queue)
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.closing: tuple[int, str] | None = None
+
+    def send(self, msg: dict[str, Any]) -> None:
+        try:
+            self.out.put_nowait(orjson.dumps(msg).decode())
+        except asyncio.QueueFull:
+            self.closing = (1013, "client too slow: send queue full")
+
+    async def writer(self) -> None:
+        while self.closing is None:
+            await self.ws.send_text(await self.out.get())
+        await self.ws.close(*self.closing)
+
+    async def run(self) -> None:
+        writer = asyncio.create_task(self.writer())
+        try:
+            while True:
+                msg = await self.ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                raw = msg.get("text") or msg.get("bytes") or b""
+                self.on_message(raw.encode() if isinstance(raw, str) else raw)
+                if writer.done():
+                    break
+        finally:
+            for t in self.tasks.values():
+                t.cancel()
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await writer
+
+    def on_message(self, raw: bytes) -> None:
+        try:
+            msg = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            self.send_error(None, APIError(400, "WebSocket message is not valid JSON.", code="invalid_json"))
+            return
+        if not isinstance(msg, dict):
+            self.send_error(None, APIError(400, "WebSocket message must be a JSON object.", code="invalid_value"))
+            return
+        cid = msg.get("id")
+        kind = msg.get("type")
+        if not isinstance(cid, str) or not cid or len(cid) > 256:
+            self.send_error(None, APIError(400, "`id` must be a non-empty string (max 256 chars).", param="id"))
+            return
+        if kind == "cancel":
+            task = self.tasks.get(cid)
+            if task is None:
+                self.send_error(cid, APIError(404, f"No active request with id {cid!r}.", param="id",
+                                              code="not_found"))
+            else:
+                task.cancel()
+            return
+        if kind != "request":
+            self.send_error(cid, APIError(400, "`type` must be \"request\" or \"cancel\".", param="type"))
+            return
+        endpoint = msg.get("endpoint", "chat.completions")
+        if endpoint not in ("chat.completions", "completions"):
+            self.send_error(cid, APIError(400, "`endpoint` must be \"chat.completions\" or \"completions\".",
+                                          param="endpoint"))
+            return
+        if cid in self.tasks:
+            self.send_error(cid, APIError(400, f"Request id {cid!r} is already active.", param="id"))
+            return
+        body = msg.get("body")
+        if not isinstance(body, dict):
+            self.send_error(cid, APIError(400, "`body` must be an OpenAI request object.", param="body"))
+            return
+        self.tasks[cid] = asyncio.create_task(self.generate(cid, endpoint, body))
+
+    def send_error(self, cid: str | None, err: APIError) -> None:
+        self.gw.metrics.errors.labels("client" if err.status < 500 else "engine").inc()
+        self.send({"type": "error", "id": cid, "error": err.body()["error"]})
+
+    async def generate(self, cid: str, endpoint: Endpoint, body: dict[str, Any]) -> None:
+        gw = self.gw
+        handle: RequestHandle | None = None
+        gw.metrics.active_streams.labels("ws").inc()
+        t0 = time.monotonic()
+        first = True
+        try:
+            parsed = parse_request(endpoint, orjson.dumps(body), gw.config.limits)
+            handle, builder = await gw.open(parsed)
+            async for ev in chunk_events(handle, builder):
+                assert ev is not None
+                if first and ev.text:
+                    first = False
+                    gw.metrics.ttft.labels("ws").observe(time.monotonic() - t0)
+                gw.metrics.delivery.labels("ws").observe(max(0, p.now_ns() - ev.emit_ns) / 1e9)
+                gw.metrics.chunks.labels("ws").inc()
+                gw.metrics.tokens.inc(ev.tokens)
+                self.send({"type": "chunk", "id": cid, "data": ev.chunk})
+            self.send({"type": "done", "id": cid})
+        except APIError as exc:
+            self.send_error(cid, exc)
+        except asyncio.CancelledError:
+            if handle is not None and not handle.done:
+                gw.metrics.aborted.inc()
+            self.send({"type": "done", "id": cid, "cancelled": True})
+            raise
+        finally:
+            gw.metrics.active_streams.labels("ws").dec()
+            if handle is not None:
+                handle.close()
+            self.tasks.pop(cid, None)
+
+
+async def ws_endpoint(ws: WebSocket) -> None:
+    gw = gateway_of(ws)
+    await ws.accept()
+    gw.metrics.requests.labels("/v1/ws", "101").inc()
+    await WsSession(gw, ws).run()
+
+
+# -- service endpoints ------------------------------------------------------------------------
+
+
+async def models(request: Request) -> Response:
+    gw = gateway_of(request)
+    hb = gw.engine.last_heartbeat
+    if hb is None or gw.model_id is None:
+        return engine_unavailable().response()
+    entry: dict[str, Any] = {"id": gw.model_id, "object": "model", "created": 0, "owned_by": "tokenfan",
+                             "root": hb.model, "max_model_len": hb.max_model_len, "backend": hb.backend}
+    if hb.backend == "synthetic":
+        entry["description"] = "synthetic token source for transport tests and benchmarks: NOT a model"
+    return JSONResponse({"object": "list", "data": [entry]})
+
+
+async def health(request: Request) -> Response:
+    gw = gateway_of(request)
+    hb = gw.engine.last_heartbeat
+    if gw.engine.healthy and hb is not None:
+        return JSONResponse({"status": "ok", "engine": {"id": hb.engine_id, "backend": hb.backend,
+                                                        "model": hb.model, "running": hb.running,
+                                                        "waiting": hb.waiting}})
+    return JSONResponse({"status": "unavailable", "engine": None}, status_code=503, headers={"Retry-After": "1"})
+
+
+async def metrics(request: Request) -> Response:
+    gw = gateway_of(request)
+    m = gw.metrics
+    m.engine_up.set(1 if gw.engine.healthy else 0)
+    running, waiting = gw.engine.load()
+    m.engine_running.set(running)
+    m.engine_queue.set(waiting)
+    m.bad_frames.set(gw.engine.bad_frames)
+    return Response(m.render(), media_type=m.content_type)
+
+
+async def not_found(request: Request, exc: Exception) -> Response:
+    return APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found").response()
+
+
+async def method_not_allowed(request: Request, exc: Exception) -> Response:
+    return APIError(405, f"Method {request.method} not allowed on {request.url.path}.",
+                    code="method_not_allowed").response()
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return APIError(500, "Internal server error.", type="server_error", code="internal_error").response()
+
+
+def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> Starlette:
+    """Build the app; the lifespan attaches to the engine at ``config.engine_address``."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine = EngineClient(config.engine_address, heartbeat_interval=config.heartbeat_interval,
+                              heartbeat_timeout=config.heartbeat_timeout)
+        await engine.start()
+        gw = Gateway(config=config, engine=engine)
+        app.state.gateway = gw
+        try:
+            if extra_lifespan is not None:
+                async with extra_lifespan(gw):
+                    yield
+            else:
+                yield
+        finally:
+            await engine.close()
+
+    routes: list[Any] = [
+        Route("/v1/chat/completions", completions_route("chat.completions"), methods=["POST"]),
+        Route("/v1/completions", completions_route("completions"), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        WebSocketRoute("/v1/ws", ws_endpoint),
+    ]
+    if WEB_DIR.is_dir():
+        routes.append(Route("/", lambda r: FileResponse(WEB_DIR / "index.html"), methods=["GET"]))
+        routes.append(Route("/ab", lambda r: FileResponse(WEB_DIR / "ab.html"), methods=["GET"]))
+        routes.append(Mount("/web", StaticFiles(directory=WEB_DIR), name="web"))
+    return Starlette(
+        routes=routes, lifespan=lifespan,
+        exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error},
+    )

@@ -1,0 +1,71 @@
+"""Gateway settings: one dataclass, parsed once from CLI flags with ``TOKENFAN_*`` environment fallbacks."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from engine_worker.config import default_engine_address, env
+from gateway.openai_api import Limits
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine_address: str = field(default_factory=default_engine_address)
+    served_model_name: str | None = None  # default: what the engine reports
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 1.5
+    accept_timeout: float = 30.0
+    keepalive_interval: float = 15.0
+    max_body_bytes: int = 1 << 20
+    ws_max_message_bytes: int = 1 << 20
+    ws_per_message_deflate: bool = False
+    ws_send_queue: int = 1024
+    limits: Limits = field(default_factory=Limits)
+    log_level: str = "INFO"
+
+
+def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    d = GatewayConfig()
+    g = parser.add_argument_group("gateway")
+    g.add_argument("--host", default=env("host", d.host), help="bind address [TOKENFAN_HOST]")
+    g.add_argument("--port", type=int, default=env("port", d.port, int), help="HTTP port [TOKENFAN_PORT]")
+    g.add_argument("--served-model-name", default=env("served_model_name", None),
+                   help="model id shown in /v1/models and accepted in requests (default: the engine's) "
+                        "[TOKENFAN_SERVED_MODEL_NAME]")
+    g.add_argument("--heartbeat-interval", type=float, default=env("heartbeat_interval", d.heartbeat_interval, float),
+                   help="seconds between engine pings [TOKENFAN_HEARTBEAT_INTERVAL]")
+    g.add_argument("--heartbeat-timeout", type=float, default=env("heartbeat_timeout", d.heartbeat_timeout, float),
+                   help="engine presumed down after this many seconds without a heartbeat [TOKENFAN_HEARTBEAT_TIMEOUT]")
+    g.add_argument("--accept-timeout", type=float, default=env("accept_timeout", d.accept_timeout, float),
+                   help="max seconds for the engine to accept a request [TOKENFAN_ACCEPT_TIMEOUT]")
+    g.add_argument("--keepalive-interval", type=float, default=env("keepalive_interval", d.keepalive_interval, float),
+                   help="SSE comment / WebSocket ping interval on idle streams [TOKENFAN_KEEPALIVE_INTERVAL]")
+    g.add_argument("--max-body-bytes", type=int, default=env("max_body_bytes", d.max_body_bytes, int),
+                   help="request body size limit (413 above) [TOKENFAN_MAX_BODY_BYTES]")
+    g.add_argument("--ws-max-message-bytes", type=int,
+                   default=env("ws_max_message_bytes", d.ws_max_message_bytes, int),
+                   help="WebSocket incoming message size limit (close 1009 above) [TOKENFAN_WS_MAX_MESSAGE_BYTES]")
+    g.add_argument("--ws-per-message-deflate", action="store_true",
+                   default=env("ws_per_message_deflate", False, bool),
+                   help="enable WebSocket permessage-deflate (off: it biases latency comparisons) "
+                        "[TOKENFAN_WS_PER_MESSAGE_DEFLATE]")
+    g.add_argument("--default-max-tokens", type=int, default=env("default_max_tokens", d.limits.default_max_tokens, int),
+                   help="max_tokens when a request gives none [TOKENFAN_DEFAULT_MAX_TOKENS]")
+    g.add_argument("--max-tokens-cap", type=int, default=env("max_tokens_cap", d.limits.max_tokens_cap, int),
+                   help="largest max_tokens a request may ask for [TOKENFAN_MAX_TOKENS_CAP]")
+    g.add_argument("--log-level", default=env("log_level", d.log_level), help="[TOKENFAN_LOG_LEVEL]")
+
+
+def gateway_config_from_args(ns: argparse.Namespace, engine_address: str) -> GatewayConfig:
+    return GatewayConfig(
+        host=ns.host, port=ns.port, engine_address=engine_address, served_model_name=ns.served_model_name,
+        heartbeat_interval=ns.heartbeat_interval, heartbeat_timeout=ns.heartbeat_timeout,
+        accept_timeout=ns.accept_timeout, keepalive_interval=ns.keepalive_interval,
+        max_body_bytes=ns.max_body_bytes, ws_max_message_bytes=ns.ws_max_message_bytes,
+        ws_per_message_deflate=ns.ws_per_message_deflate,
+        limits=Limits(default_max_tokens=ns.default_max_tokens, max_tokens_cap=ns.max_tokens_cap),
+        log_level=ns.log_level,
+    )

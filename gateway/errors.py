@@ -1,0 +1,60 @@
+"""OpenAI-shaped errors.
+
+    APIError                 an error a client receives: status + {"error": {message, type, param, code}}
+    ├── invalid_request      400 / 404 / 413 / 422
+    └── engine_unavailable   503 (with Retry-After)
+
+Lower-level failures are mapped into these at the edge (``raise APIError(...) from exc``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+# engine Error.code -> (HTTP status, OpenAI error type)
+ENGINE_CODES: dict[str, tuple[int, str]] = {
+    "invalid_request": (400, "invalid_request_error"),
+    "context_length_exceeded": (400, "invalid_request_error"),
+    "engine_overloaded": (503, "server_error"),
+    "engine_unavailable": (503, "server_error"),
+    "engine_error": (500, "server_error"),
+    "aborted": (499, "server_error"),
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self, status: int, message: str, *, type: str = "invalid_request_error",
+        param: str | None = None, code: str | None = None, retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    @classmethod
+    def from_engine(cls, code: str, message: str, param: str | None = None) -> APIError:
+        status, type_ = ENGINE_CODES.get(code, (500, "server_error"))
+        retry = 1.0 if status == 503 else None
+        return cls(status, message, type=type_, param=param, code=code, retry_after=retry)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(self.body())
+
+    def response(self) -> Response:
+        headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after else None
+        return Response(self.to_bytes(), status_code=self.status, media_type="application/json", headers=headers)
+
+
+def engine_unavailable(detail: str = "the engine is not answering heartbeats") -> APIError:
+    return APIError(503, f"Service unavailable: {detail}; retry shortly.", type="server_error",
+                    code="engine_unavailable", retry_after=1.0)

@@ -1,0 +1,49 @@
+"""One generation as a sequence of OpenAI chunks: engine deltas in, chunk objects out.
+
+Every transport (POST SSE, ``/v1/ws``, fan-out streams, non-streaming) consumes this one
+iterator, so they all carry exactly the same chunk objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine_worker import protocol as p
+from gateway.engine_client import RequestHandle
+from gateway.openai_api import ChunkBuilder
+
+
+@dataclass(slots=True)
+class ChunkEvent:
+    chunk: dict[str, Any]
+    emit_ns: int  # engine emit time of the delta behind this chunk
+    text: str  # the content text it carries ("" for role/usage chunks)
+    tokens: int
+    finish_reason: str | None = None
+    usage: p.Usage | None = None
+
+
+async def chunk_events(
+    handle: RequestHandle, builder: ChunkBuilder, idle: float | None = None
+) -> AsyncIterator[ChunkEvent | None]:
+    """Chunks of one accepted request, in order; ``None`` is a keep-alive tick.
+
+    Raises :class:`gateway.errors.APIError` if the engine fails the request.
+    """
+    role = builder.role_chunk()
+    if role is not None:
+        yield ChunkEvent(role, p.now_ns(), "", 0)
+    usage: p.Usage | None = None
+    async for d in handle.deltas(idle):
+        if d is None:
+            yield None
+            continue
+        if not d.text and d.finish_reason is None:
+            continue  # e.g. text held back while the engine checks a stop string
+        usage = d.usage
+        yield ChunkEvent(builder.delta_chunk(d.text, d.finish_reason), d.emit_ns, d.text, d.token_count,
+                         d.finish_reason, d.usage)
+    if builder.include_usage and usage is not None:
+        yield ChunkEvent(builder.usage_chunk(usage), p.now_ns(), "", 0, None, usage)

@@ -1,0 +1,280 @@
+"""OpenAI request parsing and chunk building (pure).
+
+Requests are decoded straight from bytes into typed structs (msgspec): a type error becomes a
+400 naming the offending field. Unknown fields are ignored, as OpenAI-compatible servers do;
+features we do not implement (``n`` > 1, logprobs, tools) are refused with a clear 400 rather
+than silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+import orjson
+
+from engine_worker import protocol as p
+from gateway.errors import APIError
+
+Endpoint = Literal["chat.completions", "completions"]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class InMessage(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class _Common(msgspec.Struct):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    ignore_eos: bool = False
+    n: int | None = None
+    user: str | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    echo: bool = False
+    best_of: int | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[InMessage] = []
+    max_completion_tokens: int | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[Any] | None = None
+    suffix: str | None = None
+
+
+@dataclass(slots=True)
+class Limits:
+    """Request limits enforced at parse time (see gateway.config)."""
+
+    default_max_tokens: int = 256
+    max_tokens_cap: int = 4096
+    max_stop: int = 16
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    endpoint: Endpoint
+    stream: bool
+    include_usage: bool
+    model: str | None
+    submit_fields: dict[str, Any]  # prompt or messages + sampling, ready for protocol.Submit
+
+    def to_submit(self, request_id: str, trace_id: str) -> p.Submit:
+        return p.Submit(request_id=request_id, endpoint=self.endpoint, trace_id=trace_id, **self.submit_fields)
+
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def parse_request(endpoint: Endpoint, body: bytes, limits: Limits) -> ParsedRequest:
+    """Bytes of an OpenAI request body -> :class:`ParsedRequest`, or :class:`APIError` (400)."""
+    kind: type[ChatRequest] | type[CompletionRequest] = ChatRequest if endpoint == "chat.completions" else CompletionRequest
+    if not body.strip():
+        raise APIError(400, "Request body is empty; expected a JSON object.", code="invalid_json")
+    try:
+        req = msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        m = _PATH.search(str(exc))
+        param = m.group(1).split("[")[0].split(".")[0] if m and m.group(1) else None
+        raise APIError(400, f"Invalid request: {exc}", param=param, code="invalid_type") from exc
+    except msgspec.DecodeError as exc:
+        raise APIError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
+    _refuse_unsupported(req)
+    sampling = _sampling(req, limits)
+    fields: dict[str, Any] = {"sampling": sampling}
+    if isinstance(req, ChatRequest):
+        fields["messages"] = _messages(req.messages)
+    else:
+        fields["prompt"] = _prompt(req)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true.", param="stream_options")
+    return ParsedRequest(endpoint=endpoint, stream=req.stream, include_usage=include_usage,
+                         model=req.model, submit_fields=fields)
+
+
+def _refuse_unsupported(req: ChatRequest | CompletionRequest) -> None:
+    if req.n is not None and req.n != 1:
+        raise APIError(400, f"n={req.n} is not supported; only n=1 is.", param="n", code="unsupported_parameter")
+    if req.best_of is not None and req.best_of != 1:
+        raise APIError(400, "best_of is not supported.", param="best_of", code="unsupported_parameter")
+    if req.logprobs or req.top_logprobs:
+        raise APIError(400, "logprobs are not supported by this server.", param="logprobs", code="unsupported_parameter")
+    if req.tools:
+        raise APIError(400, "tools / function calling are not supported by this server.", param="tools",
+                       code="unsupported_parameter")
+    if req.echo:
+        raise APIError(400, "echo is not supported.", param="echo", code="unsupported_parameter")
+
+
+def _check_range(name: str, value: float | None, lo: float, hi: float, lo_open: bool = False) -> None:
+    if value is None:
+        return
+    if value != value or value < lo or value > hi or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise APIError(400, f"{name} must be in {bracket}{lo}, {hi}], got {value}.", param=name,
+                       code="invalid_value")
+
+
+def _sampling(req: ChatRequest | CompletionRequest, limits: Limits) -> p.Sampling:
+    max_tokens = req.max_tokens
+    param = "max_tokens"
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens = min(limits.default_max_tokens, limits.max_tokens_cap)
+    if max_tokens < 1:
+        raise APIError(400, f"{param} must be at least 1, got {max_tokens}.", param=param, code="invalid_value")
+    if max_tokens > limits.max_tokens_cap:
+        raise APIError(400, f"{param} must be at most {limits.max_tokens_cap} on this server, got {max_tokens}.",
+                       param=param, code="invalid_value")
+    _check_range("temperature", req.temperature, 0.0, 2.0)
+    _check_range("top_p", req.top_p, 0.0, 1.0, lo_open=True)
+    _check_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
+    _check_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    top_k = req.top_k
+    if top_k is not None and top_k < -1:
+        raise APIError(400, f"top_k must be -1 (disabled) or positive, got {top_k}.", param="top_k",
+                       code="invalid_value")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > limits.max_stop:
+        raise APIError(400, f"stop allows at most {limits.max_stop} strings.", param="stop", code="invalid_value")
+    if any(s == "" for s in stop):
+        raise APIError(400, "stop strings must not be empty.", param="stop", code="invalid_value")
+    return p.Sampling(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if top_k in (None, 0) else top_k,  # type: ignore[arg-type]
+        seed=req.seed, stop=stop,
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        ignore_eos=req.ignore_eos,
+    )
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _messages(messages: list[InMessage]) -> list[p.ChatMessage]:
+    if not messages:
+        raise APIError(400, "messages must be a non-empty array.", param="messages", code="invalid_value")
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in _ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {sorted(_ROLES)}, got {m.role!r}.",
+                           param=f"messages[{i}].role", code="invalid_value")
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content: only text parts are supported.",
+                                   param=f"messages[{i}].content", code="unsupported_parameter")
+                texts.append(part["text"])
+            content = "".join(texts)
+        else:
+            content = m.content or ""
+        out.append(p.ChatMessage(role="system" if m.role == "developer" else m.role, content=content))
+    return out
+
+
+def _prompt(req: CompletionRequest) -> str:
+    prompt = req.prompt
+    if prompt is None:
+        raise APIError(400, "prompt is required.", param="prompt", code="invalid_value")
+    if isinstance(prompt, list):
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return prompt[0]
+        raise APIError(400, "prompt must be a single string (batched and token-id prompts are not supported).",
+                       param="prompt", code="unsupported_parameter")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported.", param="suffix", code="unsupported_parameter")
+    return prompt
+
+
+# -- responses -------------------------------------------------------------------------------
+
+
+def new_id(endpoint: Endpoint) -> str:
+    return ("chatcmpl-" if endpoint == "chat.completions" else "cmpl-") + uuid.uuid4().hex
+
+
+class ChunkBuilder:
+    """Builds the OpenAI chunk objects of one generation, in order.
+
+    Chat: a first chunk with ``delta.role``, then one chunk per non-empty delta, the last content
+    chunk carrying ``finish_reason``; completions: one chunk per delta. With ``include_usage`` every
+    chunk has ``usage: null`` and :meth:`usage_chunk` gives the final ``choices: []`` chunk.
+    """
+
+    def __init__(self, endpoint: Endpoint, request_id: str, model: str, include_usage: bool) -> None:
+        self.endpoint = endpoint
+        self.chat = endpoint == "chat.completions"
+        self.include_usage = include_usage
+        self._base: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "system_fingerprint": None,
+        }
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = {**self._base, "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def role_chunk(self) -> dict[str, Any] | None:
+        if not self.chat:
+            return None
+        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+
+    def delta_chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        if self.chat:
+            delta = {"content": text} if text else {}
+            return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason})
+        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
+
+    def usage_chunk(self, usage: p.Usage) -> dict[str, Any]:
+        return {**self._base, "choices": [], "usage": usage_dict(usage)}
+
+    def full_response(self, text: str, finish_reason: str | None, usage: p.Usage) -> dict[str, Any]:
+        base = {**self._base, "object": "chat.completion" if self.chat else "text_completion"}
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**base, "choices": [choice], "usage": usage_dict(usage)}
+
+
+def usage_dict(usage: p.Usage) -> dict[str, int]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj)

@@ -24,13 +24,14 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from engine_worker import protocol as p
-from gateway import sse
+from gateway import fanout, sse
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, RequestHandle, new_request_id
 from gateway.errors import APIError, engine_unavailable
 from gateway.generation import chunk_events
 from gateway.metrics import Metrics
 from gateway.openai_api import ChunkBuilder, Endpoint, ParsedRequest, dumps, new_id, parse_request
+from gateway.streams import SlowConsumerPolicy, StreamHub
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,12 @@ class Gateway:
     engine: EngineClient
     metrics: Metrics = field(default_factory=Metrics)
     extra: dict[str, Any] = field(default_factory=dict)
+    hub: StreamHub = field(init=False)
+    policy: SlowConsumerPolicy = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hub = StreamHub(self.config.retention)
+        self.policy = self.config.policy
 
     @property
     def model_id(self) -> str | None:
@@ -330,6 +337,12 @@ async def metrics(request: Request) -> Response:
     return Response(m.render(), media_type=m.content_type)
 
 
+async def server_time(request: Request) -> Response:
+    """The gateway's clock, for NTP-style offset estimation by browser pages."""
+    return Response(b'{"time_ns":%d}' % p.now_ns(), media_type="application/json",
+                    headers={"Cache-Control": "no-store"})
+
+
 async def not_found(request: Request, exc: Exception) -> Response:
     return APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found").response()
 
@@ -354,6 +367,9 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> Starlett
         await engine.start()
         gw = Gateway(config=config, engine=engine)
         app.state.gateway = gw
+        for transport, delay in config.inject_delay.items():
+            log.warning("DIAGNOSTIC --inject-delay: every %s write is delayed by %.3f ms (benchmark calibration "
+                        "only; never in production)", transport, delay * 1000)
         try:
             if extra_lifespan is not None:
                 async with extra_lifespan(gw):
@@ -370,6 +386,12 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> Starlett
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         WebSocketRoute("/v1/ws", ws_endpoint),
+        Route("/v1/time", server_time, methods=["GET"]),
+        Route("/v1/streams", fanout.create_stream, methods=["POST"]),
+        Route("/v1/streams/{id}", fanout.stream_status, methods=["GET"]),
+        Route("/v1/streams/{id}", fanout.delete_stream, methods=["DELETE"]),
+        Route("/v1/streams/{id}/events", fanout.stream_events, methods=["GET"]),
+        WebSocketRoute("/v1/streams/{id}/ws", fanout.stream_ws),
     ]
     if WEB_DIR.is_dir():
         routes.append(Route("/", lambda r: FileResponse(WEB_DIR / "index.html"), methods=["GET"]))

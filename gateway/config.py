@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine_worker.config import default_engine_address, env
 from gateway.openai_api import Limits
+from gateway.streams import Retention, SlowConsumerPolicy
 
 
 @dataclass(slots=True)
@@ -24,6 +25,11 @@ class GatewayConfig:
     ws_per_message_deflate: bool = False
     ws_send_queue: int = 1024
     limits: Limits = field(default_factory=Limits)
+    retention: Retention = field(default_factory=Retention)
+    policy: SlowConsumerPolicy = field(default_factory=SlowConsumerPolicy)
+    sse_retry_ms: int = 1000
+    inject_delay: dict[str, float] = field(default_factory=dict)  # transport -> seconds (diagnostic)
+    shutdown_grace: float = 10.0
     log_level: str = "INFO"
 
 
@@ -56,7 +62,38 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
                    help="max_tokens when a request gives none [TOKENFAN_DEFAULT_MAX_TOKENS]")
     g.add_argument("--max-tokens-cap", type=int, default=env("max_tokens_cap", d.limits.max_tokens_cap, int),
                    help="largest max_tokens a request may ask for [TOKENFAN_MAX_TOKENS_CAP]")
+    r, pol = d.retention, d.policy
+    g.add_argument("--stream-ttl", type=float, default=env("stream_ttl", r.finished_ttl, float),
+                   help="seconds a finished fan-out stream stays resumable [TOKENFAN_STREAM_TTL]")
+    g.add_argument("--stream-max-bytes", type=int, default=env("stream_max_bytes", r.max_bytes, int),
+                   help="bytes all retained streams may hold; oldest finished go first [TOKENFAN_STREAM_MAX_BYTES]")
+    g.add_argument("--max-streams", type=int, default=env("max_streams", r.max_streams, int),
+                   help="running + retained fan-out streams (429 above) [TOKENFAN_MAX_STREAMS]")
+    g.add_argument("--max-subscribers", type=int, default=env("max_subscribers", r.max_subscribers, int),
+                   help="subscribers per stream (429 above) [TOKENFAN_MAX_SUBSCRIBERS]")
+    g.add_argument("--coalesce-after", type=int, default=env("coalesce_after", pol.coalesce_after, int),
+                   help="pending events beyond which a lagging subscriber gets them merged [TOKENFAN_COALESCE_AFTER]")
+    g.add_argument("--send-timeout", type=float, default=env("send_timeout", pol.send_timeout, float),
+                   help="a write blocked this long closes the subscriber as too slow [TOKENFAN_SEND_TIMEOUT]")
+    g.add_argument("--sse-retry-ms", type=int, default=env("sse_retry_ms", d.sse_retry_ms, int),
+                   help="SSE retry: hint sent to EventSource [TOKENFAN_SSE_RETRY_MS]")
+    g.add_argument("--shutdown-grace", type=float, default=env("shutdown_grace", d.shutdown_grace, float),
+                   help="seconds in-flight streams get to finish on SIGTERM [TOKENFAN_SHUTDOWN_GRACE]")
+    g.add_argument("--inject-delay", action="append", default=[], metavar="TRANSPORT:MS",
+                   help="DIAGNOSTIC: delay every write of a transport (sse|ws) by MS ms, for bench "
+                        "calibration; off by default [TOKENFAN_INJECT_DELAY]")
     g.add_argument("--log-level", default=env("log_level", d.log_level), help="[TOKENFAN_LOG_LEVEL]")
+
+
+def parse_inject_delay(items: list[str]) -> dict[str, float]:
+    """``["sse:1", "ws:0.5"]`` -> ``{"sse": 0.001, "ws": 0.0005}`` (seconds)."""
+    out: dict[str, float] = {}
+    for item in items:
+        transport, _, ms = item.partition(":")
+        if transport not in ("sse", "ws") or not ms:
+            raise ValueError(f"--inject-delay wants sse:MS or ws:MS, got {item!r}")
+        out[transport] = float(ms) / 1000.0
+    return out
 
 
 def gateway_config_from_args(ns: argparse.Namespace, engine_address: str) -> GatewayConfig:
@@ -67,5 +104,10 @@ def gateway_config_from_args(ns: argparse.Namespace, engine_address: str) -> Gat
         max_body_bytes=ns.max_body_bytes, ws_max_message_bytes=ns.ws_max_message_bytes,
         ws_per_message_deflate=ns.ws_per_message_deflate,
         limits=Limits(default_max_tokens=ns.default_max_tokens, max_tokens_cap=ns.max_tokens_cap),
+        retention=Retention(finished_ttl=ns.stream_ttl, max_bytes=ns.stream_max_bytes, max_streams=ns.max_streams,
+                            max_subscribers=ns.max_subscribers),
+        policy=SlowConsumerPolicy(coalesce_after=ns.coalesce_after, send_timeout=ns.send_timeout),
+        sse_retry_ms=ns.sse_retry_ms, shutdown_grace=ns.shutdown_grace,
+        inject_delay=parse_inject_delay(ns.inject_delay or [x for x in [env("inject_delay", "")] if x]),
         log_level=ns.log_level,
     )

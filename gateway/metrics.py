@@ -36,6 +36,10 @@ class Metrics:
         self.engine_queue = Gauge("tokenfan_engine_queue_depth", "Requests waiting in the engine", registry=r)
         self.engine_running = Gauge("tokenfan_engine_running", "Requests generating in the engine", registry=r)
         self.bad_frames = Gauge("tokenfan_bad_frames", "Malformed frames dropped from the engine link", registry=r)
+        for t in ("sse", "ws"):  # export both transports from the start, at 0
+            self.active_streams.labels(t)
+            self.subscribers.labels(t)
+            self.chunks.labels(t)
         self.retained = Gauge("tokenfan_retained_stream_bytes", "Bytes held by retained fan-out streams", registry=r)
 
     def render(self) -> bytes:

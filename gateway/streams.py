@@ -1,0 +1,297 @@
+"""Fan-out streams: one generation, any number of subscribers, resumable without loss.
+
+A :class:`Stream` is an append-only log of events (one per OpenAI chunk, numbered by ``seq``
+from 0). Every event is serialized once per wire format when it is published; all subscribers of
+that format get the same bytes. A subscriber is only a cursor into the log, so joining late,
+resuming after ``seq`` and following the live tail are the same loop: send what is past the
+cursor, then wait. There is no seam between replay and live.
+
+Fairness: on publish, subscribers are woken per transport group, SSE first for even ``seq`` and
+WebSocket first for odd ``seq``, so neither transport is systematically written first.
+
+Slow subscribers follow :class:`SlowConsumerPolicy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from engine_worker import protocol as p
+from gateway.errors import APIError
+from gateway.generation import ChunkEvent
+
+log = logging.getLogger(__name__)
+
+Transport = Literal["sse", "ws"]
+TRANSPORTS: tuple[Transport, Transport] = ("sse", "ws")
+State = Literal["running", "done", "error", "cancelled"]
+
+
+@dataclass(slots=True)
+class Event:
+    """One published chunk, pre-encoded for both wire formats."""
+
+    seq: int
+    chunk: dict[str, Any]  # OpenAI chunk + "tokenfan" timing object
+    text: str
+    finish_reason: str | None
+    sse: bytes  # "id: <seq>\ndata: <json>\n\n"
+    ws: str  # {"type":"chunk","seq":n,"data":<json>}
+    size: int
+
+
+def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str | None) -> Event:
+    data = orjson.dumps(chunk)
+    sse = b"id: %d\ndata: %b\n\n" % (seq, data)
+    ws = '{"type":"chunk","seq":%d,"data":%s}' % (seq, data.decode())
+    return Event(seq, chunk, text, finish_reason, sse, ws, len(sse) + len(ws) + 64)
+
+
+def coalesce(events: list[Event]) -> list[Event]:
+    """Merge runs of content events into one event each (text concatenated, no text lost).
+
+    A merged event takes the ``seq`` of the last event it covers, so resuming after it is exact;
+    its ``tokenfan`` object records ``first_seq`` and ``coalesced`` (how many events it merged).
+    Usage chunks (``choices: []``) are never merged.
+    """
+    out: list[Event] = []
+    run: list[Event] = []
+
+    def flush() -> None:
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            out.append(_merge(run))
+        run.clear()
+
+    for ev in events:
+        if ev.chunk.get("choices"):
+            run.append(ev)
+        else:
+            flush()
+            out.append(ev)
+    flush()
+    return out
+
+
+def _merge(run: list[Event]) -> Event:
+    last = run[-1]
+    text = "".join(e.text for e in run)
+    chunk = dict(last.chunk)
+    choice = dict(chunk["choices"][0])
+    if "delta" in choice:
+        delta: dict[str, Any] = {}
+        role = next((e.chunk["choices"][0]["delta"].get("role") for e in run
+                     if e.chunk["choices"][0]["delta"].get("role")), None)
+        if role:
+            delta["role"] = role
+        if text or role:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text
+    chunk["choices"] = [choice]
+    chunk["tokenfan"] = {**last.chunk["tokenfan"], "first_seq": run[0].seq, "coalesced": len(run),
+                         "sent_ns": p.now_ns()}
+    return encode_event(last.seq, chunk, text, last.finish_reason)
+
+
+@dataclass(slots=True)
+class SlowConsumerPolicy:
+    """What happens to a subscriber that cannot keep up.
+
+    - At most ``coalesce_after`` pending events are sent one by one; beyond that, pending content
+      events are merged (:func:`coalesce`) so a lagging client catches up with fewer, larger events.
+    - A single write that does not complete within ``send_timeout`` seconds (the client stopped
+      reading and the transport buffer is full) closes the subscriber with a ``slow_consumer``
+      reason (SSE error event; WebSocket close 1013). It can resume from its last ``seq``.
+    Memory per subscriber is bounded by the transport's write buffer: the subscriber itself holds
+    only a cursor into the shared log.
+    """
+
+    coalesce_after: int = 8
+    send_timeout: float = 10.0
+
+    def plan(self, pending: list[Event]) -> list[Event]:
+        return pending if len(pending) <= self.coalesce_after else coalesce(pending)
+
+
+class SlowConsumer(Exception):
+    """A write did not complete within the policy's send timeout."""
+
+
+@dataclass(eq=False)
+class Stream:
+    id: str
+    endpoint: str
+    model: str
+    created_ns: int = field(default_factory=p.now_ns)
+    events: list[Event] = field(default_factory=list)
+    state: State = "running"
+    error: APIError | None = None
+    size: int = 0
+    finished_at: float | None = None
+    task: asyncio.Task[None] | None = None
+
+    def __post_init__(self) -> None:
+        self._waiters: dict[Transport, set[asyncio.Event]] = {"sse": set(), "ws": set()}
+
+    @property
+    def finished(self) -> bool:
+        return self.state != "running"
+
+    def subscriber_count(self) -> int:
+        return len(self._waiters["sse"]) + len(self._waiters["ws"])
+
+    def publish(self, ev: ChunkEvent) -> Event:
+        seq = len(self.events)
+        chunk = {**ev.chunk, "tokenfan": {"seq": seq, "emit_ns": ev.emit_ns, "sent_ns": p.now_ns()}}
+        event = encode_event(seq, chunk, ev.text, ev.finish_reason)
+        self.events.append(event)
+        self.size += event.size
+        self._wake(seq)
+        return event
+
+    def finish(self, state: State, error: APIError | None = None) -> None:
+        if self.finished:
+            return
+        self.state = state
+        self.error = error
+        self.finished_at = time.monotonic()
+        self._wake(len(self.events))
+
+    def _wake(self, seq: int) -> None:
+        order = TRANSPORTS if seq % 2 == 0 else TRANSPORTS[::-1]
+        for transport in order:
+            for waiter in self._waiters[transport]:
+                waiter.set()
+
+    def _register(self, transport: Transport, waiter: asyncio.Event) -> None:
+        self._waiters[transport].add(waiter)
+
+    def _unregister(self, transport: Transport, waiter: asyncio.Event) -> None:
+        self._waiters[transport].discard(waiter)
+
+
+# Writers: the transport-specific half of a subscriber.
+WriteEvents = Callable[[list[Event]], Awaitable[None]]
+WriteIdle = Callable[[], Awaitable[None]]
+
+
+async def follow(
+    stream: Stream, transport: Transport, after: int, write: WriteEvents, policy: SlowConsumerPolicy,
+    *, idle: WriteIdle | None = None, keepalive: float | None = None,
+) -> int:
+    """Send every event with ``seq > after`` and then the live tail until the stream ends.
+
+    Returns the last ``seq`` sent (``after`` if none). Raises :class:`SlowConsumer` when a write
+    exceeds the policy's send timeout. The caller writes the stream's ending.
+    """
+    cursor = after + 1
+    waiter = asyncio.Event()
+    stream._register(transport, waiter)
+    try:
+        while True:
+            waiter.clear()
+            if cursor < len(stream.events):
+                batch = policy.plan(stream.events[cursor:])
+                cursor = batch[-1].seq + 1
+                try:
+                    async with asyncio.timeout(policy.send_timeout):  # no task per write, unlike wait_for
+                        await write(batch)
+                except TimeoutError as exc:
+                    raise SlowConsumer(f"a write took longer than {policy.send_timeout:g}s") from exc
+                continue
+            if stream.finished:
+                return cursor - 1
+            if keepalive is None or idle is None:
+                await waiter.wait()
+                continue
+            try:
+                async with asyncio.timeout(keepalive):
+                    await waiter.wait()
+            except TimeoutError:
+                try:
+                    async with asyncio.timeout(policy.send_timeout):
+                        await idle()
+                except TimeoutError as exc:
+                    raise SlowConsumer(f"a keep-alive write took longer than {policy.send_timeout:g}s") from exc
+    finally:
+        stream._unregister(transport, waiter)
+
+
+@dataclass(slots=True)
+class Retention:
+    """How long finished streams stay resumable, and how many bytes all retained streams may hold."""
+
+    finished_ttl: float = 300.0
+    max_bytes: int = 256 << 20
+    max_streams: int = 10_000  # running + retained
+    max_subscribers: int = 10_000  # per stream
+    tombstones: int = 100_000  # expired ids remembered for 410 (vs 404)
+
+
+class StreamHub:
+    """All streams of one gateway: creation, lookup (404 / 410), retention and eviction."""
+
+    def __init__(self, retention: Retention) -> None:
+        self.retention = retention
+        self.streams: dict[str, Stream] = {}
+        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.total_bytes = 0
+
+    def create(self, endpoint: str, model: str, stream_id: str | None = None) -> Stream:
+        self.evict()
+        if len(self.streams) >= self.retention.max_streams:
+            raise APIError(429, f"Too many streams ({len(self.streams)}); the limit is {self.retention.max_streams}.",
+                           type="rate_limit_error", code="too_many_streams", retry_after=1.0)
+        stream = Stream(id=stream_id or "str-" + uuid.uuid4().hex, endpoint=endpoint, model=model)
+        self.streams[stream.id] = stream
+        return stream
+
+    def get(self, stream_id: str) -> Stream:
+        self.evict()
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            return stream
+        if stream_id in self._gone:
+            raise APIError(410, f"Stream {stream_id} is no longer retained (finished streams are kept "
+                                f"{self.retention.finished_ttl:g}s).", code="stream_expired", param="id")
+        raise APIError(404, f"No stream with id {stream_id}.", code="stream_not_found", param="id")
+
+    def mark_finished(self, stream: Stream) -> None:
+        self._finished[stream.id] = None
+        self.total_bytes += stream.size
+        self.evict()
+
+    def running_bytes(self) -> int:
+        return sum(s.size for s in self.streams.values() if not s.finished)
+
+    def evict(self) -> None:
+        """Drop finished streams past their TTL, then the oldest finished ones while over the byte budget."""
+        now = time.monotonic()
+        while self._finished:
+            sid = next(iter(self._finished))
+            s = self.streams[sid]
+            expired = s.finished_at is not None and now - s.finished_at > self.retention.finished_ttl
+            if not expired and self.total_bytes <= self.retention.max_bytes:
+                break
+            self._drop(sid)
+
+    def _drop(self, sid: str) -> None:
+        del self._finished[sid]
+        s = self.streams.pop(sid)
+        self.total_bytes -= s.size
+        self._gone[sid] = None
+        while len(self._gone) > self.retention.tombstones:
+            self._gone.popitem(last=False)

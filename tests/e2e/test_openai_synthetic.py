@@ -1,0 +1,183 @@
+"""The OpenAI-compatible API end to end: official openai SDK, httpx and websockets clients
+against a real gateway process attached over ZeroMQ IPC to a real (synthetic) engine process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+import websockets
+
+from tests.e2e.helpers import chunk_text, engine_load, metric, sse_events, wait_until
+
+
+@pytest.fixture()
+def client(gateway_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway_url + "/v1", api_key="unused")
+
+
+def test_sdk_streams_a_chat_completion_with_usage(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model="synthetic", messages=[{"role": "user", "content": "hello"}], max_tokens=12, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) >= 2
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sdk_streams_a_completion_with_usage(client: openai.OpenAI) -> None:
+    chunks = list(client.completions.create(model="synthetic", prompt="Once", max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text.strip() and chunks[-1].usage.completion_tokens == 5  # type: ignore[union-attr]
+
+
+def test_non_streaming_matches_streaming_text(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model="synthetic", messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=8, seed=7)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="synthetic", messages=[{"role": "user", "content": "x"}], max_tokens=8, seed=7, stream=True)
+        if c.choices)
+    assert full.choices[0].message.content == streamed
+    assert full.usage is not None and full.usage.completion_tokens == 8
+
+
+def test_stop_string_ends_generation(client: openai.OpenAI) -> None:
+    base = client.completions.create(model="synthetic", prompt="p", max_tokens=20, seed=1).choices[0].text
+    word = base.split()[3]
+    cut = client.completions.create(model="synthetic", prompt="p", max_tokens=20, seed=1, stop=[word]).choices[0]
+    assert cut.finish_reason == "stop" and word not in cut.text and base.startswith(cut.text)
+
+
+def test_websocket_multiplexes_and_carries_the_same_chunks(gateway_url: str, client: openai.OpenAI) -> None:
+    body = {"messages": [{"role": "user", "content": "same"}], "max_tokens": 6, "seed": 3}
+    sse_text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="synthetic", stream=True, **body) if c.choices)  # type: ignore[arg-type]
+
+    async def run() -> dict[str, list[dict]]:
+        got: dict[str, list[dict]] = {"a": [], "b": []}
+        async with websockets.connect(gateway_url.replace("http", "ws") + "/v1/ws") as ws:
+            for cid in ("a", "b"):
+                await ws.send(json.dumps({"type": "request", "id": cid, "endpoint": "chat.completions", "body": body}))
+            done = set()
+            while len(done) < 2:
+                msg = json.loads(await ws.recv())
+                if msg["type"] == "chunk":
+                    got[msg["id"]].append(msg["data"])
+                elif msg["type"] == "done":
+                    done.add(msg["id"])
+                else:
+                    raise AssertionError(msg)
+        return got
+
+    got = asyncio.run(run())
+    for cid in ("a", "b"):
+        assert got[cid][0]["object"] == "chat.completion.chunk"
+        assert got[cid][0]["choices"][0]["delta"]["role"] == "assistant"
+        assert "".join(chunk_text(c) for c in got[cid]) == sse_text
+        assert got[cid][-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_websocket_bad_messages_get_errors_and_the_socket_survives(gateway_url: str) -> None:
+    async def run() -> list[dict]:
+        out = []
+        async with websockets.connect(gateway_url.replace("http", "ws") + "/v1/ws") as ws:
+            for raw in ["not json", "[1]", json.dumps({"type": "request", "id": "x", "body": {"messages": []}}),
+                        json.dumps({"type": "cancel", "id": "nope"}),
+                        json.dumps({"type": "request", "id": "ok", "body": {"messages": [{"role": "user", "content": "x"}],
+                                                                            "max_tokens": 2}})]:
+                await ws.send(raw)
+            while True:
+                msg = json.loads(await ws.recv())
+                out.append(msg)
+                if msg["type"] == "done":
+                    return out
+
+    msgs = asyncio.run(run())
+    errors = [m for m in msgs if m["type"] == "error"]
+    assert len(errors) == 4
+    assert all(set(e["error"]) == {"message", "type", "param", "code"} for e in errors)
+    assert msgs[-1] == {"type": "done", "id": "ok"}
+
+
+def test_websocket_cancel_aborts_in_the_engine(gateway_url: str) -> None:
+    before = metric(gateway_url, "tokenfan_requests_aborted_total")
+
+    async def run() -> dict:
+        async with websockets.connect(gateway_url.replace("http", "ws") + "/v1/ws") as ws:
+            await ws.send(json.dumps({"type": "request", "id": "c", "body": {
+                "messages": [{"role": "user", "content": "x"}], "max_tokens": 1500}}))
+            for _ in range(3):
+                assert json.loads(await ws.recv())["type"] == "chunk"
+            await ws.send(json.dumps({"type": "cancel", "id": "c"}))
+            while True:
+                msg = json.loads(await ws.recv())
+                if msg["type"] != "chunk":
+                    return msg
+
+    assert asyncio.run(run()) == {"type": "done", "id": "c", "cancelled": True}
+    wait_until(lambda: metric(gateway_url, "tokenfan_requests_aborted_total") > before, what="abort counted")
+    wait_until(lambda: engine_load(gateway_url) == (0, 0), what="engine idle")
+
+
+def test_sse_client_that_leaves_aborts_the_generation(gateway_url: str) -> None:
+    before = metric(gateway_url, "tokenfan_requests_aborted_total")
+    with httpx.stream("POST", gateway_url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 1500, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        next(lines)
+        wait_until(lambda: engine_load(gateway_url)[0] >= 1, what="engine running the request")
+    wait_until(lambda: metric(gateway_url, "tokenfan_requests_aborted_total") > before, what="abort counted")
+    wait_until(lambda: engine_load(gateway_url) == (0, 0), what="engine idle")
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/chat/completions", b'{"messages": "x"}', 400, "messages"),
+    ("/v1/chat/completions", b"{", 400, None),
+    ("/v1/chat/completions", b'{"messages":[{"role":"user","content":"x"}],"n":2}', 400, "n"),
+    ("/v1/chat/completions", b'{"messages":[{"role":"user","content":"x"}],"model":"gpt-4"}', 404, "model"),
+    ("/v1/completions", b'{"prompt":"x","max_tokens":100000}', 400, "max_tokens"),
+    ("/v1/completions", b'{"prompt":"' + b"w " * 3000 + b'"}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt":"' + b"x" * (2 << 20) + b'"}', 413, None),
+])
+def test_bad_requests_get_openai_errors_and_the_server_stays_healthy(
+        gateway_url: str, path: str, body: bytes, status: int, param: str | None) -> None:
+    r = httpx.post(gateway_url + path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert httpx.get(gateway_url + "/health").status_code == 200
+
+
+def test_sdk_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="synthetic", messages=[], max_tokens=3)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_models_health_and_metrics(gateway_url: str) -> None:
+    models = httpx.get(gateway_url + "/v1/models").json()
+    assert models["data"][0]["id"] == "synthetic" and "NOT a model" in models["data"][0]["description"]
+    assert httpx.get(gateway_url + "/health").json()["status"] == "ok"
+    text = httpx.get(gateway_url + "/metrics").text
+    assert 'tokenfan_active_streams{transport="sse"}' in text and 'tokenfan_active_streams{transport="ws"}' in text
+    assert "tokenfan_requests_aborted_total" in text
+
+
+def test_sse_stream_carries_anti_buffering_headers(gateway_url: str) -> None:
+    with httpx.stream("POST", gateway_url + "/v1/completions", json={"prompt": "x", "max_tokens": 2,
+                                                                      "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
+        events = sse_events(r.read().decode())
+    assert events[-1]["data"] == "[DONE]"

@@ -1,0 +1,158 @@
+"""Fan-out stream logic without sockets: log, cursors, coalescing, fairness, retention."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from gateway.errors import APIError
+from gateway.generation import ChunkEvent
+from gateway.openai_api import ChunkBuilder
+from gateway.streams import Event, Retention, SlowConsumerPolicy, StreamHub, coalesce, follow
+
+B = ChunkBuilder("chat.completions", "chatcmpl-x", "m", include_usage=False)
+
+
+def publish_text(stream, words: list[str]) -> None:  # type: ignore[no-untyped-def]
+    for i, w in enumerate(words):
+        fin = "length" if i == len(words) - 1 else None
+        stream.publish(ChunkEvent(B.delta_chunk(w, fin), 1, w, 1, fin))
+
+
+def texts(events: list[Event]) -> str:
+    return "".join(e.text for e in events)
+
+
+def test_coalesce_keeps_all_text_and_the_last_seq() -> None:
+    hub = StreamHub(Retention())
+    s = hub.create("chat.completions", "m")
+    role = B.role_chunk()
+    assert role is not None
+    s.publish(ChunkEvent(role, 1, "", 0))
+    publish_text(s, ["a", "b", "c"])
+    merged = coalesce(s.events)
+    assert len(merged) == 1
+    m = merged[0]
+    assert m.seq == 3 and m.text == "abc" and m.finish_reason == "length"
+    assert m.chunk["choices"][0]["delta"] == {"role": "assistant", "content": "abc"}
+    assert m.chunk["tokenfan"]["first_seq"] == 0 and m.chunk["tokenfan"]["coalesced"] == 4
+    assert b"id: 3\n" in m.sse and '"seq":3' in m.ws
+
+
+def test_follow_replays_then_tails_without_a_seam() -> None:
+    async def main() -> tuple[str, str]:
+        hub = StreamHub(Retention())
+        s = hub.create("chat.completions", "m")
+        publish_text(s, ["a", "b"])  # before anyone subscribes (no finish yet: re-publish below)
+        got_all: list[Event] = []
+        got_resumed: list[Event] = []
+
+        async def w_all(batch: list[Event]) -> None:
+            got_all.extend(batch)
+
+        async def w_res(batch: list[Event]) -> None:
+            got_resumed.extend(batch)
+
+        policy = SlowConsumerPolicy(coalesce_after=100)
+        t1 = asyncio.create_task(follow(s, "sse", -1, w_all, policy))
+        t2 = asyncio.create_task(follow(s, "ws", 0, w_res, policy))
+        for w in ["c", "d", "e"]:
+            await asyncio.sleep(0.001)
+            s.publish(ChunkEvent(B.delta_chunk(w, None), 1, w, 1))
+        s.finish("done")
+        assert await t1 == 4 and await t2 == 4
+        assert [e.seq for e in got_all] == [0, 1, 2, 3, 4]
+        return texts(got_all), texts(got_resumed)
+
+    assert asyncio.run(main()) == ("abcde", "bcde")
+
+
+def test_a_lagging_subscriber_gets_coalesced_events() -> None:
+    async def main() -> list[Event]:
+        s = StreamHub(Retention()).create("completions", "m")
+        publish_text(s, [f"w{i} " for i in range(20)])
+        s.finish("done")
+        got: list[Event] = []
+
+        async def w(batch: list[Event]) -> None:
+            got.extend(batch)
+
+        await follow(s, "sse", 2, w, SlowConsumerPolicy(coalesce_after=4))
+        return got
+
+    got = asyncio.run(main())
+    assert len(got) == 1 and got[0].seq == 19 and texts(got) == "".join(f"w{i} " for i in range(3, 20))
+
+
+def test_wake_order_alternates_between_transports() -> None:
+    async def main() -> list[str]:
+        s = StreamHub(Retention()).create("completions", "m")
+        order: list[str] = []
+
+        def writer(name: str):  # type: ignore[no-untyped-def]
+            async def w(batch: list[Event]) -> None:
+                order.append(name)
+            return w
+
+        policy = SlowConsumerPolicy()
+        tasks = [asyncio.create_task(follow(s, "sse", -1, writer("sse"), policy)),
+                 asyncio.create_task(follow(s, "ws", -1, writer("ws"), policy))]
+        await asyncio.sleep(0)
+        for i in range(4):
+            s.publish(ChunkEvent(B.delta_chunk("x", None), 1, "x", 1))
+            await asyncio.sleep(0.001)
+        s.finish("done")
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(main()) == ["sse", "ws", "ws", "sse", "sse", "ws", "ws", "sse"]
+
+
+def test_a_stalled_writer_raises_slow_consumer() -> None:
+    from gateway.streams import SlowConsumer
+
+    async def main() -> None:
+        s = StreamHub(Retention()).create("completions", "m")
+        publish_text(s, ["a"])
+
+        async def stuck(batch: list[Event]) -> None:
+            await asyncio.sleep(10)
+
+        await follow(s, "ws", -1, stuck, SlowConsumerPolicy(send_timeout=0.05))
+
+    try:
+        asyncio.run(main())
+    except SlowConsumer:
+        return
+    raise AssertionError("expected SlowConsumer")
+
+
+def test_retention_expires_by_ttl_then_answers_410() -> None:
+    hub = StreamHub(Retention(finished_ttl=0.01))
+    s = hub.create("completions", "m")
+    publish_text(s, ["a"])
+    s.finish("done")
+    hub.mark_finished(s)
+    assert hub.get(s.id) is s
+    time.sleep(0.02)
+    for sid, status in [(s.id, 410), ("never", 404)]:
+        try:
+            hub.get(sid)
+        except APIError as exc:
+            assert exc.status == status
+        else:
+            raise AssertionError
+
+
+def test_retention_byte_budget_drops_oldest_finished_first() -> None:
+    hub = StreamHub(Retention(max_bytes=3000))
+    streams = []
+    for _ in range(5):
+        s = hub.create("completions", "m")
+        publish_text(s, ["x" * 300])
+        s.finish("done")
+        hub.mark_finished(s)
+        streams.append(s)
+    assert hub.total_bytes <= 3000
+    alive = [s.id in hub.streams for s in streams]
+    assert alive[-1] and not alive[0] and alive == sorted(alive)  # a suffix survives

@@ -54,7 +54,7 @@ class EngineConfig:
     # synthetic backend
     synthetic_ttft_ms: float = 20.0
     synthetic_tokens_per_s: float = 50.0
-    synthetic_max_concurrency: int = 100_000
+    synthetic_token_chars: int = 0  # 0: natural words; N: every token stretched to N characters
     # engine server
     max_queue: int = 1024  # requests waiting beyond this are rejected with engine_overloaded
     allow_remote_tcp: bool = False
@@ -91,6 +91,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--synthetic-tokens-per-s", type=float,
                    default=env("synthetic_tokens_per_s", d.synthetic_tokens_per_s, float),
                    help="synthetic engine: tokens per second per stream [TOKENFAN_SYNTHETIC_TOKENS_PER_S]")
+    g.add_argument("--synthetic-token-chars", type=int, default=env("synthetic_token_chars", 0, int),
+                   help="synthetic engine: stretch every token to this many characters (payload-size knob) "
+                        "[TOKENFAN_SYNTHETIC_TOKEN_CHARS]")
     g.add_argument("--max-queue", type=int, default=env("max_queue", d.max_queue, int),
                    help="requests waiting in the engine before new ones are refused [TOKENFAN_MAX_QUEUE]")
 
@@ -102,7 +105,8 @@ def engine_config_from_args(ns: argparse.Namespace, address: str) -> EngineConfi
         tensor_parallel_size=ns.tensor_parallel_size, pipeline_parallel_size=ns.pipeline_parallel_size,
         enforce_eager=ns.enforce_eager, gpu_memory_utilization=ns.gpu_memory_utilization,
         chat_template=ns.chat_template, synthetic_ttft_ms=ns.synthetic_ttft_ms,
-        synthetic_tokens_per_s=ns.synthetic_tokens_per_s, max_queue=ns.max_queue,
+        synthetic_tokens_per_s=ns.synthetic_tokens_per_s, synthetic_token_chars=ns.synthetic_token_chars,
+        max_queue=ns.max_queue,
     )
 
 

@@ -26,6 +26,7 @@ def engine_argv(c: EngineConfig) -> list[str]:
             "--pipeline-parallel-size", str(c.pipeline_parallel_size),
             "--enforce-eager", str(c.enforce_eager), "--gpu-memory-utilization", str(c.gpu_memory_utilization),
             "--synthetic-ttft-ms", str(c.synthetic_ttft_ms), "--synthetic-tokens-per-s", str(c.synthetic_tokens_per_s),
+            "--synthetic-token-chars", str(c.synthetic_token_chars),
             "--max-queue", str(c.max_queue)]
     if c.model:
         argv += ["--model", c.model]

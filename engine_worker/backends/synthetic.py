@@ -106,7 +106,7 @@ class SyntheticBackend:
                 # Every token due by now goes out in this step.
                 now = time.monotonic()
                 n = min(sampling.max_tokens - emitted, 1 + max(0, int((now - due) / interval)))
-                piece = "".join(_WORDS[(offset + emitted + i) % len(_WORDS)] for i in range(n))
+                piece = "".join(self._token(offset + emitted + i) for i in range(n))
                 emitted += n
                 stop_at = _find_stop(text_so_far, piece, sampling.stop)
                 if stop_at is not None:
@@ -121,6 +121,14 @@ class SyntheticBackend:
                 self._running -= 1
             else:
                 self._waiting -= 1
+
+    def _token(self, i: int) -> str:
+        word = _WORDS[i % len(_WORDS)]
+        pad = self._config.synthetic_token_chars
+        if pad and len(word) < pad:  # payload-size knob: stretch the word, keep it deterministic
+            core = word.lstrip()
+            word = word[: len(word) - len(core)] + (core * (pad // max(1, len(core)) + 1))[:pad]
+        return word
 
     async def abort(self, request_id: str) -> None:
         # Generation is a plain async generator: the server closing it is the abort.

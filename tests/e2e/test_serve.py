@@ -1,0 +1,94 @@
+"""`tokenfan serve` as a user runs it: engine child + gateway, clean stop, engine crash and recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import websockets
+
+from tests.e2e.helpers import sse_events, wait_until
+from tests.procs import free_port, spawn, wait_healthy
+
+
+@pytest.fixture()
+def serve(ipc_dir):  # type: ignore[no-untyped-def]
+    port = free_port()
+    proc = spawn(["-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", str(port),
+                  "--synthetic-tokens-per-s", "20", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "0.8",
+                  "--engine-address", f"ipc://{ipc_dir / f'serve-{port}.sock'}"], "serve")
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, 30)
+    yield proc, url
+    proc.stop()
+
+
+def engine_pid(proc) -> int:  # type: ignore[no-untyped-def]
+    children = open(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children").read().split()
+    assert children, "serve should have an engine child process"
+    return int(children[0])
+
+
+def test_sigterm_stops_gateway_and_engine(serve) -> None:  # type: ignore[no-untyped-def]
+    proc, url = serve
+    child = engine_pid(proc)
+    os.kill(proc.popen.pid, signal.SIGTERM)
+    # uvicorn re-raises the signal after its graceful shutdown, the conventional exit status.
+    assert proc.popen.wait(20) in (0, -signal.SIGTERM)
+    log = proc.log()
+    assert "engine worker stopped" in log and "Application shutdown complete" in log
+    wait_until(lambda: not os.path.exists(f"/proc/{child}") or "zombie" in open(f"/proc/{child}/status").read().lower(),
+               timeout=10, what="engine child gone")
+
+
+def test_engine_killed_mid_stream_errors_clients_then_service_recovers(serve) -> None:  # type: ignore[no-untyped-def]
+    proc, url = serve
+    info = httpx.post(url + "/v1/streams", json={"endpoint": "completions", "prompt": "x", "max_tokens": 1000}).json()
+    outcome: dict[str, str] = {}
+
+    async def sse_post() -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            async with c.stream("POST", url + "/v1/completions",
+                                json={"prompt": "x", "max_tokens": 1000, "stream": True}) as r:
+                body = (await r.aread()).decode()
+        outcome["post"] = [e for e in sse_events(body) if e.get("event") == "error"][0]["data"]
+
+    async def ws_sub() -> None:
+        async with websockets.connect(info["ws_url"]) as ws:
+            try:
+                async for raw in ws:
+                    msg = json.loads(raw)
+                    if msg["type"] == "error":
+                        outcome["ws"] = msg["error"]["code"]
+            except websockets.ConnectionClosedError as exc:
+                assert exc.rcvd is not None and exc.rcvd.code == 1011
+
+    async def sse_sub() -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            async with c.stream("GET", info["events_url"]) as r:
+                body = (await r.aread()).decode()
+        outcome["stream"] = [e for e in sse_events(body) if e.get("event") == "error"][0]["data"]
+
+    async def main() -> float:
+        clients = asyncio.gather(sse_post(), ws_sub(), sse_sub())
+        await asyncio.sleep(0.7)
+        os.kill(engine_pid(proc), signal.SIGKILL)
+        t0 = time.monotonic()
+        await asyncio.wait_for(clients, 10)
+        return time.monotonic() - t0
+
+    asyncio.run(main())
+    assert set(outcome) == {"post", "ws", "stream"}
+    assert "engine_unavailable" in outcome["post"] and outcome["ws"] == "engine_unavailable"
+    assert "engine_unavailable" in outcome["stream"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    if r.status_code == 503:
+        assert r.headers["retry-after"] and r.json()["error"]["code"] == "engine_unavailable"
+    wait_until(lambda: httpx.get(url + "/health").status_code == 200, timeout=30, what="engine restarted")
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -1,0 +1,387 @@
+// The three ways a page can receive a generation, behind one small contract.
+//
+//   const g = openChat("sse" | "fetch" | "ws", body, { onChunk, onState, timeoutMs });
+//   g.done   → Promise<{reason: "done" | "cancelled"}>, rejects with an ApiError
+//   g.stop() → aborts the generation on the server (DELETE the stream, abort the fetch, or send
+//              a WebSocket cancel), then settles `done` as "cancelled"
+//
+// onChunk(chunk, recvMs) gets every OpenAI chunk (fan-out chunks also carry `tokenfan`) with the
+// browser receive time in epoch ms, taken before parsing. onState(s) reports "connecting",
+// "streaming" and "reconnecting". A watchdog fails the generation when nothing arrives for
+// `timeoutMs`, so a connection that never delivers ends in an error rather than a spinner.
+//
+// Fan-out subscribers (EventSourceSubscription, WebSocketSubscription) are also used on their own
+// by the A/B page, which subscribes both to one stream.
+
+import {
+  ApiError, apiErrorFromBody, createStream, deleteStream, diagnose, epochMs, errorFromResponse,
+  gatewayURL, samePath,
+} from "./api.js";
+import { readEventStream } from "./sse.js";
+
+export const TRANSPORTS = {
+  sse: "EventSource (/v1/streams)",
+  fetch: "fetch stream (POST /v1/chat/completions)",
+  ws: "WebSocket (/v1/ws)",
+};
+
+const MAX_RECONNECT_ATTEMPTS = 5;
+const noop = () => {};
+
+class Generation {
+  constructor({ onChunk = noop, onState = noop, timeoutMs = 30000 } = {}) {
+    this.onChunk = onChunk;
+    this.onState = onState;
+    this.timeoutMs = timeoutMs;
+    this.settled = false;
+    this.stopping = false;
+    this.reconnects = 0; // successful re-opens after a dropped connection
+    this.duplicates = 0; // events at or before the last seq seen (dropped, counted for tests)
+    this.openMs = null; // browser time the (first) connection opened
+    this.done = new Promise((resolve, reject) => {
+      this.resolve = resolve;
+      this.reject = reject;
+    });
+    this.done.catch(noop); // callers await it; avoid an "unhandled rejection" before they do
+    this.kick();
+  }
+
+  /** Restart the no-data watchdog. */
+  kick() {
+    clearTimeout(this.timer);
+    if (!this.settled) this.timer = setTimeout(() => this.timedOut(), this.timeoutMs);
+  }
+
+  timedOut() {
+    this.fail(new ApiError(0, `no data from the gateway for ${this.timeoutMs / 1000} s.`, { code: "timeout" }));
+  }
+
+  chunk(chunk, recvMs) {
+    if (this.settled) return;
+    this.kick();
+    this.onChunk(chunk, recvMs);
+  }
+
+  finish(reason) {
+    if (this.settled) return;
+    this.settled = true;
+    clearTimeout(this.timer);
+    this.release();
+    this.resolve({ reason });
+  }
+
+  fail(err) {
+    if (this.settled) return;
+    this.settled = true;
+    clearTimeout(this.timer);
+    this.release();
+    this.reject(err);
+  }
+
+  /** Close the connection (subclasses). Called once, when the generation settles. */
+  release() {}
+}
+
+// -- fan-out stream subscribers ------------------------------------------------------------
+
+/** Subscribes to a fan-out stream with a plain EventSource (which resumes with Last-Event-ID). */
+export class EventSourceSubscription extends Generation {
+  constructor(opts) {
+    super(opts);
+    this.stream = null;
+    this.lastSeq = -1;
+    this.endReason = null;
+    this.attempts = 0; // consecutive failed connection attempts
+  }
+
+  /** @param {{id: string, events_url: string}} stream */
+  subscribe(stream) {
+    if (this.settled) return;
+    this.stream = stream;
+    this.onState("connecting");
+    const es = (this.es = new EventSource(samePath(stream.events_url)));
+    es.onopen = () => this.opened();
+    es.onmessage = (e) => this.message(e);
+    es.addEventListener("end", (e) => {
+      this.endReason = JSON.parse(e.data).reason;
+    });
+    es.addEventListener("error", (e) => this.error(e));
+  }
+
+  opened() {
+    if (this.openMs === null) this.openMs = epochMs();
+    else this.reconnects += 1;
+    this.kick();
+    this.onState("streaming");
+  }
+
+  message(e) {
+    const recvMs = epochMs();
+    this.attempts = 0;
+    if (e.data === "[DONE]") {
+      // Without close() EventSource would reconnect (and get 204).
+      this.finish(this.endReason === "cancelled" ? "cancelled" : "done");
+      return;
+    }
+    const chunk = JSON.parse(e.data);
+    const seq = chunk.tokenfan ? chunk.tokenfan.seq : this.lastSeq + 1;
+    if (seq <= this.lastSeq) {
+      this.duplicates += 1;
+      return;
+    }
+    this.lastSeq = seq;
+    this.chunk(chunk, recvMs);
+  }
+
+  error(e) {
+    if (this.settled || this.stopping) return;
+    if (typeof e.data === "string") {
+      // The server's own `event: error`, with an OpenAI error body.
+      this.fail(apiErrorFromBody(JSON.parse(e.data)));
+      return;
+    }
+    if (this.es.readyState === EventSource.CONNECTING) {
+      // Connection dropped; the browser retries after the server's `retry:` hint.
+      this.attempts += 1;
+      if (this.attempts > MAX_RECONNECT_ATTEMPTS) {
+        this.fail(new ApiError(0, `lost the event stream; ${MAX_RECONNECT_ATTEMPTS} reconnects failed.`,
+          { code: "network_error" }));
+      } else {
+        this.onState("reconnecting");
+      }
+      return;
+    }
+    // CLOSED: the server answered something other than 200 (EventSource hides the status).
+    this.es.close();
+    this.explainClose();
+  }
+
+  async explainClose() {
+    try {
+      const resp = await fetch(gatewayURL(`/v1/streams/${encodeURIComponent(this.stream.id)}`), { cache: "no-store" });
+      if (!resp.ok) return this.fail(await errorFromResponse(resp));
+      const state = (await resp.json()).state;
+      // 204 on a resume past the end: everything was delivered except the final marker.
+      if (state === "done" || state === "cancelled") return this.finish(state);
+      this.fail(new ApiError(0, `the event stream closed (stream state: ${state}).`));
+    } catch (err) {
+      this.fail(new ApiError(0, `Cannot reach the gateway (${err.message}).`, { code: "network_error" }));
+    }
+  }
+
+  /** Cancel the generation for every subscriber (DELETE), then settle as cancelled. */
+  async stop() {
+    if (this.settled) return;
+    this.stopping = true;
+    if (this.es) this.es.close();
+    if (this.stream) await deleteStream(this.stream.id).catch(noop);
+    this.finish("cancelled");
+  }
+
+  release() {
+    if (this.es) this.es.close();
+  }
+}
+
+/** Subscribes to a fan-out stream over WebSocket, resuming with `?after=<last seq>` on a drop. */
+export class WebSocketSubscription extends Generation {
+  constructor(opts) {
+    super(opts);
+    this.stream = null;
+    this.lastSeq = -1;
+    this.attempts = 0;
+  }
+
+  subscribe(stream) {
+    if (this.settled) return;
+    this.stream = stream;
+    this.connect();
+  }
+
+  connect() {
+    this.onState(this.openMs === null ? "connecting" : "reconnecting");
+    const url = new URL(samePath(this.stream.ws_url, { ws: true }));
+    if (this.lastSeq >= 0) url.searchParams.set("after", String(this.lastSeq));
+    const ws = (this.ws = new WebSocket(url));
+    let opened = false;
+    ws.onopen = () => {
+      opened = true;
+      if (this.openMs === null) this.openMs = epochMs();
+      else this.reconnects += 1;
+      this.kick();
+      this.onState("streaming");
+    };
+    ws.onmessage = (e) => this.message(e);
+    ws.onclose = (e) => this.closed(e, opened);
+  }
+
+  message(e) {
+    const recvMs = epochMs();
+    this.attempts = 0;
+    const msg = JSON.parse(e.data);
+    if (msg.type === "chunk") {
+      if (msg.seq <= this.lastSeq) {
+        this.duplicates += 1;
+        return;
+      }
+      this.lastSeq = msg.seq;
+      this.chunk(msg.data, recvMs);
+    } else if (msg.type === "done") {
+      this.finish(msg.reason === "cancelled" ? "cancelled" : "done");
+    } else if (msg.type === "error") {
+      this.fail(apiErrorFromBody(msg.error));
+    }
+  }
+
+  closed(e, opened) {
+    if (this.settled || this.stopping) return;
+    this.attempts += 1;
+    if (opened && this.attempts <= MAX_RECONNECT_ATTEMPTS) {
+      setTimeout(() => this.settled || this.connect(), 250 * this.attempts);
+      return;
+    }
+    diagnose(`/v1/streams/${encodeURIComponent(this.stream.id)}`).then((err) =>
+      this.fail(err || new ApiError(0, `WebSocket closed (code ${e.code}${e.reason ? ": " + e.reason : ""}).`,
+        { code: "network_error" })));
+  }
+
+  async stop() {
+    if (this.settled) return;
+    this.stopping = true;
+    if (this.stream) await deleteStream(this.stream.id).catch(noop);
+    this.finish("cancelled");
+  }
+
+  release() {
+    if (this.ws && this.ws.readyState <= WebSocket.OPEN) this.ws.close(1000);
+  }
+}
+
+// -- chat over each transport ---------------------------------------------------------------
+
+/** POST /v1/streams, then follow the stream with EventSource. */
+class EventSourceChat extends EventSourceSubscription {
+  constructor(body, opts) {
+    super(opts);
+    this.post = new AbortController();
+    this.onState("connecting");
+    createStream({ ...body, endpoint: "chat.completions" }, { signal: this.post.signal }).then(
+      (stream) => (this.stopping ? deleteStream(stream.id).catch(noop) : this.subscribe(stream)),
+      (err) => this.stopping || this.fail(err),
+    );
+  }
+
+  async stop() {
+    if (!this.stream) this.post.abort();
+    return super.stop();
+  }
+}
+
+/** POST /v1/chat/completions with stream:true, read with a ReadableStream SSE parser. */
+class FetchChat extends Generation {
+  constructor(body, opts) {
+    super(opts);
+    this.abort = new AbortController();
+    this.run(body).catch((err) => {
+      if (this.stopping || this.settled) return;
+      this.fail(err instanceof ApiError ? err : new ApiError(0, `Cannot reach the gateway (${err.message}).`,
+        { code: "network_error" }));
+    });
+  }
+
+  async run(body) {
+    this.onState("connecting");
+    const resp = await fetch(gatewayURL("/v1/chat/completions"), {
+      method: "POST",
+      headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
+      body: JSON.stringify({ ...body, stream: true }),
+      signal: this.abort.signal,
+    });
+    if (!resp.ok) throw await errorFromResponse(resp);
+    this.openMs = epochMs();
+    this.onState("streaming");
+    for await (const ev of readEventStream(resp)) {
+      const recvMs = epochMs();
+      if (ev.event === "error") throw apiErrorFromBody(JSON.parse(ev.data));
+      if (ev.data === "[DONE]") return this.finish("done");
+      this.chunk(JSON.parse(ev.data), recvMs);
+    }
+    throw new ApiError(0, "the connection closed before the answer was complete.", { code: "network_error" });
+  }
+
+  timedOut() {
+    this.abort.abort();
+    super.timedOut();
+  }
+
+  async stop() {
+    if (this.settled) return;
+    this.stopping = true;
+    this.abort.abort(); // the gateway sees the disconnect and aborts the engine request
+    this.finish("cancelled");
+  }
+}
+
+let wsRequestCounter = 0;
+
+/** One request over /v1/ws; Stop sends a cancel message and waits for the server's "done". */
+class WebSocketChat extends Generation {
+  constructor(body, opts) {
+    super(opts);
+    this.cid = `chat-${Date.now().toString(36)}-${++wsRequestCounter}`;
+    this.onState("connecting");
+    const ws = (this.ws = new WebSocket(gatewayURL("/v1/ws", { ws: true })));
+    let opened = false;
+    ws.onopen = () => {
+      opened = true;
+      this.openMs = epochMs();
+      this.onState("streaming");
+      ws.send(JSON.stringify({ type: "request", id: this.cid, endpoint: "chat.completions", body }));
+    };
+    ws.onmessage = (e) => this.message(e);
+    ws.onclose = (e) => {
+      if (this.settled) return;
+      if (this.stopping) return this.finish("cancelled");
+      if (opened) {
+        this.fail(new ApiError(0, `WebSocket closed mid-answer (code ${e.code}).`, { code: "network_error" }));
+        return;
+      }
+      diagnose().then((err) => this.fail(err || new ApiError(0, "WebSocket connection failed.",
+        { code: "network_error" })));
+    };
+  }
+
+  message(e) {
+    const recvMs = epochMs();
+    const msg = JSON.parse(e.data);
+    if (msg.id !== this.cid && msg.id !== null) return; // id null: an error about the connection itself
+    if (msg.type === "chunk") this.chunk(msg.data, recvMs);
+    else if (msg.type === "done") this.finish(msg.cancelled ? "cancelled" : "done");
+    // A cancel that crossed the end of the answer gets "no active request": still a stop.
+    else if (msg.type === "error") this.stopping ? this.finish("cancelled") : this.fail(apiErrorFromBody(msg.error));
+  }
+
+  stop() {
+    if (this.settled) return;
+    this.stopping = true;
+    if (this.ws.readyState === WebSocket.OPEN) {
+      this.ws.send(JSON.stringify({ type: "cancel", id: this.cid }));
+      // The server answers {"type":"done","cancelled":true}; don't wait forever for it.
+      setTimeout(() => this.finish("cancelled"), 2000);
+    } else {
+      this.finish("cancelled");
+    }
+  }
+
+  release() {
+    if (this.ws.readyState <= WebSocket.OPEN) this.ws.close(1000);
+  }
+}
+
+/** Start a chat generation over the named transport ("sse", "fetch" or "ws"). */
+export function openChat(transport, body, opts) {
+  if (transport === "sse") return new EventSourceChat(body, opts);
+  if (transport === "fetch") return new FetchChat(body, opts);
+  if (transport === "ws") return new WebSocketChat(body, opts);
+  throw new Error(`unknown transport ${JSON.stringify(transport)}: use one of ${Object.keys(TRANSPORTS)}`);
+}

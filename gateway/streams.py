@@ -109,8 +109,12 @@ def _merge(run: list[Event]) -> Event:
 class SlowConsumerPolicy:
     """What happens to a subscriber that cannot keep up.
 
-    - At most ``coalesce_after`` pending events are sent one by one; beyond that, pending content
-      events are merged (:func:`coalesce`) so a lagging client catches up with fewer, larger events.
+    - Replay (a subscriber that has not yet reached the head of the log: a late joiner or a resume)
+      is sent event by event, in writes of at most ``replay_batch`` events, so every token keeps its
+      own event and timing.
+    - Once live, at most ``coalesce_after`` pending events are sent one by one; beyond that, pending
+      content events are merged (:func:`coalesce`) so a lagging client catches up with fewer, larger
+      events.
     - A single write that does not complete within ``send_timeout`` seconds (the client stopped
       reading and the transport buffer is full) closes the subscriber with a ``slow_consumer``
       reason (SSE error event; WebSocket close 1013). It can resume from its last ``seq``.
@@ -120,8 +124,11 @@ class SlowConsumerPolicy:
 
     coalesce_after: int = 8
     send_timeout: float = 10.0
+    replay_batch: int = 64
 
-    def plan(self, pending: list[Event]) -> list[Event]:
+    def plan(self, pending: list[Event], live: bool) -> list[Event]:
+        if not live:
+            return pending[: self.replay_batch]
         return pending if len(pending) <= self.coalesce_after else coalesce(pending)
 
 
@@ -197,13 +204,14 @@ async def follow(
     exceeds the policy's send timeout. The caller writes the stream's ending.
     """
     cursor = after + 1
+    live = False  # becomes True once the subscriber has reached the head of the log
     waiter = asyncio.Event()
     stream._register(transport, waiter)
     try:
         while True:
             waiter.clear()
             if cursor < len(stream.events):
-                batch = policy.plan(stream.events[cursor:])
+                batch = policy.plan(stream.events[cursor:], live)
                 cursor = batch[-1].seq + 1
                 try:
                     async with asyncio.timeout(policy.send_timeout):  # no task per write, unlike wait_for
@@ -211,6 +219,7 @@ async def follow(
                 except TimeoutError as exc:
                     raise SlowConsumer(f"a write took longer than {policy.send_timeout:g}s") from exc
                 continue
+            live = True
             if stream.finished:
                 return cursor - 1
             if keepalive is None or idle is None:

@@ -67,21 +67,46 @@ def test_follow_replays_then_tails_without_a_seam() -> None:
     assert asyncio.run(main()) == ("abcde", "bcde")
 
 
-def test_a_lagging_subscriber_gets_coalesced_events() -> None:
-    async def main() -> list[Event]:
+def test_replay_keeps_one_event_per_token_in_bounded_writes() -> None:
+    async def main() -> list[list[Event]]:
         s = StreamHub(Retention()).create("completions", "m")
         publish_text(s, [f"w{i} " for i in range(20)])
         s.finish("done")
-        got: list[Event] = []
+        writes: list[list[Event]] = []
 
         async def w(batch: list[Event]) -> None:
-            got.extend(batch)
+            writes.append(batch)
 
-        await follow(s, "sse", 2, w, SlowConsumerPolicy(coalesce_after=4))
+        await follow(s, "sse", 2, w, SlowConsumerPolicy(coalesce_after=4, replay_batch=8))
+        return writes
+
+    writes = asyncio.run(main())
+    assert [len(b) for b in writes] == [8, 8, 1]
+    assert [e.seq for b in writes for e in b] == list(range(3, 20))
+
+
+def test_a_live_subscriber_that_lags_gets_coalesced_events() -> None:
+    async def main() -> list[Event]:
+        s = StreamHub(Retention()).create("completions", "m")
+        got: list[Event] = []
+
+        async def slow(batch: list[Event]) -> None:
+            got.extend(batch)
+            await asyncio.sleep(0.05)  # meanwhile the stream runs ahead
+
+        task = asyncio.create_task(follow(s, "ws", -1, slow, SlowConsumerPolicy(coalesce_after=4)))
+        await asyncio.sleep(0)
+        publish_text(s, ["first "])
+        await asyncio.sleep(0.01)  # the subscriber is now live, inside its slow write
+        for i in range(20):
+            s.publish(ChunkEvent(B.delta_chunk(f"w{i} ", None), 1, f"w{i} ", 1))
+        s.finish("done")
+        await task
         return got
 
     got = asyncio.run(main())
-    assert len(got) == 1 and got[0].seq == 19 and texts(got) == "".join(f"w{i} " for i in range(3, 20))
+    assert texts(got) == "first " + "".join(f"w{i} " for i in range(20))
+    assert len(got) == 2 and got[1].seq == 20 and got[1].chunk["tokenfan"]["coalesced"] == 20
 
 
 def test_wake_order_alternates_between_transports() -> None:

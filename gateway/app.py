@@ -17,6 +17,8 @@ from typing import Any
 
 import orjson
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -25,6 +27,7 @@ from starlette.websockets import WebSocket
 
 from engine_worker import protocol as p
 from gateway import fanout, sse
+from gateway.auth import Auth, AuthMiddleware
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, RequestHandle, new_request_id
 from gateway.errors import APIError, engine_unavailable
@@ -128,15 +131,19 @@ async def sse_body(gw: Gateway, handle: RequestHandle, builder: ChunkBuilder, t0
     """The POST streaming body; aborts the engine request if the client leaves (task cancelled)."""
     m = gw.metrics
     m.active_streams.labels("sse").inc()
-    first = True
+    last: float | None = None
     try:
         async for ev in chunk_events(handle, builder, idle=gw.config.keepalive_interval):
             if ev is None:
                 yield sse.comment("keep-alive")
                 continue
-            if first and ev.text:
-                first = False
-                m.ttft.labels("sse").observe(time.monotonic() - t0)
+            if ev.text:
+                now = time.monotonic()
+                if last is None:
+                    m.ttft.labels("sse").observe(now - t0)
+                else:
+                    m.itl.labels("sse").observe(now - last)
+                last = now
             m.delivery.labels("sse").observe(max(0, p.now_ns() - ev.emit_ns) / 1e9)
             m.chunks.labels("sse").inc()
             m.tokens.inc(ev.tokens)
@@ -266,15 +273,19 @@ class WsSession:
         handle: RequestHandle | None = None
         gw.metrics.active_streams.labels("ws").inc()
         t0 = time.monotonic()
-        first = True
+        last: float | None = None
         try:
             parsed = parse_request(endpoint, orjson.dumps(body), gw.config.limits)
             handle, builder = await gw.open(parsed)
             async for ev in chunk_events(handle, builder):
                 assert ev is not None
-                if first and ev.text:
-                    first = False
-                    gw.metrics.ttft.labels("ws").observe(time.monotonic() - t0)
+                if ev.text:
+                    now = time.monotonic()
+                    if last is None:
+                        gw.metrics.ttft.labels("ws").observe(now - t0)
+                    else:
+                        gw.metrics.itl.labels("ws").observe(now - last)
+                    last = now
                 gw.metrics.delivery.labels("ws").observe(max(0, p.now_ns() - ev.emit_ns) / 1e9)
                 gw.metrics.chunks.labels("ws").inc()
                 gw.metrics.tokens.inc(ev.tokens)
@@ -397,7 +408,17 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> Starlett
         routes.append(Route("/", lambda r: FileResponse(WEB_DIR / "index.html"), methods=["GET"]))
         routes.append(Route("/ab", lambda r: FileResponse(WEB_DIR / "ab.html"), methods=["GET"]))
         routes.append(Mount("/web", StaticFiles(directory=WEB_DIR), name="web"))
-    return Starlette(
-        routes=routes, lifespan=lifespan,
+    auth = Auth(api_keys=frozenset(config.api_keys), token_ttl=config.stream_token_ttl,
+                allowed_origins=config.allowed_origins,
+                **({"secret": config.token_secret.encode()} if config.token_secret else {}))
+    middleware = [Middleware(AuthMiddleware, auth=auth)]
+    if config.cors_origins:
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
+                                        allow_methods=["GET", "POST", "DELETE"],
+                                        allow_headers=["Authorization", "Content-Type", "Last-Event-ID"]))
+    app = Starlette(
+        routes=routes, lifespan=lifespan, middleware=middleware,
         exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error},
     )
+    app.state.auth = auth
+    return app

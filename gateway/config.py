@@ -30,6 +30,11 @@ class GatewayConfig:
     sse_retry_ms: int = 1000
     inject_delay: dict[str, float] = field(default_factory=dict)  # transport -> seconds (diagnostic)
     shutdown_grace: float = 10.0
+    api_keys: tuple[str, ...] = ()
+    token_secret: str | None = None
+    stream_token_ttl: float = 3600.0
+    allowed_origins: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
     log_level: str = "INFO"
 
 
@@ -82,7 +87,25 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--inject-delay", action="append", default=[], metavar="TRANSPORT:MS",
                    help="DIAGNOSTIC: delay every write of a transport (sse|ws) by MS ms, for bench "
                         "calibration; off by default [TOKENFAN_INJECT_DELAY]")
+    g.add_argument("--api-key", dest="api_keys", action="append", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (repeatable; env: comma-separated) "
+                        "[TOKENFAN_API_KEYS]")
+    g.add_argument("--token-secret", default=env("token_secret", None),
+                   help="HMAC secret for stream tokens (default: random per process; set it when several "
+                        "gateway replicas must accept each other's tokens) [TOKENFAN_TOKEN_SECRET]")
+    g.add_argument("--stream-token-ttl", type=float, default=env("stream_token_ttl", d.stream_token_ttl, float),
+                   help="lifetime in seconds of the stream tokens in events_url/ws_url [TOKENFAN_STREAM_TOKEN_TTL]")
+    g.add_argument("--allowed-origins", default=env("allowed_origins", ""),
+                   help="comma-separated Origins allowed to open WebSockets besides the gateway's own host; "
+                        "* allows any [TOKENFAN_ALLOWED_ORIGINS]")
+    g.add_argument("--cors-origins", default=env("cors_origins", ""),
+                   help="comma-separated Origins allowed by CORS on HTTP routes; * allows any "
+                        "[TOKENFAN_CORS_ORIGINS]")
     g.add_argument("--log-level", default=env("log_level", d.log_level), help="[TOKENFAN_LOG_LEVEL]")
+
+
+def _csv(raw: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in raw.split(",") if x.strip())
 
 
 def parse_inject_delay(items: list[str]) -> dict[str, float]:
@@ -109,5 +132,8 @@ def gateway_config_from_args(ns: argparse.Namespace, engine_address: str) -> Gat
         policy=SlowConsumerPolicy(coalesce_after=ns.coalesce_after, send_timeout=ns.send_timeout),
         sse_retry_ms=ns.sse_retry_ms, shutdown_grace=ns.shutdown_grace,
         inject_delay=parse_inject_delay(ns.inject_delay or [x for x in [env("inject_delay", "")] if x]),
+        api_keys=tuple(ns.api_keys) if ns.api_keys else _csv(env("api_keys", "")),
+        token_secret=ns.token_secret, stream_token_ttl=ns.stream_token_ttl,
+        allowed_origins=_csv(ns.allowed_origins), cors_origins=_csv(ns.cors_origins),
         log_level=ns.log_level,
     )

@@ -88,9 +88,12 @@ async def create_stream(request: Request) -> Response:
     gw.metrics.requests.labels("/v1/streams", "201").inc()
     base = str(request.base_url).rstrip("/")
     ws_base = "ws" + base[4:] if base.startswith("http") else base
+    auth = request.app.state.auth
+    query = f"?token={auth.sign(stream.id)}" if auth.enabled else ""
     return JSONResponse({
         "id": stream.id, "object": "tokenfan.stream", "model": stream.model, "endpoint": endpoint,
-        "events_url": f"{base}/v1/streams/{stream.id}/events", "ws_url": f"{ws_base}/v1/streams/{stream.id}/ws",
+        "events_url": f"{base}/v1/streams/{stream.id}/events{query}",
+        "ws_url": f"{ws_base}/v1/streams/{stream.id}/ws{query}",
     }, status_code=201, headers={"Location": f"/v1/streams/{stream.id}"})
 
 

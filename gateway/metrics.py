@@ -32,6 +32,8 @@ class Metrics:
                               ["transport"], buckets=_LAT_BUCKETS, registry=r)
         self.delivery = Histogram("tokenfan_delivery_latency_seconds", "Engine emit to gateway write, per chunk",
                                   ["transport"], buckets=_LAT_BUCKETS, registry=r)
+        self.itl = Histogram("tokenfan_inter_token_latency_seconds", "Gap between consecutive content writes "
+                             "to one client", ["transport"], buckets=_LAT_BUCKETS, registry=r)
         self.engine_up = Gauge("tokenfan_engine_up", "1 while the engine answers heartbeats", registry=r)
         self.engine_queue = Gauge("tokenfan_engine_queue_depth", "Requests waiting in the engine", registry=r)
         self.engine_running = Gauge("tokenfan_engine_running", "Requests generating in the engine", registry=r)

@@ -1,0 +1,103 @@
+"""Access control: API keys, stream-scoped signed tokens, and the WebSocket Origin allow-list.
+
+- With API keys configured, every ``/v1/*`` route except ``/v1/time`` needs
+  ``Authorization: Bearer <key>``. WebSocket routes also accept ``?api_key=<key>`` (browsers cannot
+  set headers on a WebSocket; note that query strings may end up in proxy logs).
+- ``EventSource`` cannot send headers either: ``POST /v1/streams`` returns URLs carrying a short-lived
+  ``token`` (HMAC-SHA256 over stream id and expiry) that opens that one stream's ``events`` and ``ws``.
+- WebSocket handshakes whose ``Origin`` is neither the gateway's own host nor in the allow-list are
+  refused (cross-site WebSocket hijacking). Clients that send no Origin (non-browsers) pass.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs, urlsplit
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.errors import APIError
+
+_SUBSCRIBE = re.compile(r"^/v1/streams/([^/]+)/(events|ws)$")
+PUBLIC = {"/v1/time"}
+
+
+@dataclass
+class Auth:
+    api_keys: frozenset[str] = frozenset()
+    secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    token_ttl: float = 3600.0
+    allowed_origins: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.api_keys)
+
+    def sign(self, stream_id: str, now: float | None = None) -> str:
+        expiry = int((now or time.time()) + self.token_ttl)
+        mac = hmac.new(self.secret, f"{stream_id}.{expiry}".encode(), hashlib.sha256).digest()[:18]
+        return f"{expiry}.{base64.urlsafe_b64encode(mac).decode()}"
+
+    def verify(self, stream_id: str, token: str, now: float | None = None) -> bool:
+        expiry_s, _, sig = token.partition(".")
+        if not expiry_s.isdigit() or int(expiry_s) < (now or time.time()):
+            return False
+        mac = hmac.new(self.secret, f"{stream_id}.{expiry_s}".encode(), hashlib.sha256).digest()[:18]
+        return hmac.compare_digest(base64.urlsafe_b64encode(mac).decode(), sig)
+
+    def key_ok(self, key: str | None) -> bool:
+        return key is not None and any(hmac.compare_digest(key, k) for k in self.api_keys)
+
+    def origin_ok(self, origin: str | None, host: str | None) -> bool:
+        if origin is None or "*" in self.allowed_origins or origin in self.allowed_origins:
+            return True
+        return host is not None and urlsplit(origin).netloc == host
+
+
+class AuthMiddleware:
+    """Pure ASGI middleware applying :class:`Auth` to HTTP and WebSocket scopes."""
+
+    def __init__(self, app: ASGIApp, auth: Auth) -> None:
+        self.app = app
+        self.auth = auth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        err = self._check(scope, headers)
+        if err is None:
+            return await self.app(scope, receive, send)
+        if scope["type"] == "http":
+            return await err.response()(scope, receive, send)
+        await send({"type": "websocket.close", "code": 1008, "reason": err.message[:120]})
+
+    def _check(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
+        ws = scope["type"] == "websocket"
+        if ws and not self.auth.origin_ok(headers.get("origin"), headers.get("host")):
+            return APIError(403, f"Origin {headers.get('origin')} is not allowed.", type="permission_error",
+                            code="origin_not_allowed")
+        path: str = scope["path"]
+        if not self.auth.enabled or not path.startswith("/v1/") or path in PUBLIC:
+            return None
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        auth_header = headers.get("authorization", "")
+        key = auth_header[7:].strip() if auth_header[:7].lower() == "bearer " else None
+        if key is None and ws:
+            key = (query.get("api_key") or [None])[0]
+        if self.auth.key_ok(key):
+            return None
+        m = _SUBSCRIBE.match(path)
+        token = (query.get("token") or [None])[0]
+        if m and token and self.auth.verify(m.group(1), token):
+            return None
+        if key is None and token is None:
+            return APIError(401, "Missing API key: send `Authorization: Bearer <key>` (or a stream token).",
+                            code="missing_api_key")
+        return APIError(401, "Incorrect API key or expired stream token.", code="invalid_api_key")

@@ -1,0 +1,180 @@
+"""``tokenfan bench``: A/B benchmark of the gateway's fan-out transports.
+
+One run: ``--streams N`` concurrent fan-out streams on ``--url``; by default every stream is watched
+by one subscriber per arm (``--arms sse,ws``), so both arms see the same tokens from the same
+gateway on the same clock and their latencies can be paired per token. ``sse,sse`` / ``ws,ws`` are
+A/A runs (the interval must contain 0). ``--separate-streams`` gives each arm its own streams.
+
+Sweep: ``--sweep 1,10,100`` repeats the run per concurrency level; ``--rates 10,20,50`` repeats the
+sweep per synthetic token rate. A running engine's rate cannot be changed from outside, so several
+rates need ``--spawn``: the bench starts one synthetic engine + gateway per rate (subprocesses) and
+stops it afterwards. Without ``--spawn`` a single ``--rates`` value only labels the engine at
+``--url`` (and paces the raw floor).
+
+Floor: ``--baseline raw`` repeats the (last) run against :mod:`gateway.bench.raw_server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gateway.bench import procs, report
+from gateway.bench.clients import Plan
+from gateway.bench.runner import Run, run_clients
+from gateway.bench.stats import saturation_point
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def _arms(s: str) -> tuple[str, str]:
+    parts = tuple(x.strip() for x in s.split(","))
+    if len(parts) != 2 or any(p not in ("sse", "ws") for p in parts):
+        raise argparse.ArgumentTypeError(f"--arms wants two of sse|ws, e.g. sse,ws; got {s!r}")
+    return parts  # type: ignore[return-value]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tokenfan bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--url", help="gateway base URL, e.g. http://127.0.0.1:8000 (or use --spawn)")
+    ap.add_argument("--arms", type=_arms, default=("sse", "ws"), help="arm A,B transports (default sse,ws)")
+    ap.add_argument("--streams", type=int, default=10, help="concurrent streams (default 10)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (default 64)")
+    ap.add_argument("--duration", type=float, default=None,
+                    help="seconds: each slot restarts streams until then (default: one stream per slot)")
+    ap.add_argument("--sweep", type=_ints, default=None, help="concurrency levels, e.g. 1,10,100,1000")
+    ap.add_argument("--rates", type=_floats, default=None,
+                    help="synthetic tokens/s per stream, e.g. 10,20,50 (several need --spawn)")
+    ap.add_argument("--spawn", action="store_true",
+                    help="start a synthetic engine + gateway per rate instead of using --url")
+    ap.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for spawned gateways, e.g. --gateway-arg=--inject-delay=ws:1")
+    ap.add_argument("--ttft-ms", type=float, default=20.0, help="TTFT of spawned engines and the raw floor")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default bench-results/<time>)")
+    ap.add_argument("--separate-streams", action="store_true", help="separate streams per arm (unpaired)")
+    ap.add_argument("--baseline", choices=["raw"], default=None, help="also measure the raw floor server")
+    ap.add_argument("--seed", type=int, default=0, help="seed of start offsets, arm order and bootstrap")
+    ap.add_argument("--endpoint", choices=["chat.completions", "completions"], default="chat.completions")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="client processes (default: one per 1000 subscribers, at most CPUs/2)")
+    ap.add_argument("--ramp", type=float, default=1.0, help="seconds over which stream starts are spread")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds one subscription may take")
+    ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
+    ap.add_argument("--threshold-ms", type=float, default=50.0, help="p99 delivery latency defining saturation")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+class Bench:
+    def __init__(self, ns: argparse.Namespace, argv: list[str]) -> None:
+        self.ns = ns
+        self.out: Path = ns.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.meta = report.meta(argv, ns.seed)
+
+    def plan(self, url: str, streams: int) -> Plan:
+        ns = self.ns
+        return Plan(url=url.rstrip("/"), transports=ns.arms, streams=streams, max_tokens=ns.max_tokens,
+                    duration=ns.duration, separate=ns.separate_streams, endpoint=ns.endpoint, ramp=ns.ramp,
+                    seed=ns.seed, timeout=ns.timeout)
+
+    def workers(self, streams: int) -> int:
+        if self.ns.workers:
+            return self.ns.workers
+        return max(1, min((os.cpu_count() or 2) // 2, (2 * streams + 999) // 1000))
+
+    def measure(self, url: str, streams: int, desc: str) -> tuple[Run, dict[str, Any]]:
+        run = run_clients(self.plan(url, streams), self.workers(streams), desc, not self.ns.no_progress)
+        return run, report.run_result(run, n_boot=self.ns.bootstrap, seed=self.ns.seed)
+
+    @contextlib.contextmanager
+    def target(self, rate: float | None) -> Iterator[str]:
+        if not self.ns.spawn:
+            yield self.ns.url
+            return
+        with procs.spawn_synthetic(rate or 20.0, self.ns.ttft_ms, self.out / "logs", self.ns.gateway_arg) as s:
+            yield s.url
+
+    def run(self) -> dict[str, Any]:
+        ns = self.ns
+        rates: list[float | None] = list(ns.rates) if ns.rates else [None]
+        levels = ns.sweep or [ns.streams]
+        rows: list[dict[str, Any]] = []
+        last: tuple[Run, dict[str, Any]] | None = None
+        for rate in rates:
+            with self.target(rate) as url:
+                for n in levels:
+                    desc = f"{'/'.join(ns.arms)} N={n}" + (f" @{rate:g} tok/s" if rate else "")
+                    last = self.measure(url, n, desc)
+                    rows.append({"tokens_per_s": rate, **last[1]})
+                    print(f"{desc}: {_brief(last[1])}", file=sys.stderr)
+        assert last is not None
+        run, results = last
+        results = {"meta": {**self.meta, "url": ns.url, "spawn": ns.spawn, "tokens_per_s": rates[-1]}, **results}
+        report.plot_cdf(run, self.out / "latency_cdf.png", f"delivery latency, N={run.plan.streams}")
+        if ns.sweep or len(rates) > 1:
+            results["sweep"] = rows
+            results["saturation_threshold_ms"] = ns.threshold_ms
+            results["saturation"] = {
+                f"{r:g}" if r else "unknown": {
+                    t: saturation_point([x["streams"] for x in rows if x["tokens_per_s"] == r],
+                                        [_p99(x, t) for x in rows if x["tokens_per_s"] == r], ns.threshold_ms)
+                    for t in dict.fromkeys(ns.arms)}
+                for r in rates}
+            report.plot_sweep(results, self.out / "p99_vs_concurrency.png")
+        if ns.baseline == "raw":
+            rate = rates[-1] or _observed_rate(results)
+            with procs.spawn_raw(rate, ns.ttft_ms, self.out / "logs") as raw:
+                raw_run, raw_res = self.measure(raw.url, run.plan.streams, f"raw floor N={run.plan.streams}")
+            results["baseline"] = report.baseline_result(results, raw_res, rate)
+            report.plot_cdf(raw_run, self.out / "latency_cdf_raw.png", f"raw floor, N={run.plan.streams}")
+        report.write_json(self.out / "results.json", results)
+        (self.out / "summary.md").write_text(report.summary_md(results))
+        return results
+
+
+def _p99(row: dict[str, Any], transport: str) -> float | None:
+    vals = [a["delivery_ms"]["p99"] for a in row["arms"].values() if a["transport"] == transport]
+    vals = [v for v in vals if v is not None]
+    return max(vals) if vals else None
+
+
+def _observed_rate(results: dict[str, Any]) -> float:
+    """Tokens/s of the engine behind --url, from the run itself (median per-stream rate)."""
+    p50 = results["arms"]["A"]["tokens_per_s"]["p50"]
+    return round(p50, 1) if p50 else 20.0
+
+
+def _brief(r: dict[str, Any]) -> str:
+    parts = [f"{a['transport']} p50/p99 {a['delivery_ms']['p50'] or 0:.2f}/{a['delivery_ms']['p99'] or 0:.2f} ms"
+             f" err {a['errors']}" for a in r["arms"].values()]
+    return "; ".join(parts) + f"; diff {r['diff_ms']['median']:+.3f} ms"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = parser()
+    ns = ap.parse_args(argv)
+    if not ns.spawn and not ns.url:
+        ap.error("give --url, or --spawn to start a synthetic engine + gateway")
+    if ns.rates and len(ns.rates) > 1 and not ns.spawn:
+        ap.error("several --rates need --spawn: the bench cannot change the token rate of the engine at --url")
+    bench = Bench(ns, argv)
+    results = bench.run()
+    print(report.summary_md(results))
+    print(f"\nwrote {bench.out / 'results.json'}, {bench.out / 'summary.md'} and plots", file=sys.stderr)
+    return 0

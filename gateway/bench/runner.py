@@ -1,0 +1,92 @@
+"""Run one bench measurement: client worker processes against one server, plus the server's
+``/metrics`` before and after (CPU seconds, chunks sent)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import re
+import time
+from dataclasses import dataclass, replace
+
+import httpx
+from tqdm import tqdm
+
+from gateway.bench.clients import ARMS, Plan, worker_main
+from gateway.bench.stats import ArmSamples
+
+_CPU = re.compile(rb"^process_cpu_seconds_total (\S+)$", re.M)
+_SENT = re.compile(rb'^tokenfan_chunks_sent_total\{transport="(\w+)"\} (\S+)$', re.M)
+
+
+@dataclass
+class Run:
+    plan: Plan
+    workers: int
+    arms: dict[str, ArmSamples]
+    wall_s: float  # first scheduled start -> last chunk received
+    cpu_s: float | None  # server process CPU seconds during the run (None: no /metrics)
+    sent: dict[str, float]  # chunks the server reports written, by transport
+
+
+def scrape(url: str) -> tuple[float | None, dict[str, float]]:
+    try:
+        text = httpx.get(url + "/metrics", timeout=5.0, trust_env=False).content
+    except httpx.HTTPError:
+        return None, {}
+    cpu = _CPU.search(text)
+    return (float(cpu.group(1)) if cpu else None), {t.decode(): float(v) for t, v in _SENT.findall(text)}
+
+
+def run_clients(plan: Plan, workers: int, desc: str = "bench", progress_bar: bool = True) -> Run:
+    """Run ``plan`` split over ``workers`` processes; returns the merged samples."""
+    ctx = mp.get_context("spawn")  # a clean interpreter: no inherited event loop, threads or sockets
+    progress, start_at, go = ctx.Value("i", 0), ctx.Value("d", 0.0), ctx.Event()
+    ready, results = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=worker_main, args=(replace(plan, workers=workers, worker=w), progress, ready, go,
+                                                   start_at, results), name=f"bench-client-{w}", daemon=True)
+             for w in range(workers)]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            ready.get(timeout=120)
+        cpu0, sent0 = scrape(plan.url)
+        start_at.value = time.time() + 0.2
+        go.set()
+        got = _collect(procs, results, progress, plan, desc, progress_bar)
+        cpu1, sent1 = scrape(plan.url)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    arms = {arm: ArmSamples.concat(plan.transports[i], [got[w][arm] for w in sorted(got)])
+            for i, arm in enumerate(ARMS)}
+    last = max((int(a.recv_ns.max()) for a in arms.values() if a.recv_ns.size), default=int(start_at.value * 1e9))
+    return Run(plan=plan, workers=workers, arms=arms, wall_s=max(1e-9, last / 1e9 - start_at.value),
+               cpu_s=(cpu1 - cpu0) if cpu0 is not None and cpu1 is not None else None,
+               sent={t: sent1.get(t, 0.0) - sent0.get(t, 0.0) for t in sent1})
+
+
+def _collect(procs: list[mp.process.BaseProcess], results: mp.queues.Queue, progress: mp.sharedctypes.Synchronized,
+             plan: Plan, desc: str, progress_bar: bool) -> dict[int, dict[str, ArmSamples]]:
+    got: dict[int, dict[str, ArmSamples]] = {}
+    by_time = plan.duration is not None
+    bar = tqdm(total=round(plan.duration) if by_time else plan.streams, desc=desc, unit="s" if by_time else "stream",
+               disable=not progress_bar, leave=False, dynamic_ncols=True)
+    t0 = time.monotonic()
+    with bar:
+        while len(got) < len(procs):
+            try:
+                w, samples = results.get(timeout=0.25)  # drain before join: big results block a child's exit
+                got[w] = samples
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"bench client {dead[0].name} exited with {dead[0].exitcode}")
+            done = progress.value
+            bar.n = min(bar.total, int(time.monotonic() - t0)) if by_time else min(done, plan.streams)
+            bar.set_postfix_str(f"{done} streams done", refresh=False)
+            bar.refresh()
+    return got

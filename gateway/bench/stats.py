@@ -1,0 +1,248 @@
+"""Bench metrics and statistics (pure numpy: arrays in, numbers out).
+
+Definitions (times are the client's ``time.time_ns()`` at receipt; the gateway stamps ``emit_ns``
+with the same machine clock). Where they overlap they match ``vllm bench serve``:
+
+- **TTFT**: request start (the ``POST /v1/streams`` that created the stream) -> first *content*
+  event received by this subscriber. vLLM: request sent -> first chunk with text.
+- **ITL**: gaps between successive content events of one subscriber, pooled over all subscribers
+  of the arm (vLLM's ``itl`` list, pooled before taking percentiles). A coalesced event is one gap.
+- **E2E**: request start -> last chunk (the one carrying ``finish_reason``) received. vLLM's
+  ``latency`` (request sent -> last chunk).
+- **Delivery latency**: ``recv_ns - emit_ns`` per *live* content event: events the engine emitted
+  after the subscriber was connected (replayed history would only measure the join delay).
+- **Tokens/s per stream**: ``(deltas - 1) / (last content - first content)``, i.e. 1/TPOT.
+  "Deltas" are engine outputs (one token each unless the engine fell behind).
+- Percentiles: ``numpy.percentile`` (linear interpolation), as vLLM. p50, p90, p99, p99.9, mean.
+
+The A/B difference is the median of ``B - A`` delivery latency with a bootstrap 95% interval:
+paired per token when both arms watch the same stream (``recv_B - recv_A`` for the same stream and
+``seq``: engine and gateway jitter cancel), otherwise the difference of the two medians. The
+bootstrap resamples *streams* (clusters), not tokens: tokens of one stream share one subscriber
+pair, its connection order and its place in the gateway's wake-up order, so they are not
+independent, and an i.i.d. token bootstrap gives intervals that are too narrow (an A/A run then
+"finds" a difference). With fewer than ``MIN_CLUSTERS`` streams tokens are resampled i.i.d.
+
+A/A on one transport (``sse,sse``, ``ws,ws``): the gateway writes an event to the subscribers of
+one transport in a fixed order per stream (its waiter set's order), so on every stream one of the
+two subscribers is always ~0.1 ms first, at random which. That is a real per-stream effect, but not
+an arm effect, and it makes the pooled median jump between two modes. The two subscribers are
+exchangeable, so the paired difference alternates their labels per token (even ``seq``: B - A, odd:
+A - B), a balanced crossover like the gateway's own SSE/WS alternation by ``seq``; each stream then
+contributes both orders equally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50.0, 90.0, 99.0, 99.9)
+MIN_CLUSTERS = 20
+NS_PER_MS = 1e6
+
+
+@dataclass
+class ArmSamples:
+    """Raw samples of one arm. Event rows: one per chunk received. Subscriber rows: one per subscriber.
+
+    ``stream`` ids are unique per run; an arm has at most one subscriber per stream, and the event
+    rows of one subscriber are contiguous and in receive order.
+    """
+
+    transport: str
+    stream: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    recv_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    emit_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    deltas: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    content: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    live: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    sub_stream: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    post_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    connected_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    ok: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    errors: list[str] = field(default_factory=list)
+
+    EVENT_FIELDS = ("stream", "seq", "recv_ns", "emit_ns", "deltas", "content", "live")
+    SUB_FIELDS = ("sub_stream", "post_ns", "connected_ns", "ok")
+
+    @classmethod
+    def concat(cls, transport: str, parts: list[ArmSamples]) -> ArmSamples:
+        out = cls(transport)
+        for f in fields(cls):
+            if f.name in cls.EVENT_FIELDS + cls.SUB_FIELDS and parts:
+                setattr(out, f.name, np.concatenate([getattr(p, f.name) for p in parts]))
+        out.errors = [e for p in parts for e in p.errors]
+        return out
+
+
+def summary_ms(values_ns: np.ndarray) -> dict[str, float | int | None]:
+    """n, mean and percentiles of nanosecond values, in milliseconds (None when empty)."""
+    x = np.asarray(values_ns, dtype=np.float64) / NS_PER_MS
+    out: dict[str, float | int | None] = {"n": int(x.size)}
+    if x.size == 0:
+        out.update({"mean": None, **{_pname(p): None for p in PERCENTILES}})
+        return out
+    out["mean"] = float(x.mean())
+    for p, v in zip(PERCENTILES, np.percentile(x, PERCENTILES)):
+        out[_pname(p)] = float(v)
+    return out
+
+
+def summary_plain(values: np.ndarray) -> dict[str, float | int | None]:
+    x = np.asarray(values, dtype=np.float64)
+    out: dict[str, float | int | None] = {"n": int(x.size), "mean": float(x.mean()) if x.size else None}
+    for p, v in zip(PERCENTILES, np.percentile(x, PERCENTILES) if x.size else [None] * len(PERCENTILES)):
+        out[_pname(p)] = None if v is None else float(v)
+    return out
+
+
+def _pname(p: float) -> str:
+    return f"p{p:g}"
+
+
+# -- per-arm metrics --------------------------------------------------------------------------
+
+
+def delivery_ns(a: ArmSamples) -> np.ndarray:
+    m = a.content & a.live
+    return a.recv_ns[m] - a.emit_ns[m]
+
+
+def itl_ns(a: ArmSamples) -> np.ndarray:
+    """Pooled gaps between successive content events of each subscriber."""
+    s, t = a.stream[a.content], a.recv_ns[a.content]
+    same = s[1:] == s[:-1]
+    return np.diff(t)[same]
+
+
+def _per_subscriber(a: ArmSamples) -> dict[str, np.ndarray]:
+    """First/last content receive time, last chunk time and deltas per stream (sorted stream ids)."""
+    c = a.content
+    ids, first_idx = np.unique(a.stream[c], return_index=True)
+    last_idx = np.unique(a.stream[c][::-1], return_index=True)[1]
+    last_idx = c.sum() - 1 - last_idx
+    tc = a.recv_ns[c]
+    deltas = np.bincount(np.searchsorted(ids, a.stream[c]), weights=a.deltas[c], minlength=ids.size)
+    all_ids, rev_idx = np.unique(a.stream[::-1], return_index=True)
+    last_chunk = a.recv_ns[::-1][rev_idx]
+    return {"ids": ids, "first": tc[first_idx], "last": tc[last_idx], "deltas": deltas,
+            "chunk_ids": all_ids, "last_chunk": last_chunk}
+
+
+def arm_metrics(a: ArmSamples, wall_s: float) -> dict[str, Any]:
+    per = _per_subscriber(a)
+    post = dict(zip(a.sub_stream.tolist(), a.post_ns.tolist()))
+    ok_ids = set(a.sub_stream[a.ok].tolist())
+    ttft = np.array([f - post[i] for i, f in zip(per["ids"].tolist(), per["first"].tolist())], dtype=np.int64)
+    e2e = np.array([t - post[i] for i, t in zip(per["chunk_ids"].tolist(), per["last_chunk"].tolist())
+                    if i in ok_ids], dtype=np.int64)
+    span = (per["last"] - per["first"]) / 1e9
+    keep = (per["deltas"] >= 2) & (span > 0)
+    tps = (per["deltas"][keep] - 1) / span[keep]
+    content_events = int(a.content.sum())
+    return {
+        "transport": a.transport,
+        "subscribers": int(a.sub_stream.size),
+        "errors": int((~a.ok).sum()),
+        "error_examples": sorted(set(a.errors))[:5],
+        "events": int(a.seq.size),
+        "content_events": content_events,
+        "deltas_delivered": int(a.deltas[a.content].sum()),
+        "coalesced_events": int((a.deltas > 1).sum()),
+        "live_content_events": int((a.content & a.live).sum()),
+        "deliveries_per_s": content_events / wall_s if wall_s > 0 else None,
+        "ttft_ms": summary_ms(ttft),
+        "itl_ms": summary_ms(itl_ns(a)),
+        "e2e_ms": summary_ms(e2e),
+        "delivery_ms": summary_ms(delivery_ns(a)),
+        "tokens_per_s": summary_plain(tps),
+    }
+
+
+# -- A/B difference ---------------------------------------------------------------------------
+
+
+def _pair_keys(a: ArmSamples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    m = a.content & a.live & (a.deltas == 1)
+    return a.stream[m] * (1 << 24) + a.seq[m], a.recv_ns[m], a.stream[m]
+
+
+def paired_differences(a: ArmSamples, b: ArmSamples, *, alternate: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``recv_B - recv_A`` (ns) for every (stream, seq) both arms received live and uncoalesced,
+    with the stream id of each pair. ``alternate`` swaps the labels on odd ``seq`` (A/A only)."""
+    ka, ta, sa = _pair_keys(a)
+    kb, tb, _ = _pair_keys(b)
+    _, ia, ib = np.intersect1d(ka, kb, assume_unique=True, return_indices=True)
+    d = tb[ib] - ta[ia]
+    if alternate:
+        d = np.where(ka[ia] % 2 == 0, d, -d)  # key = stream << 24 | seq: same parity as seq
+    return d, sa[ia]
+
+
+def bootstrap_medians(values: np.ndarray, clusters: np.ndarray, n_boot: int,
+                      rng: np.random.Generator) -> np.ndarray:
+    """Medians of ``n_boot`` cluster-bootstrap resamples (resample clusters with replacement).
+
+    Computed as weighted medians over the sorted values, so no resample is materialized.
+    """
+    order = np.argsort(values, kind="stable")
+    v = np.asarray(values, dtype=np.float64)[order]
+    _, c = np.unique(np.asarray(clusters)[order], return_inverse=True)
+    k = int(c.max()) + 1 if c.size else 0
+    if v.size == 0:
+        return np.full(n_boot, np.nan)
+    out = np.empty(n_boot)
+    rows = max(1, min(n_boot, 4_000_000 // max(v.size, k)))
+    for start in range(0, n_boot, rows):
+        r = min(rows, n_boot - start)
+        draws = rng.integers(0, k, size=(r, k))
+        counts = np.bincount((draws + np.arange(r)[:, None] * k).ravel(), minlength=r * k).reshape(r, k)
+        cum = np.cumsum(counts[:, c], axis=1)
+        total = cum[:, -1]
+        # np.median of the resample: the mean of the values of rank (T+1)//2 and T//2 + 1 (1-based).
+        lo = np.minimum((cum < ((total + 1) // 2)[:, None]).sum(axis=1), v.size - 1)
+        hi = np.minimum((cum < (total // 2 + 1)[:, None]).sum(axis=1), v.size - 1)
+        out[start:start + r] = (v[lo] + v[hi]) / 2.0
+    return out
+
+
+def median_difference(a: ArmSamples, b: ArmSamples, *, paired: bool, n_boot: int = 2000,
+                      seed: int = 0) -> dict[str, Any]:
+    """Median B - A delivery latency (ms) with a bootstrap 95% CI (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    if paired:
+        alternate = a.transport == b.transport
+        d, s = paired_differences(a, b, alternate=alternate)
+        n_clusters = int(np.unique(s).size)
+        clusters = s if n_clusters >= MIN_CLUSTERS else np.arange(d.size)
+        median = float(np.median(d)) if d.size else float("nan")
+        boots = bootstrap_medians(d, clusters, n_boot, rng)
+        method = "paired per token" + (" (labels alternate by seq: A/A)" if alternate else "") + \
+            (", stream-cluster bootstrap" if n_clusters >= MIN_CLUSTERS else ", token bootstrap (few streams)")
+        n = int(d.size)
+    else:
+        da, db = delivery_ns(a), delivery_ns(b)
+        ma, mb = a.content & a.live, b.content & b.live
+        sa, sb = a.stream[ma], b.stream[mb]
+        ka, kb = np.unique(sa).size, np.unique(sb).size
+        ca = sa if ka >= MIN_CLUSTERS else np.arange(da.size)
+        cb = sb if kb >= MIN_CLUSTERS else np.arange(db.size)
+        median = float(np.median(db) - np.median(da)) if da.size and db.size else float("nan")
+        boots = bootstrap_medians(db, cb, n_boot, rng) - bootstrap_medians(da, ca, n_boot, rng)
+        method = "unpaired difference of medians, stream-cluster bootstrap"
+        n, n_clusters = int(min(da.size, db.size)), int(min(ka, kb))
+    lo, hi = (np.percentile(boots, [2.5, 97.5]) if np.isfinite(boots).all() else (np.nan, np.nan))
+    return {"median": median / NS_PER_MS, "ci95": [float(lo) / NS_PER_MS, float(hi) / NS_PER_MS],
+            "paired": paired, "method": method, "n": n, "streams": n_clusters, "n_boot": n_boot, "seed": seed}
+
+
+def saturation_point(levels: list[int], p99_ms: list[float | None], threshold_ms: float = 50.0) -> int | None:
+    """The lowest concurrency whose p99 delivery latency exceeds ``threshold_ms`` (None: never)."""
+    for n, p in sorted(zip(levels, p99_ms), key=lambda t: t[0]):
+        if p is not None and p > threshold_ms:
+            return n
+    return None

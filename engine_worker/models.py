@@ -52,7 +52,7 @@ TINY_SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assi
 TINY_VOCAB_SIZE = 2048
 
 
-class ModelError(RuntimeError):
+class ModelError(ValueError):
     """A model directory is missing, incomplete or cannot be prepared."""
 
 
@@ -164,21 +164,21 @@ def _write_gemma(out: Path) -> None:
     stages = ["assemble GGUF", "dequantize", "save safetensors"]
     started = time.monotonic()
     log.info("preparing the default model (Gemma 3 270M) in %s; this takes a few minutes, once", out.parent)
-    with tqdm(total=len(stages), desc="tokenfan: prepare Gemma 3 270M", unit="stage",
-              bar_format="{desc}: {n_fmt}/{total_fmt} stages |{bar}| {elapsed} [{postfix}]") as bar:
-        bar.set_postfix_str(stages[0])
+    with tqdm(total=len(stages), unit="stage", desc="prepare Gemma 3 270M",
+              bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}") as bar:
+        bar.set_description(f"prepare Gemma 3 270M: {stages[0]}")
         gguf_dir = out / "gguf"
         gguf_path = _assemble_gguf(gguf_dir)
         bar.update(1)
-        bar.set_postfix_str(stages[1])
+        bar.set_description(f"prepare Gemma 3 270M: {stages[1]}")
         model, tokenizer = _dequantize(gguf_path)
         bar.update(1)
-        bar.set_postfix_str(stages[2])
+        bar.set_description(f"prepare Gemma 3 270M: {stages[2]}")
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
         shutil.rmtree(gguf_dir)
         bar.update(1)
-        bar.set_postfix_str("done")
+        bar.set_description("prepare Gemma 3 270M: done")
     log.info("default model prepared in %.0f s", time.monotonic() - started)
 
 
@@ -207,6 +207,9 @@ def _dequantize(gguf_path: Path) -> tuple[object, object]:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tokenizer.chat_template = GEMMA_CHAT_TEMPLATE.read_text(encoding="utf-8")
+    # The GGUF says add_bos_token=true but transformers' GGUF import drops it; without <bos> Gemma's
+    # completions degrade into repetition (chat prompts get it from the template).
+    tokenizer.add_bos_token = True
     # Instruction-tuned Gemma ends its turn with <end_of_turn>: stop there as well as at <eos>.
     end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
     eos = [tokenizer.eos_token_id] + ([end_of_turn] if isinstance(end_of_turn, int) else [])

@@ -52,16 +52,28 @@ class Gateway:
     extra: dict[str, Any] = field(default_factory=dict)
     hub: StreamHub = field(init=False)
     policy: SlowConsumerPolicy = field(init=False)
+    draining: bool = False
 
     def __post_init__(self) -> None:
         self.hub = StreamHub(self.config.retention)
         self.policy = self.config.policy
+
+    def end_all_streams(self) -> None:
+        """Shutdown deadline: fail every in-flight generation with an explicit error."""
+        err = APIError(503, "The server is shutting down; retry on another instance.", type="server_error",
+                       code="server_shutdown", retry_after=1.0)
+        n = self.engine.fail_all(err)
+        if n:
+            log.warning("shutdown grace period over: ended %d in-flight generations with server_shutdown", n)
 
     @property
     def model_id(self) -> str | None:
         return self.config.served_model_name or self.engine.model
 
     def check_model(self, requested: str | None) -> str:
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", type="server_error", code="server_shutdown",
+                           retry_after=1.0)
         served = self.model_id
         if served is None or not self.engine.healthy:
             raise engine_unavailable()

@@ -36,16 +36,30 @@ def engine_argv(c: EngineConfig) -> list[str]:
 
 
 def run_gateway(config: Any, extra_lifespan: Any = None) -> None:
+    import asyncio
+
     import uvicorn
 
     from gateway.app import create_app
 
     app = create_app(config, extra_lifespan=extra_lifespan)
-    uvicorn.Server(uvicorn.Config(
+
+    class GracefulServer(uvicorn.Server):
+        """On SIGTERM/SIGINT: stop accepting, let streams finish for ``--shutdown-grace`` seconds, then
+        end the rest with an explicit ``server_shutdown`` error (never a silent cut, never a hang)."""
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            gw = getattr(app.state, "gateway", None)
+            if gw is not None:
+                gw.draining = True
+                asyncio.get_running_loop().call_later(config.shutdown_grace, gw.end_all_streams)
+            await super().shutdown(sockets)
+
+    GracefulServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level.lower(),
         ws_max_size=config.ws_max_message_bytes, ws_per_message_deflate=config.ws_per_message_deflate,
         ws_ping_interval=config.keepalive_interval, ws_ping_timeout=config.keepalive_interval * 2,
-        timeout_graceful_shutdown=getattr(config, "shutdown_grace", 10.0),
+        timeout_graceful_shutdown=config.shutdown_grace + 2.0,
     )).run()
 
 

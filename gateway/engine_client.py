@@ -164,6 +164,17 @@ class EngineClient:
             raise engine_unavailable("the engine socket is not connected")
         return handle
 
+    def fail_all(self, err: APIError) -> int:
+        """Fail every in-flight request with ``err`` and abort them in the engine; returns how many."""
+        handles = list(self._handles.values())
+        self._handles.clear()
+        if handles:
+            self._abort([h.request_id for h in handles])
+        for h in handles:
+            h.done = True
+            h._fail(err)
+        return len(handles)
+
     def _forget(self, request_id: str, abort: bool) -> None:
         if self._handles.pop(request_id, None) is not None and abort:
             self._abort([request_id])

@@ -92,3 +92,42 @@ def test_engine_killed_mid_stream_errors_clients_then_service_recovers(serve) ->
     wait_until(lambda: httpx.get(url + "/health").status_code == 200, timeout=30, what="engine restarted")
     r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_sigterm_with_open_streams_ends_them_explicitly_within_the_deadline(synthetic_engine: str) -> None:
+    from tests.procs import start_gateway
+
+    proc, url = start_gateway(synthetic_engine, "--shutdown-grace", "1", name="gateway-shutdown")
+    info = httpx.post(url + "/v1/streams", json={"endpoint": "completions", "prompt": "x", "max_tokens": 1500}).json()
+    finished = httpx.post(url + "/v1/streams", json={"endpoint": "completions", "prompt": "x", "max_tokens": 3}).json()
+    bodies: dict[str, str] = {}
+
+    async def sse(name: str, events_url: str) -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            async with c.stream("GET", events_url) as r:
+                bodies[name] = (await r.aread()).decode()
+
+    async def ws() -> None:
+        async with websockets.connect(info["ws_url"]) as sock:
+            try:
+                async for raw in sock:
+                    if json.loads(raw)["type"] == "error":
+                        bodies["ws"] = raw if isinstance(raw, str) else raw.decode()
+            except websockets.ConnectionClosedError as exc:
+                bodies["ws"] = f"closed {exc.rcvd.code if exc.rcvd else None}"
+
+    async def main() -> float:
+        clients = asyncio.gather(sse("long", info["events_url"]), sse("short", finished["events_url"]), ws())
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        os.kill(proc.popen.pid, signal.SIGTERM)
+        await asyncio.wait_for(clients, 10)
+        return time.monotonic() - t0
+
+    elapsed = asyncio.run(main())
+    assert proc.popen.wait(10) in (0, -signal.SIGTERM)
+    assert elapsed < 4, "streams must end at the deadline (1 s), not hang"
+    assert bodies["short"].endswith("data: [DONE]\n\n")  # finished normally during the grace period
+    assert "server_shutdown" in bodies["long"] and "event: error" in bodies["long"]
+    # uvicorn closes WebSockets at the start of shutdown with 1012 (service restart): explicit, resumable.
+    assert bodies["ws"] == "closed 1012"

@@ -10,7 +10,7 @@
 // events the gateway published after *both* subscribers were open, so both arms are measured on
 // the same tokens. TTFT (stream creation → first content event) includes the connection setup.
 
-import { createStream, describeError, epochMs, getModelId, pageParam } from "./api.js";
+import { apiKey, createStream, describeError, epochMs, getModelId, pageParam, setApiKey } from "./api.js";
 import { Chart } from "./chart.js";
 import { estimateOffset } from "./clock.js";
 import { bootstrapMedianDiff, ecdf, quantileSorted, sorted, summarize } from "./stats.js";
@@ -27,7 +27,7 @@ const BOOTSTRAP = { resamples: 1000, seed: 1 };
 
 const els = {
   model: $("#model"), banner: $("#banner"), form: $("#controls"), prompt: $("#prompt"),
-  maxTokens: $("#max-tokens"), temperature: $("#temperature"), runs: $("#runs"),
+  maxTokens: $("#max-tokens"), temperature: $("#temperature"), runs: $("#runs"), apiKey: $("#api-key"),
   start: $("#start"), stop: $("#stop"), exportBtn: $("#export"), clock: $("#clock"), resync: $("#resync"),
   progress: $("#progress"), verdict: $("#verdict"), diff: $("#diff"),
 };
@@ -120,7 +120,7 @@ class ArmRun {
     const state = this.pane.dataset.state;
     const lat = this.latencies(offsetMs);
     const last = lat.length ? lat[lat.length - 1] : null;
-    $(".live", this.pane).textContent = `${state} · ${this.events.length} tokens · last ${ms(last)} ms`
+    $(".live", this.pane).textContent = `${state} · ${this.events.length} chunks · last ${ms(last)} ms`
       + ` · p50 ${ms(quantileSorted(sorted(lat), 0.5))} ms`;
   }
 }
@@ -312,7 +312,7 @@ async function startBatch() {
   debug.result = null;
   setRunning(true);
   try {
-    if (page.model === null) page.model = await getModelId().catch(() => null);
+    if (page.model === null) await loadModel();
     await syncClock();
     for (let i = 0; i < page.config.runs && !page.stopRequested; i++) {
       page.runs.push(await runOnce(i, page.config.runs));
@@ -362,14 +362,24 @@ document.addEventListener("keydown", (e) => {
   if (e.key === "Escape") stopBatch();
 });
 
-getModelId().then(
-  (id) => {
-    page.model = id;
-    els.model.textContent = id;
-  },
-  (err) => {
-    els.model.textContent = "unavailable";
-    showBanner(describeError(err));
-  },
-);
+function loadModel() {
+  return getModelId().then(
+    (id) => {
+      page.model = id;
+      els.model.textContent = id;
+      els.banner.hidden = true;
+    },
+    (err) => {
+      els.model.textContent = "unavailable";
+      showBanner(describeError(err));
+    },
+  );
+}
+
+els.apiKey.value = apiKey();
+els.apiKey.addEventListener("change", () => {
+  setApiKey(els.apiKey.value.trim());
+  loadModel();
+});
+loadModel();
 syncClock();

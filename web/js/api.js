@@ -54,6 +54,27 @@ export function describeError(err) {
   return s ? `Error ${s}: ${err.message}` : err.message;
 }
 
+// -- API key --------------------------------------------------------------------------------
+// Optional; kept in localStorage. fetch sends it as `Authorization: Bearer`; WebSockets cannot set
+// headers, so /v1/ws gets `?api_key=`; EventSource and stream WebSockets use the stream-scoped
+// token the gateway puts in `events_url` / `ws_url`.
+
+const KEY_STORAGE = "tokenfan.apiKey";
+
+export function apiKey() {
+  return localStorage.getItem(KEY_STORAGE) || "";
+}
+
+export function setApiKey(key) {
+  if (key) localStorage.setItem(KEY_STORAGE, key);
+  else localStorage.removeItem(KEY_STORAGE);
+}
+
+export function authHeaders(headers = {}) {
+  const key = apiKey();
+  return key ? { ...headers, Authorization: `Bearer ${key}` } : headers;
+}
+
 /** Same-origin URL for a path, as http(s) or ws(s). */
 export function gatewayURL(path, { ws = false } = {}) {
   const url = new URL(path, location.href);
@@ -72,7 +93,7 @@ export function samePath(absoluteURL, { ws = false } = {}) {
 
 /** fetch + JSON, throwing ApiError for non-2xx answers. */
 export async function requestJSON(path, { method = "GET", body, signal } = {}) {
-  const init = { method, signal, headers: {} };
+  const init = { method, signal, headers: authHeaders() };
   if (body !== undefined) {
     init.body = JSON.stringify(body);
     init.headers["Content-Type"] = "application/json";
@@ -102,7 +123,7 @@ export function deleteStream(id) {
 /** Why a connection that the browser hides the status of (EventSource, WebSocket) failed. */
 export async function diagnose(path = "/v1/models") {
   try {
-    const resp = await fetch(gatewayURL(path), { cache: "no-store" });
+    const resp = await fetch(gatewayURL(path), { cache: "no-store", headers: authHeaders() });
     return resp.ok ? null : await errorFromResponse(resp);
   } catch (err) {
     return new ApiError(0, `Cannot reach the gateway (${err.message}).`, { code: "network_error" });

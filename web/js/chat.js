@@ -3,7 +3,7 @@
 // Model output is only ever put in the page as text (Text nodes / textContent), never as HTML.
 // `window.__tokenfan` exposes counters for the browser tests (reconnects, duplicates, stream id).
 
-import { describeError, epochMs, getModelId, pageParam } from "./api.js";
+import { apiKey, describeError, epochMs, getModelId, pageParam, setApiKey } from "./api.js";
 import { openChat, TRANSPORTS } from "./transports.js";
 
 const $ = (sel, root = document) => root.querySelector(sel);
@@ -19,6 +19,7 @@ const els = {
   clear: $("#clear"),
   maxTokens: $("#max-tokens"),
   temperature: $("#temperature"),
+  apiKey: $("#api-key"),
   template: $("#message-template"),
 };
 
@@ -236,6 +237,12 @@ els.clear.addEventListener("click", clear);
 for (const input of document.querySelectorAll('input[name="transport"]')) {
   input.addEventListener("change", () => localStorage.setItem("tokenfan.transport", selectedTransport()));
 }
+
+els.apiKey.value = apiKey();
+els.apiKey.addEventListener("change", () => {
+  setApiKey(els.apiKey.value.trim());
+  loadModel();
+});
 
 restoreTransport();
 loadModel();

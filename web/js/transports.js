@@ -14,8 +14,8 @@
 // by the A/B page, which subscribes both to one stream.
 
 import {
-  ApiError, apiErrorFromBody, createStream, deleteStream, diagnose, epochMs, errorFromResponse,
-  gatewayURL, samePath,
+  ApiError, apiErrorFromBody, apiKey, authHeaders, createStream, deleteStream, diagnose, epochMs,
+  errorFromResponse, gatewayURL, samePath,
 } from "./api.js";
 import { readEventStream } from "./sse.js";
 
@@ -158,7 +158,8 @@ export class EventSourceSubscription extends Generation {
 
   async explainClose() {
     try {
-      const resp = await fetch(gatewayURL(`/v1/streams/${encodeURIComponent(this.stream.id)}`), { cache: "no-store" });
+      const url = gatewayURL(`/v1/streams/${encodeURIComponent(this.stream.id)}`);
+      const resp = await fetch(url, { cache: "no-store", headers: authHeaders() });
       if (!resp.ok) return this.fail(await errorFromResponse(resp));
       const state = (await resp.json()).state;
       // 204 on a resume past the end: everything was delivered except the final marker.
@@ -293,7 +294,7 @@ class FetchChat extends Generation {
     this.onState("connecting");
     const resp = await fetch(gatewayURL("/v1/chat/completions"), {
       method: "POST",
-      headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
+      headers: authHeaders({ "Content-Type": "application/json", Accept: "text/event-stream" }),
       body: JSON.stringify({ ...body, stream: true }),
       signal: this.abort.signal,
     });
@@ -330,7 +331,9 @@ class WebSocketChat extends Generation {
     super(opts);
     this.cid = `chat-${Date.now().toString(36)}-${++wsRequestCounter}`;
     this.onState("connecting");
-    const ws = (this.ws = new WebSocket(gatewayURL("/v1/ws", { ws: true })));
+    const url = new URL(gatewayURL("/v1/ws", { ws: true }));
+    if (apiKey()) url.searchParams.set("api_key", apiKey()); // browsers cannot set WebSocket headers
+    const ws = (this.ws = new WebSocket(url));
     let opened = false;
     ws.onopen = () => {
       opened = true;

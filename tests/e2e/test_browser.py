@@ -1,0 +1,422 @@
+"""The browser pages (``/`` chat, ``/ab`` A/B) in headless Chromium against real gateways.
+
+Uses Debian's ``/usr/bin/chromium`` (``make browser`` installs it); Playwright's own browser
+download is never used. Screenshots go to ``test-artifacts/``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
+
+from playwright.sync_api import Browser, Page, Route, sync_playwright  # noqa: E402
+
+from tests.e2e.browser_fixtures import (  # noqa: E402
+    CHROMIUM, CHROMIUM_ARGS, ConsoleLog, CuttableProxy, aborted_total, full_stream_text,
+    start_gateway_without_engine,
+)
+from tests.procs import ARTIFACTS, start_engine, start_gateway  # noqa: E402
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: run `make browser` "
+                                                      "(apt-get install chromium)"),
+]
+
+TRANSPORTS = ["sse", "fetch", "ws"]
+API_KEY = "sk-browser-test"
+ANSWER = ".msg.assistant"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def console() -> ConsoleLog:
+    return ConsoleLog()
+
+
+@pytest.fixture
+def page(browser: Browser, console: ConsoleLog) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 1100, "height": 820}, accept_downloads=True)
+    pg = context.new_page()
+    pg.set_default_timeout(15_000)
+    console.attach(pg)
+    yield pg
+    context.close()
+
+
+@pytest.fixture(scope="module")
+def slow_gateway_url(ipc_dir: Path) -> Iterator[str]:
+    """A gateway on its own synthetic engine at 20 tokens/s: answers last long enough to stop or cut."""
+    address = f"ipc://{ipc_dir / 'browser-slow.sock'}"
+    engine = start_engine(address, "--engine", "synthetic", "--synthetic-ttft-ms", "5",
+                          "--synthetic-tokens-per-s", "20", name="engine-browser-slow")
+    try:
+        gw, url = start_gateway(address, name="gateway-browser-slow")
+    except BaseException:
+        engine.stop()
+        raise
+    yield url
+    gw.stop()
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def engineless_gateway_url(ipc_dir: Path) -> Iterator[str]:
+    proc, url = start_gateway_without_engine(f"ipc://{ipc_dir / 'browser-nobody-home.sock'}")
+    yield url
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_gateway_url(synthetic_engine: str) -> Iterator[str]:
+    """A gateway on the shared synthetic engine that requires an API key."""
+    proc, url = start_gateway(synthetic_engine, "--api-key", API_KEY, name="gateway-browser-keyed")
+    yield url
+    proc.stop()
+
+
+def shot(page: Page, name: str, full_page: bool = False) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / name), full_page=full_page)
+
+
+def ask(page: Page, text: str = "Tell me about streaming.", max_tokens: int | None = None) -> None:
+    if max_tokens is not None:
+        page.fill("#max-tokens", str(max_tokens))
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+
+
+def wait_answer_settled(page: Page, timeout: float = 15_000) -> str:
+    page.wait_for_function(
+        "s => { const m = [...document.querySelectorAll(s)].pop();"
+        " return m && ['done', 'stopped', 'error'].includes(m.dataset.state); }",
+        arg=ANSWER, timeout=timeout)
+    return page.locator(ANSWER).last.get_attribute("data-state") or ""
+
+
+def answer_text(page: Page) -> str:
+    return page.locator(f"{ANSWER} .text").last.text_content() or ""
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, name", [("/", "chat"), ("/ab", "ab")])
+def test_page_loads_without_console_errors_at_wide_and_narrow_widths(
+    page: Page, console: ConsoleLog, gateway_url: str, path: str, name: str,
+) -> None:
+    page.goto(gateway_url + path)
+    page.wait_for_function("document.querySelector('#model').textContent === 'synthetic'")
+    if name == "ab":
+        page.wait_for_function("!/measuring/.test(document.querySelector('#clock').textContent)")
+        assert "±" in (page.text_content("#clock") or "")
+    page.set_viewport_size({"width": 390, "height": 820})
+    page.wait_for_timeout(100)
+    no_overflow = page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    shot(page, f"{name}-narrow.png", full_page=True)
+    assert no_overflow, f"{path} scrolls sideways at 390 px"
+    assert page.is_hidden("#banner")
+    assert console.errors == []
+
+
+# -- chat over each transport -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_chat_answer_streams_token_by_token_over_each_transport(
+    page: Page, console: ConsoleLog, gateway_url: str, transport: str,
+) -> None:
+    page.goto(f"{gateway_url}/?transport={transport}")
+    page.wait_for_function("document.querySelector('#model').textContent === 'synthetic'")
+    # Sample the answer's length from inside the page, every few ms, to see it grow.
+    page.evaluate("""() => { window.__lens = []; window.__sampler = setInterval(() => {
+        const t = [...document.querySelectorAll('.msg.assistant .text')].pop();
+        window.__lens.push(t ? t.textContent.length : 0); }, 4); }""")
+    ask(page, max_tokens=120)
+    assert wait_answer_settled(page) == "done"
+    lens = page.evaluate("() => { clearInterval(window.__sampler); return window.__lens; }")
+    text = answer_text(page)
+    growing = sorted({n for n in lens if 0 < n < len(text)})
+    assert text.strip(), "empty answer"
+    assert len(growing) >= 3, f"text did not appear progressively (lengths seen: {growing})"
+    answer = page.locator(ANSWER).last
+    assert answer.get_attribute("data-transport") == transport
+    assert float(answer.locator('[data-metric="ttft"]').text_content() or "nan") >= 0
+    assert float(answer.locator('[data-metric="tps"]').text_content() or "nan") > 0
+    assert int(answer.locator('[data-metric="tokens"]').text_content() or "0") == 120
+    shot(page, f"chat-{transport}.png")
+    assert console.errors == []
+
+
+def test_chat_keeps_the_conversation_and_shift_enter_adds_a_newline(page: Page, gateway_url: str) -> None:
+    page.goto(f"{gateway_url}/?transport=fetch")
+    page.fill("#prompt", "first line")
+    page.press("#prompt", "Shift+Enter")
+    page.type("#prompt", "second line")
+    assert page.input_value("#prompt") == "first line\nsecond line"
+    page.fill("#max-tokens", "8")
+    page.press("#prompt", "Enter")
+    assert wait_answer_settled(page) == "done"
+    ask(page, "and again")
+    page.wait_for_function("document.querySelectorAll('.msg.assistant').length === 2")
+    assert wait_answer_settled(page) == "done"
+    assert page.locator(".msg.user .text").first.text_content() == "first line\nsecond line"
+    assert page.evaluate("document.activeElement.id") == "prompt"
+
+
+def test_chat_renders_model_output_as_text_not_html(page: Page, gateway_url: str) -> None:
+    page.goto(f"{gateway_url}/?transport=fetch")
+    evil = '<img src=x onerror="window.__pwned=1">'
+    chunk = json.dumps({"choices": [{"index": 0, "delta": {"content": evil}}]})
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, content_type="text/event-stream", body=f"data: {chunk}\n\ndata: [DONE]\n\n"))
+    ask(page)
+    assert wait_answer_settled(page) == "done"
+    assert answer_text(page) == evil
+    assert page.locator(f"{ANSWER} img").count() == 0
+    assert page.evaluate("window.__pwned === undefined")
+
+
+# -- stop -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport, how", [("sse", "button"), ("fetch", "escape"), ("ws", "button")])
+def test_stop_aborts_the_generation_in_the_engine(
+    page: Page, console: ConsoleLog, slow_gateway_url: str, transport: str, how: str,
+) -> None:
+    before = aborted_total(slow_gateway_url)
+    page.goto(f"{slow_gateway_url}/?transport={transport}")
+    ask(page, max_tokens=400)  # 20 s at 20 tokens/s
+    page.wait_for_function("s => ([...document.querySelectorAll(s)].pop()?.textContent.length ?? 0) > 10",
+                           arg=f"{ANSWER} .text")
+    if how == "escape":
+        page.keyboard.press("Escape")
+    else:
+        page.click("#stop")
+    assert wait_answer_settled(page, timeout=5_000) == "stopped"
+    stopped_at = answer_text(page)
+    if transport == "sse":
+        stream_id = page.evaluate("window.__tokenfan.streamId")
+        status = httpx.get(f"{slow_gateway_url}/v1/streams/{stream_id}", timeout=5).json()
+        assert status["state"] == "cancelled"
+    deadline = time.monotonic() + 5
+    while aborted_total(slow_gateway_url) <= before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aborted_total(slow_gateway_url) > before, "the engine request was not aborted"
+    page.wait_for_timeout(300)
+    assert answer_text(page) == stopped_at, "text kept growing after Stop"
+    assert page.is_enabled("#send") and page.is_disabled("#stop")
+    shot(page, f"chat-stopped-{transport}.png")
+    assert console.errors == []
+
+
+# -- A/B --------------------------------------------------------------------------------------------
+
+
+def test_ab_run_fills_the_table_with_identical_texts_and_exports_bench_json(
+    page: Page, console: ConsoleLog, gateway_url: str,
+) -> None:
+    page.goto(gateway_url + "/ab")
+    page.fill("#runs", "3")
+    page.fill("#max-tokens", "48")
+    page.click("#start")
+    page.wait_for_function("window.__tokenfan.result !== null", timeout=20_000)
+
+    text_a = page.text_content("#pane-A .text")
+    assert text_a and text_a == page.text_content("#pane-B .text")
+    assert page.get_attribute("#verdict", "data-identical") == "true"
+    assert "✓" in (page.text_content("#verdict") or "")
+    for arm in "AB":
+        cells = page.locator(f'#summary tr[data-arm="{arm}"] td').all_text_contents()
+        assert int(cells[0]) > 0 and all(c not in ("", "–") for c in cells), cells
+        assert cells[-1] == "0"
+    assert "95% CI" in (page.text_content("#diff") or "")
+
+    with page.expect_download() as dl:
+        page.click("#export")
+    result = json.loads(Path(dl.value.path()).read_text())
+    assert result["arms"]["A"]["transport"] == "sse" and result["arms"]["B"]["transport"] == "ws"
+    for arm in result["arms"].values():
+        m = arm["metrics"]
+        assert set(m) == {"delivery_ms", "ttft_ms", "itl_ms", "errors"}
+        assert set(m["delivery_ms"]) == {"p50", "p90", "p99", "p999", "mean", "n"}
+        assert m["delivery_ms"]["n"] > 0 and m["ttft_ms"]["n"] == 3 and m["errors"] == 0
+        assert 0 <= m["delivery_ms"]["p50"] < 1000
+    diff = result["diff_ms"]
+    assert diff["ci95"][0] <= diff["median"] <= diff["ci95"][1]
+    assert result["meta"]["runs"] == 3 and result["meta"]["texts_identical"] is True
+    assert abs(result["meta"]["clock"]["offset_ms"]) < 50  # same machine
+    shot(page, "ab.png", full_page=True)
+    assert console.errors == []
+
+
+# -- reconnect ---------------------------------------------------------------------------------------
+
+
+def test_eventsource_reconnects_with_last_event_id_without_losing_or_repeating_text(
+    page: Page, slow_gateway_url: str,
+) -> None:
+    proxy = CuttableProxy(int(slow_gateway_url.rsplit(":", 1)[1]))
+    try:
+        page.goto(f"{proxy.url}/?transport=sse")
+        ask(page, max_tokens=50)  # 2.5 s
+        page.wait_for_function("s => ([...document.querySelectorAll(s)].pop()?.textContent.length ?? 0) > 30",
+                               arg=f"{ANSWER} .text")
+        assert proxy.cut() >= 1
+        assert wait_answer_settled(page) == "done"
+        debug = page.evaluate("window.__tokenfan")
+        shot(page, "chat-reconnect.png")
+    finally:
+        proxy.close()
+    assert debug["reconnects"] >= 1, debug
+    assert debug["duplicates"] == 0, debug
+    assert answer_text(page) == full_stream_text(slow_gateway_url, debug["streamId"])
+    sent = proxy.requests_sent()
+    resumes = [h for h in sent.split("\r\n\r\n") if f"/v1/streams/{debug['streamId']}/events" in h]
+    assert len(resumes) >= 2 and "last-event-id:" in resumes[-1].lower(), resumes
+
+
+# -- errors --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_engine_down_shows_503_instead_of_hanging(
+    page: Page, engineless_gateway_url: str, transport: str,
+) -> None:
+    page.goto(f"{engineless_gateway_url}/?transport={transport}")
+    page.wait_for_function("!document.querySelector('#banner').hidden")
+    assert "Engine unavailable (503)" in (page.text_content("#banner") or "")
+    ask(page)
+    assert wait_answer_settled(page, timeout=5_000) == "error"
+    assert "Engine unavailable (503)" in (page.text_content(f"{ANSWER} .error") or "")
+    assert page.is_enabled("#send")
+    shot(page, f"chat-engine-down-{transport}.png")
+
+
+def test_ab_page_with_engine_down_shows_503(page: Page, engineless_gateway_url: str) -> None:
+    page.goto(engineless_gateway_url + "/ab")
+    page.click("#start")
+    page.wait_for_function("window.__tokenfan.state === 'idle' && window.__tokenfan.errors.length > 0")
+    assert "Engine unavailable (503)" in (page.text_content("#banner") or "")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_missing_api_key_shows_authentication_failure(
+    page: Page, keyed_gateway_url: str, transport: str,
+) -> None:
+    page.goto(f"{keyed_gateway_url}/?transport={transport}")
+    page.wait_for_function("!document.querySelector('#banner').hidden")
+    assert "Authentication failed (401)" in (page.text_content("#banner") or "")
+    ask(page)
+    assert wait_answer_settled(page, timeout=5_000) == "error"
+    assert "Authentication failed (401)" in (page.text_content(f"{ANSWER} .error") or "")
+    shot(page, f"chat-auth-failed-{transport}.png")
+
+
+def test_api_key_from_the_settings_opens_every_transport(
+    page: Page, console: ConsoleLog, keyed_gateway_url: str,
+) -> None:
+    page.goto(keyed_gateway_url + "/")
+    page.fill("#api-key", API_KEY)
+    page.press("#api-key", "Tab")  # "change" stores the key and reloads the model id
+    page.wait_for_function("document.querySelector('#model').textContent === 'synthetic'")
+    assert page.is_hidden("#banner")
+    console.errors.clear()  # the 401 of the first /v1/models, before the key was entered
+    for transport in TRANSPORTS:
+        page.check(f'input[name="transport"][value="{transport}"]')
+        ask(page, max_tokens=20)
+        assert wait_answer_settled(page) == "done", page.text_content(f"{ANSWER} .error")
+        assert answer_text(page).strip()
+    assert console.errors == []
+
+
+def test_forbidden_answer_is_shown(page: Page, gateway_url: str) -> None:
+    body = {"error": {"message": "Not allowed.", "type": "permission_error", "param": None,
+                      "code": "forbidden"}}
+    page.route("**/v1/streams", lambda route: route.fulfill(status=403, json=body))
+    page.goto(f"{gateway_url}/?transport=sse")
+    ask(page)
+    assert wait_answer_settled(page, timeout=5_000) == "error"
+    assert "Authentication failed (403): Not allowed." in (page.text_content(f"{ANSWER} .error") or "")
+
+
+def test_a_connection_that_never_delivers_times_out(page: Page, gateway_url: str) -> None:
+    held: list[Route] = []
+    page.route("**/v1/chat/completions", lambda route: held.append(route))  # never answered
+    page.goto(f"{gateway_url}/?transport=fetch&timeout_ms=1000")
+    ask(page)
+    assert wait_answer_settled(page, timeout=5_000) == "error"
+    assert "Timed out" in (page.text_content(f"{ANSWER} .error") or "")
+    assert held, "the request never reached the route"
+
+
+@pytest.mark.parametrize("cls", ["EventSourceSubscription", "WebSocketSubscription"])
+def test_subscribing_to_an_unknown_stream_reports_it_gone(page: Page, gateway_url: str, cls: str) -> None:
+    page.goto(gateway_url + "/")
+    message = page.evaluate("""async (cls) => {
+        const t = await import('/web/js/transports.js');
+        const api = await import('/web/js/api.js');
+        const sub = new t[cls]({ timeoutMs: 5000 });
+        sub.subscribe({ id: 'str-nope', events_url: '/v1/streams/str-nope/events',
+                        ws_url: '/v1/streams/str-nope/ws' });
+        try { await sub.done; return 'no error'; } catch (err) { return api.describeError(err); }
+    }""", cls)
+    assert message.startswith("Stream gone (404)"), message
+
+
+# -- pure modules, run in the browser ------------------------------------------------------------------
+
+
+def test_sse_parser_handles_any_split_and_all_line_endings(page: Page, gateway_url: str) -> None:
+    page.goto(gateway_url + "/")
+    result = page.evaluate("""async () => {
+        const { SSEParser } = await import('/web/js/sse.js');
+        const raw = ': keep-alive\\r\\n\\r\\nretry: 1000\\nid: 7\\ndata: {"a":1}\\r\\n\\r\\n'
+                  + 'event: end\\rdata: x\\rdata: y\\r\\rdata:no-space\\n\\nid: 9\\n\\n'
+                  + 'data: tail-without-blank-line';
+        const parse = (parts) => { const out = []; const p = new SSEParser((e) => out.push(e));
+                                   parts.forEach((s) => p.feed(s)); return JSON.stringify(out); };
+        const whole = parse([raw]);
+        const splits = [];
+        for (let i = 1; i < raw.length; i++) splits.push(parse([raw.slice(0, i), raw.slice(i)]));
+        return { whole: JSON.parse(whole), allSame: splits.every((s) => s === whole),
+                 byChar: parse([...raw]) === whole };
+    }""")
+    assert result["whole"] == [
+        {"event": "message", "data": '{"a":1}', "id": "7", "retry": 1000},
+        {"event": "end", "data": "x\ny", "id": None, "retry": None},
+        {"event": "message", "data": "no-space", "id": None, "retry": None},
+    ]
+    assert result["allSame"] and result["byChar"]
+
+
+def test_stats_percentiles_and_bootstrap_ci(page: Page, gateway_url: str) -> None:
+    page.goto(gateway_url + "/")
+    r = page.evaluate("""async () => {
+        const s = await import('/web/js/stats.js');
+        const a = Array.from({ length: 400 }, (_, i) => 1 + (i % 20) / 10);
+        const b = a.map((x) => x + 0.5);
+        return { sum: s.summarize([1, 2, 3, 4, 5]), empty: s.summarize([]),
+                 same: s.bootstrapMedianDiff(a, a), shifted: s.bootstrapMedianDiff(a, b),
+                 again: s.bootstrapMedianDiff(a, b) };
+    }""")
+    assert r["sum"] == {"p50": 3, "p90": 4.6, "p99": 4.96, "p999": 4.996, "mean": 3, "n": 5}
+    assert r["empty"]["n"] == 0 and r["empty"]["p50"] is None
+    assert r["same"]["median"] == 0 and r["same"]["ci95"][0] <= 0 <= r["same"]["ci95"][1]
+    assert r["shifted"]["median"] == 0.5 and r["shifted"]["ci95"][0] <= 0.5 <= r["shifted"]["ci95"][1]
+    assert r["again"] == r["shifted"], "bootstrap must be reproducible (seeded)"

@@ -250,17 +250,22 @@ def test_ab_run_fills_the_table_with_identical_texts_and_exports_bench_json(
     with page.expect_download() as dl:
         page.click("#export")
     result = json.loads(Path(dl.value.path()).read_text())
+    assert result["streams"] == 3 and result["separate_streams"] is False
     assert result["arms"]["A"]["transport"] == "sse" and result["arms"]["B"]["transport"] == "ws"
     for arm in result["arms"].values():
-        m = arm["metrics"]
-        assert set(m) == {"delivery_ms", "ttft_ms", "itl_ms", "errors"}
-        assert set(m["delivery_ms"]) == {"p50", "p90", "p99", "p999", "mean", "n"}
-        assert m["delivery_ms"]["n"] > 0 and m["ttft_ms"]["n"] == 3 and m["errors"] == 0
-        assert 0 <= m["delivery_ms"]["p50"] < 1000
+        for metric in ("delivery_ms", "ttft_ms", "itl_ms", "e2e_ms"):
+            assert set(arm[metric]) == {"n", "mean", "p50", "p90", "p99", "p99.9"}, metric
+        assert 0 < arm["live_content_events"] == arm["delivery_ms"]["n"] <= arm["content_events"]
+        assert arm["ttft_ms"]["n"] == 3 and arm["errors"] == 0 and arm["subscribers"] == 3
+        assert 0 <= arm["delivery_ms"]["p50"] < 1000
     diff = result["diff_ms"]
+    assert diff["paired"] is True and diff["n"] > 0 and diff["n_boot"] == 1000
     assert diff["ci95"][0] <= diff["median"] <= diff["ci95"][1]
-    assert result["meta"]["runs"] == 3 and result["meta"]["texts_identical"] is True
+    assert result["meta"]["texts_identical"] is True
     assert abs(result["meta"]["clock"]["offset_ms"]) < 50  # same machine
+    from gateway.bench.report import summary_md  # the bench's own report reads the export
+
+    assert "median delivery latency B - A" in summary_md(result)
     shot(page, "ab.png", full_page=True)
     assert console.errors == []
 
@@ -405,18 +410,24 @@ def test_sse_parser_handles_any_split_and_all_line_endings(page: Page, gateway_u
     assert result["allSame"] and result["byChar"]
 
 
-def test_stats_percentiles_and_bootstrap_ci(page: Page, gateway_url: str) -> None:
+def test_stats_percentiles_and_paired_bootstrap_ci(page: Page, gateway_url: str) -> None:
     page.goto(gateway_url + "/")
     r = page.evaluate("""async () => {
         const s = await import('/web/js/stats.js');
-        const a = Array.from({ length: 400 }, (_, i) => 1 + (i % 20) / 10);
-        const b = a.map((x) => x + 0.5);
+        const noise = Array.from({ length: 400 }, (_, i) => ((i * 37) % 21 - 10) / 100);
+        const shifted = noise.map((x) => x + 0.5);
+        const runs = noise.map((_, i) => i % 25);
         return { sum: s.summarize([1, 2, 3, 4, 5]), empty: s.summarize([]),
-                 same: s.bootstrapMedianDiff(a, a), shifted: s.bootstrapMedianDiff(a, b),
-                 again: s.bootstrapMedianDiff(a, b) };
+                 zero: s.pairedMedianDiff(noise, runs.map(() => 0)),
+                 shifted: s.pairedMedianDiff(shifted, runs), again: s.pairedMedianDiff(shifted, runs),
+                 none: s.pairedMedianDiff([], []) };
     }""")
-    assert r["sum"] == {"p50": 3, "p90": 4.6, "p99": 4.96, "p999": 4.996, "mean": 3, "n": 5}
-    assert r["empty"]["n"] == 0 and r["empty"]["p50"] is None
-    assert r["same"]["median"] == 0 and r["same"]["ci95"][0] <= 0 <= r["same"]["ci95"][1]
-    assert r["shifted"]["median"] == 0.5 and r["shifted"]["ci95"][0] <= 0.5 <= r["shifted"]["ci95"][1]
-    assert r["again"] == r["shifted"], "bootstrap must be reproducible (seeded)"
+    assert r["sum"] == {"n": 5, "mean": 3, "p50": 3, "p90": 4.6, "p99": 4.96, "p99.9": pytest.approx(4.996)}
+    assert r["empty"] == {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None, "p99.9": None}
+    assert r["zero"]["median"] == 0 and r["zero"]["ci95"][0] <= 0 <= r["zero"]["ci95"][1]
+    assert "token bootstrap" in r["zero"]["method"]  # one stream: too few clusters
+    lo, hi = r["shifted"]["ci95"]
+    assert r["shifted"]["median"] == pytest.approx(0.5) and lo <= 0.5 <= hi and hi - lo < 0.2
+    assert "stream-cluster" in r["shifted"]["method"] and r["shifted"]["streams"] == 25
+    assert r["again"] == r["shifted"], "the bootstrap must be reproducible (seeded)"
+    assert r["none"]["median"] is None and r["none"]["n"] == 0

@@ -1,26 +1,30 @@
 // The A/B page: one fan-out stream, an EventSource subscriber (A) and a WebSocket subscriber (B)
 // side by side, with per-token delivery latency measured in the browser.
 //
-// delivery latency = browser receive time + clock offset − engine emit time, where the receive
-// time is performance.timeOrigin + performance.now() taken before parsing, the emit time is the
-// chunk's `tokenfan.emit_ns`, and the offset comes from NTP-style `GET /v1/time` pings.
-//
-// Generation starts when the stream is created, before either subscriber is connected; the first
-// events then arrive as a replay, not live. Delivery and inter-token statistics therefore only use
-// events the gateway published after *both* subscribers were open, so both arms are measured on
-// the same tokens. TTFT (stream creation → first content event) includes the connection setup.
+// Definitions follow `tokenfan bench` (gateway/bench/stats.py), so an export from this page and a
+// bench result read the same way:
+// - delivery latency = browser receive time + clock offset − engine emit time, per *live* content
+//   event (emitted after that subscriber connected; the first events after POST /v1/streams are
+//   otherwise a replay and would measure the join delay). The receive time is
+//   performance.timeOrigin + performance.now() taken before parsing; the emit time is the chunk's
+//   `tokenfan.emit_ns`; the offset comes from NTP-style `GET /v1/time` pings.
+// - TTFT: POST /v1/streams → first content event; ITL: gaps between successive content events;
+//   E2E: POST → last chunk; tokens/s: (deltas − 1) / (last − first content event).
+// - B − A: the median of paired differences recv_B − recv_A of the same token (live in both arms,
+//   not coalesced). Both subscribers watch the same stream, so engine and gateway jitter and the
+//   clock offset cancel. 95% CI by bootstrap (stream clusters once there are enough runs).
 
 import { apiKey, createStream, describeError, epochMs, getModelId, pageParam, setApiKey } from "./api.js";
 import { Chart } from "./chart.js";
 import { estimateOffset } from "./clock.js";
-import { bootstrapMedianDiff, ecdf, quantileSorted, sorted, summarize } from "./stats.js";
+import { ecdf, pairedMedianDiff, quantileSorted, sorted, summarize } from "./stats.js";
 import { EventSourceSubscription, WebSocketSubscription } from "./transports.js";
 
 const $ = (sel, root = document) => root.querySelector(sel);
 
 const ARMS = {
-  A: { transport: "sse", label: "EventSource (SSE)", Sub: EventSourceSubscription, color: "--a" },
-  B: { transport: "ws", label: "WebSocket", Sub: WebSocketSubscription, color: "--b" },
+  A: { transport: "sse", Sub: EventSourceSubscription, color: "--a" },
+  B: { transport: "ws", Sub: WebSocketSubscription, color: "--b" },
 };
 const TIMEOUT_MS = Number(pageParam("timeout_ms", 30000));
 const BOOTSTRAP = { resamples: 1000, seed: 1 };
@@ -36,13 +40,14 @@ const timelineChart = new Chart($("#timeline"), { xLabel: "token (seq)", yLabel:
 
 const page = {
   model: null,
-  clock: null, // {offsetMs, uncertaintyMs, rttMs, samples}
+  clock: null, // {offsetMs, uncertaintyMs, rttMs, samples}: server clock = browser clock + offsetMs
   running: false,
   stopRequested: false,
   subs: [], // subscriptions of the current run
-  pooled: null, // per arm, samples over all completed runs of this batch
-  runs: [], // per run: {identical, reason, A: {...}, B: {...}}
+  runs: [], // per run: {stream_id, identical, A: SubscriberRecord, B: SubscriberRecord}
   config: null,
+  startedMs: 0,
+  wallS: 0,
 };
 const debug = (window.__tokenfan = { page: "ab", state: "idle", runs: 0, identical: null, result: null, errors: [] });
 
@@ -71,21 +76,21 @@ async function syncClock() {
   }
 }
 
-// -- one run ----------------------------------------------------------------------------------
+// -- one subscriber in one run --------------------------------------------------------------
 
-function emptyPooled() {
-  return Object.fromEntries(Object.keys(ARMS).map((k) => [k, { delivery: [], ttft: [], itl: [], errors: 0 }]));
-}
-
-/** What one arm saw in one run. */
-class ArmRun {
-  constructor(key, t0) {
+/** What one arm's subscriber saw in one run: raw samples, turned into metrics later. */
+class SubscriberRecord {
+  constructor(key, postMs, offsetMs) {
     this.key = key;
-    this.t0 = t0;
-    this.events = []; // content events: {seq, emitMs, sentMs, recvMs}
+    this.postMs = postMs;
+    this.offsetMs = offsetMs;
+    this.events = []; // content events: {seq, emitMs, recvMs, deltas}
+    this.chunks = 0;
+    this.lastChunkMs = null;
     this.text = "";
     this.error = null;
     this.reason = null;
+    this.sub = null;
     this.pane = $(`#pane-${key}`);
     this.textNode = document.createTextNode("");
     $(".text", this.pane).replaceChildren(this.textNode);
@@ -94,18 +99,32 @@ class ArmRun {
   }
 
   onChunk(chunk, recvMs) {
+    this.chunks += 1;
+    this.lastChunkMs = recvMs;
     const choice = chunk.choices && chunk.choices[0];
     const piece = choice ? (choice.delta ? choice.delta.content : choice.text) || "" : "";
     if (!piece) return;
     const tf = chunk.tokenfan;
-    this.events.push({ seq: tf.seq, emitMs: tf.emit_ns / 1e6, sentMs: tf.sent_ns / 1e6, recvMs });
+    this.events.push({ seq: tf.seq, emitMs: tf.emit_ns / 1e6, recvMs, deltas: tf.coalesced || 1 });
     this.text += piece;
     this.textNode.appendData(piece);
   }
 
-  /** Latency of each event in ms (server clock). */
-  latencies(offsetMs) {
-    return this.events.map((e) => e.recvMs + offsetMs - e.emitMs);
+  get ok() {
+    return this.error === null && this.reason === "done";
+  }
+
+  /** Server-clock time the subscriber connected (null if it never did). */
+  get connectedMs() {
+    return this.sub.openMs === null ? null : this.sub.openMs + this.offsetMs;
+  }
+
+  latency(e) {
+    return e.recvMs + this.offsetMs - e.emitMs;
+  }
+
+  isLive(e) {
+    return this.connectedMs !== null && e.emitMs >= this.connectedMs;
   }
 
   fail(err) {
@@ -116,12 +135,11 @@ class ArmRun {
     this.pane.dataset.state = "error";
   }
 
-  live(offsetMs) {
-    const state = this.pane.dataset.state;
-    const lat = this.latencies(offsetMs);
+  showLive() {
+    const lat = this.events.map((e) => this.latency(e));
     const last = lat.length ? lat[lat.length - 1] : null;
-    $(".live", this.pane).textContent = `${state} · ${this.events.length} chunks · last ${ms(last)} ms`
-      + ` · p50 ${ms(quantileSorted(sorted(lat), 0.5))} ms`;
+    $(".live", this.pane).textContent = `${this.pane.dataset.state} · ${this.events.length} chunks`
+      + ` · last ${ms(last)} ms · p50 ${ms(quantileSorted(sorted(lat), 0.5))} ms`;
   }
 }
 
@@ -129,115 +147,151 @@ async function runOnce(index, total) {
   const cfg = page.config;
   const offset = page.clock ? page.clock.offsetMs : 0;
   els.progress.textContent = `run ${index + 1} / ${total}`;
-  const t0 = epochMs();
+  const postMs = epochMs();
   const stream = await createStream({
     endpoint: "chat.completions", model: page.model ?? undefined, max_tokens: cfg.maxTokens,
     temperature: cfg.temperature, messages: [{ role: "user", content: cfg.prompt }],
   });
-  const arms = {};
+  const recs = {};
   page.subs = [];
   for (const [key, arm] of Object.entries(ARMS)) {
-    const run = (arms[key] = new ArmRun(key, t0));
-    const sub = new arm.Sub({
+    const rec = (recs[key] = new SubscriberRecord(key, postMs, offset));
+    rec.sub = new arm.Sub({
       timeoutMs: TIMEOUT_MS,
       onChunk: (chunk, recvMs) => {
-        run.onChunk(chunk, recvMs);
-        scheduleLive(arms, offset);
+        rec.onChunk(chunk, recvMs);
+        scheduleLive(recs);
       },
       onState: (s) => {
-        run.pane.dataset.state = s;
-        run.live(offset);
+        rec.pane.dataset.state = s;
+        rec.showLive();
       },
     });
-    run.sub = sub;
-    page.subs.push(sub);
-    sub.subscribe(stream);
+    page.subs.push(rec.sub);
+    rec.sub.subscribe(stream);
   }
-  await Promise.all(Object.values(arms).map((run) => run.sub.done.then(
+  await Promise.all(Object.values(recs).map((rec) => rec.sub.done.then(
     ({ reason }) => {
-      run.reason = reason;
-      run.pane.dataset.state = reason;
+      rec.reason = reason;
+      rec.pane.dataset.state = reason;
     },
-    (err) => run.fail(err),
+    (err) => rec.fail(err),
   )));
-  for (const run of Object.values(arms)) run.live(offset);
-  drawTimeline(arms, offset);
-  return record(arms, offset, stream.id);
+  for (const rec of Object.values(recs)) rec.showLive();
+  drawTimeline(recs);
+  const complete = recs.A.ok && recs.B.ok;
+  return { stream_id: stream.id, identical: complete ? recs.A.text === recs.B.text && recs.A.text !== "" : null,
+    ...recs };
 }
 
 let liveScheduled = false;
-function scheduleLive(arms, offset) {
+function scheduleLive(recs) {
   if (liveScheduled) return;
   liveScheduled = true;
   requestAnimationFrame(() => {
     liveScheduled = false;
-    for (const run of Object.values(arms)) run.live(offset);
-    drawTimeline(arms, offset);
+    for (const rec of Object.values(recs)) rec.showLive();
+    drawTimeline(recs);
   });
 }
 
-/** Pool this run's samples (live tokens only) and return the run's record. */
-function record(arms, offset, streamId) {
-  const opens = Object.values(arms).map((r) => r.sub.openMs).filter((v) => v !== null);
-  // Server-clock time after which every subscriber was connected: events published later are live.
-  const liveFromMs = opens.length ? Math.max(...opens) + offset : -Infinity;
-  const out = { stream_id: streamId, live_from_ms: liveFromMs };
-  for (const [key, run] of Object.entries(arms)) {
-    const pool = page.pooled[key];
-    const live = run.events.filter((e) => e.sentMs >= liveFromMs);
-    pool.delivery.push(...live.map((e) => e.recvMs + offset - e.emitMs));
-    for (let i = 1; i < live.length; i++) pool.itl.push(live[i].recvMs - live[i - 1].recvMs);
-    if (run.events.length) pool.ttft.push(run.events[0].recvMs - run.t0);
-    if (run.error) pool.errors += 1;
-    out[key] = { tokens: run.events.length, live_tokens: live.length, reason: run.reason,
-      error: run.error ? describeError(run.error) : null, reconnects: run.sub.reconnects,
-      duplicates: run.sub.duplicates, text: run.text };
-  }
-  const complete = arms.A.reason === "done" && arms.B.reason === "done";
-  out.identical = complete ? arms.A.text === arms.B.text && arms.A.text.length > 0 : null;
+// -- metrics (gateway/bench/stats.py definitions) ---------------------------------------------
+
+function gaps(times) {
+  const out = [];
+  for (let i = 1; i < times.length; i++) out.push(times[i] - times[i - 1]);
   return out;
+}
+
+/** One arm's metrics over all runs, keys as `tokenfan bench` arm_metrics(). */
+function armMetrics(key) {
+  const recs = page.runs.map((r) => r[key]);
+  const content = recs.flatMap((r) => r.events);
+  const errors = recs.filter((r) => r.error).map((r) => describeError(r.error));
+  const tps = recs.map((r) => {
+    const deltas = r.events.reduce((n, e) => n + e.deltas, 0);
+    const span = r.events.length ? (r.events[r.events.length - 1].recvMs - r.events[0].recvMs) / 1000 : 0;
+    return deltas >= 2 && span > 0 ? (deltas - 1) / span : null;
+  }).filter((v) => v !== null);
+  return {
+    transport: ARMS[key].transport,
+    subscribers: recs.length,
+    errors: recs.filter((r) => !r.ok).length,
+    error_examples: [...new Set(errors)].slice(0, 5),
+    events: recs.reduce((n, r) => n + r.chunks, 0),
+    content_events: content.length,
+    deltas_delivered: content.reduce((n, e) => n + e.deltas, 0),
+    coalesced_events: content.filter((e) => e.deltas > 1).length,
+    live_content_events: recs.reduce((n, r) => n + r.events.filter((e) => r.isLive(e)).length, 0),
+    deliveries_per_s: page.wallS > 0 ? content.length / page.wallS : null,
+    ttft_ms: summarize(recs.filter((r) => r.events.length).map((r) => r.events[0].recvMs - r.postMs)),
+    itl_ms: summarize(recs.flatMap((r) => gaps(r.events.map((e) => e.recvMs)))),
+    e2e_ms: summarize(recs.filter((r) => r.ok && r.lastChunkMs !== null).map((r) => r.lastChunkMs - r.postMs)),
+    delivery_ms: summarize(deliveries(key)),
+    tokens_per_s: summarize(tps),
+  };
+}
+
+function deliveries(key) {
+  return page.runs.flatMap((run) => {
+    const r = run[key];
+    return r.events.filter((e) => r.isLive(e)).map((e) => r.latency(e));
+  });
+}
+
+/** recv_B − recv_A for every token both arms received live and uncoalesced, with its run index. */
+function pairedDiffs() {
+  const diffs = [];
+  const streams = [];
+  page.runs.forEach((run, i) => {
+    const usable = (r) => new Map(r.events.filter((e) => e.deltas === 1 && r.isLive(e)).map((e) => [e.seq, e.recvMs]));
+    const a = usable(run.A);
+    for (const [seq, recvB] of usable(run.B)) {
+      if (!a.has(seq)) continue;
+      diffs.push(recvB - a.get(seq));
+      streams.push(i);
+    }
+  });
+  return pairedMedianDiff(diffs, streams, BOOTSTRAP);
 }
 
 // -- rendering --------------------------------------------------------------------------------
 
-function drawTimeline(arms, offset) {
+function drawTimeline(recs) {
   const series = [];
   let yMax = 1;
   let xMax = 1;
-  for (const [key, run] of Object.entries(arms)) {
-    const lat = run.latencies(offset);
-    const pts = run.events.map((e, i) => [e.seq, lat[i]]);
+  for (const [key, rec] of Object.entries(recs)) {
+    const pts = rec.events.map((e) => [e.seq, rec.latency(e)]);
     for (const [x, y] of pts) {
       xMax = Math.max(xMax, x);
       yMax = Math.max(yMax, y);
     }
-    series.push({ color: ARMS[key].color, points: pts, style: "line" }, { color: ARMS[key].color, points: pts, style: "dots" });
+    const color = ARMS[key].color;
+    series.push({ color, points: pts, style: "line" }, { color, points: pts, style: "dots" });
   }
   timelineChart.set(series, { xMax, yMax: yMax * 1.1 });
 }
 
 function drawCdf() {
-  const all = Object.values(page.pooled).flatMap((p) => p.delivery);
+  const perArm = Object.keys(ARMS).map((key) => [key, deliveries(key)]);
+  const all = perArm.flatMap(([, d]) => d);
   if (!all.length) return;
   const xMax = quantileSorted(sorted(all), 0.995) * 1.1 || 1;
-  cdfChart.set(Object.entries(page.pooled).map(([key, p]) => ({
-    color: ARMS[key].color, points: ecdf(p.delivery), style: "step",
-  })), { xMax, yMax: 1 });
+  cdfChart.set(perArm.map(([key, d]) => ({ color: ARMS[key].color, points: ecdf(d), style: "step" })),
+    { xMax, yMax: 1 });
 }
 
-function renderTable() {
-  for (const [key, p] of Object.entries(page.pooled)) {
-    const d = summarize(p.delivery);
-    const cells = $(`#summary tr[data-arm="${key}"]`).querySelectorAll("td");
-    const values = [String(d.n), ms(d.p50), ms(d.p90), ms(d.p99), ms(d.mean), ms(summarize(p.ttft).p50, 1),
-      ms(summarize(p.itl).p50), String(p.errors)];
-    values.forEach((v, i) => (cells[i].textContent = v));
+function renderTable(arms, diff) {
+  for (const [key, m] of Object.entries(arms)) {
+    const d = m.delivery_ms;
+    const values = [String(d.n), ms(d.p50), ms(d.p90), ms(d.p99), ms(d.mean), ms(m.ttft_ms.p50, 1),
+      ms(m.itl_ms.p50), String(m.errors)];
+    $(`#summary tr[data-arm="${key}"]`).querySelectorAll("td").forEach((cell, i) => (cell.textContent = values[i]));
   }
-  const diff = bootstrapMedianDiff(page.pooled.A.delivery, page.pooled.B.delivery, BOOTSTRAP);
-  els.diff.textContent = diff.median === null ? "–"
-    : `${diff.median >= 0 ? "+" : ""}${ms(diff.median, 3)} ms (95% CI ${ms(diff.ci95[0], 3)} … ${ms(diff.ci95[1], 3)},`
-      + ` bootstrap ×${diff.resamples})`;
-  return diff;
+  els.diff.textContent = diff.median === null ? "– (no token received live by both arms)"
+    : `${diff.median >= 0 ? "+" : ""}${ms(diff.median, 3)} ms (95% CI ${ms(diff.ci95[0], 3)} … ${ms(diff.ci95[1], 3)};`
+      + ` ${diff.method}, ${diff.n} tokens, ×${diff.n_boot})`;
 }
 
 function renderVerdict() {
@@ -250,40 +304,50 @@ function renderVerdict() {
       : `✗ Texts differ in ${judged.filter((r) => !r.identical).length} of ${judged.length} runs`;
 }
 
+function refresh() {
+  page.wallS = (epochMs() - page.startedMs) / 1000;
+  const arms = Object.fromEntries(Object.keys(ARMS).map((key) => [key, armMetrics(key)]));
+  const diff = pairedDiffs();
+  renderTable(arms, diff);
+  renderVerdict();
+  drawCdf();
+  return { arms, diff };
+}
+
 // -- batch, export -----------------------------------------------------------------------------
 
-function result() {
-  const diff = bootstrapMedianDiff(page.pooled.A.delivery, page.pooled.B.delivery, BOOTSTRAP);
-  const arms = {};
-  for (const [key, arm] of Object.entries(ARMS)) {
-    const p = page.pooled[key];
-    arms[key] = { transport: arm.transport, metrics: {
-      delivery_ms: summarize(p.delivery), ttft_ms: summarize(p.ttft), itl_ms: summarize(p.itl), errors: p.errors,
-    } };
-  }
+/** The batch in the shape of a `tokenfan bench` run result (keys the bench report reads). */
+function result({ arms, diff }) {
   const c = page.clock;
+  const events = Object.values(arms).reduce((n, a) => n + a.content_events, 0);
   return {
+    streams: page.runs.length,
+    max_tokens: page.config.maxTokens,
+    separate_streams: false,
+    wall_s: page.wallS,
     arms,
-    diff_ms: { median: diff.median, ci95: diff.ci95 },
+    diff_ms: diff,
+    server: { url: location.origin, cpu_s: null, deliveries_per_s: page.wallS > 0 ? events / page.wallS : null },
     meta: {
-      source: "tokenfan web /ab",
-      created: new Date().toISOString(),
-      gateway: location.origin,
+      command: ["tokenfan-web", "/ab", `--runs=${page.config.runs}`, `--max-tokens=${page.config.maxTokens}`],
+      source: "browser A/B page (/ab)",
+      time: new Date().toISOString().replace(/\.\d+Z$/, "Z"),
+      seed: BOOTSTRAP.seed,
+      versions: { python: null, browser: navigator.userAgent },
+      machine: { platform: navigator.platform, cpus: navigator.hardwareConcurrency, cpu_model: null },
+      url: location.origin,
       model: page.model,
       prompt: page.config.prompt,
-      max_tokens: page.config.maxTokens,
       temperature: page.config.temperature,
-      runs: page.runs.length,
       runs_requested: page.config.runs,
       texts_identical: debug.identical,
       clock: c && { offset_ms: c.offsetMs, uncertainty_ms: c.uncertaintyMs, rtt_ms: c.rttMs, pings: c.samples },
-      delivery: "browser receive (performance.timeOrigin + now) + clock offset − engine emit_ns; live tokens only",
-      bootstrap: BOOTSTRAP,
-      user_agent: navigator.userAgent,
-      per_run: page.runs.map(({ stream_id, identical, A, B }) => ({
-        stream_id, identical,
-        A: { tokens: A.tokens, live_tokens: A.live_tokens, reason: A.reason, error: A.error, reconnects: A.reconnects },
-        B: { tokens: B.tokens, live_tokens: B.live_tokens, reason: B.reason, error: B.error, reconnects: B.reconnects },
+      per_run: page.runs.map((run) => ({
+        stream_id: run.stream_id, identical: run.identical,
+        ...Object.fromEntries(Object.keys(ARMS).map((k) => [k, {
+          content_events: run[k].events.length, reason: run[k].reason,
+          error: run[k].error && describeError(run[k].error), reconnects: run[k].sub.reconnects,
+        }])),
       })),
     },
   };
@@ -306,20 +370,19 @@ async function startBatch() {
   };
   if (!page.config.prompt) return;
   els.banner.hidden = true;
-  page.pooled = emptyPooled();
   page.runs = [];
   page.stopRequested = false;
   debug.result = null;
+  let summary = null;
   setRunning(true);
   try {
     if (page.model === null) await loadModel();
     await syncClock();
+    page.startedMs = epochMs();
     for (let i = 0; i < page.config.runs && !page.stopRequested; i++) {
       page.runs.push(await runOnce(i, page.config.runs));
       debug.runs = page.runs.length;
-      renderTable();
-      renderVerdict();
-      drawCdf();
+      summary = refresh();
     }
     els.progress.textContent = page.stopRequested ? `stopped after ${page.runs.length} runs`
       : `done: ${page.runs.length} runs`;
@@ -328,8 +391,8 @@ async function startBatch() {
     debug.errors.push(describeError(err));
     els.progress.textContent = "failed";
   } finally {
-    if (page.runs.length) {
-      debug.result = result();
+    if (summary) {
+      debug.result = result(summary);
       els.exportBtn.disabled = false;
     }
     setRunning(false);
@@ -343,24 +406,14 @@ function stopBatch() {
 }
 
 function exportJSON() {
-  const blob = new Blob([JSON.stringify(result(), null, 2)], { type: "application/json" });
+  if (!debug.result) return;
+  const blob = new Blob([JSON.stringify(debug.result, null, 2)], { type: "application/json" });
   const a = document.createElement("a");
   a.href = URL.createObjectURL(blob);
-  a.download = `tokenfan-ab-${new Date().toISOString().replace(/[:.]/g, "-")}.json`;
+  a.download = `tokenfan-ab-${debug.result.meta.time.replace(/[:]/g, "-")}.json`;
   a.click();
   setTimeout(() => URL.revokeObjectURL(a.href), 1000);
 }
-
-els.form.addEventListener("submit", (e) => {
-  e.preventDefault();
-  startBatch();
-});
-els.stop.addEventListener("click", stopBatch);
-els.exportBtn.addEventListener("click", exportJSON);
-els.resync.addEventListener("click", syncClock);
-document.addEventListener("keydown", (e) => {
-  if (e.key === "Escape") stopBatch();
-});
 
 function loadModel() {
   return getModelId().then(
@@ -376,10 +429,21 @@ function loadModel() {
   );
 }
 
+els.form.addEventListener("submit", (e) => {
+  e.preventDefault();
+  startBatch();
+});
+els.stop.addEventListener("click", stopBatch);
+els.exportBtn.addEventListener("click", exportJSON);
+els.resync.addEventListener("click", syncClock);
 els.apiKey.value = apiKey();
 els.apiKey.addEventListener("change", () => {
   setApiKey(els.apiKey.value.trim());
   loadModel();
 });
+document.addEventListener("keydown", (e) => {
+  if (e.key === "Escape") stopBatch();
+});
+
 loadModel();
 syncClock();

@@ -25,18 +25,14 @@ export function median(values) {
   return quantileSorted(sorted(values), 0.5);
 }
 
-/** {p50, p90, p99, p999, mean, n}: the `tokenfan bench` summary of one metric (null when no samples). */
+/**
+ * {n, mean, p50, p90, p99, "p99.9"}: the `tokenfan bench` summary of one metric (gateway/bench/stats.py
+ * summary_ms); every statistic is null when there are no samples.
+ */
 export function summarize(values) {
   const s = sorted(values);
-  const r = (x) => (Number.isFinite(x) ? Math.round(x * 1000) / 1000 : null);
-  return {
-    p50: r(quantileSorted(s, 0.5)),
-    p90: r(quantileSorted(s, 0.9)),
-    p99: r(quantileSorted(s, 0.99)),
-    p999: r(quantileSorted(s, 0.999)),
-    mean: r(mean(s)),
-    n: s.length,
-  };
+  const q = (p) => (s.length ? quantileSorted(s, p) : null);
+  return { n: s.length, mean: s.length ? mean(s) : null, p50: q(0.5), p90: q(0.9), p99: q(0.99), "p99.9": q(0.999) };
 }
 
 /** Deterministic PRNG (mulberry32) so an exported CI can be reproduced from the same samples. */
@@ -51,34 +47,46 @@ export function rng(seed) {
   };
 }
 
-function resampleMedian(values, rand, scratch) {
-  const n = values.length;
-  for (let i = 0; i < n; i++) scratch[i] = values[(rand() * n) | 0];
-  scratch.sort();
-  return quantileSorted(scratch, 0.5);
+/**
+ * Medians of `resamples` bootstrap resamples of `values`. With `clusters` (one label per value),
+ * whole clusters are drawn with replacement: tokens of one stream are not independent, and an
+ * i.i.d. token bootstrap would give intervals that are too narrow.
+ */
+export function bootstrapMedians(values, clusters = null, { resamples = 1000, seed = 1 } = {}) {
+  const rand = rng(seed);
+  const groups = new Map();
+  values.forEach((v, i) => {
+    const key = clusters ? clusters[i] : i;
+    if (!groups.has(key)) groups.set(key, []);
+    groups.get(key).push(v);
+  });
+  const parts = [...groups.values()];
+  const out = new Float64Array(resamples);
+  for (let r = 0; r < resamples; r++) {
+    const draw = [];
+    for (let k = 0; k < parts.length; k++) draw.push(...parts[(rand() * parts.length) | 0]);
+    out[r] = quantileSorted(Float64Array.from(draw).sort(), 0.5);
+  }
+  return out;
 }
 
+/** Fewer streams than this: resample tokens i.i.d. (as gateway/bench/stats.py MIN_CLUSTERS). */
+export const MIN_CLUSTERS = 20;
+
 /**
- * Median of B − median of A with a percentile-bootstrap 95% CI: each resample draws A and B
- * independently with replacement.
- * @returns {{median: number|null, ci95: [number, number]|null, resamples: number}}
+ * Median of paired differences (e.g. recv_B − recv_A of the same token) with a percentile
+ * bootstrap 95% CI, in the shape of `tokenfan bench`'s `diff_ms`.
+ * @param {number[]} diffs
+ * @param {Array} streams  the stream (cluster) of each difference
  */
-export function bootstrapMedianDiff(a, b, { resamples = 1000, seed = 1 } = {}) {
-  const A = sorted(a);
-  const B = sorted(b);
-  if (!A.length || !B.length) return { median: null, ci95: null, resamples: 0 };
-  const rand = rng(seed);
-  const sa = new Float64Array(A.length);
-  const sb = new Float64Array(B.length);
-  const diffs = new Float64Array(resamples);
-  for (let i = 0; i < resamples; i++) diffs[i] = resampleMedian(B, rand, sb) - resampleMedian(A, rand, sa);
-  diffs.sort();
-  const r = (x) => Math.round(x * 1000) / 1000;
-  return {
-    median: r(quantileSorted(B, 0.5) - quantileSorted(A, 0.5)),
-    ci95: [r(quantileSorted(diffs, 0.025)), r(quantileSorted(diffs, 0.975))],
-    resamples,
-  };
+export function pairedMedianDiff(diffs, streams, { resamples = 1000, seed = 1 } = {}) {
+  const nStreams = new Set(streams).size;
+  const clustered = nStreams >= MIN_CLUSTERS;
+  const base = { paired: true, n: diffs.length, streams: nStreams, n_boot: resamples, seed,
+    method: "paired per token, " + (clustered ? "stream-cluster bootstrap" : "token bootstrap (few streams)") };
+  if (!diffs.length) return { median: null, ci95: null, ...base };
+  const boots = bootstrapMedians(diffs, clustered ? streams : null, { resamples, seed }).sort();
+  return { median: median(diffs), ci95: [quantileSorted(boots, 0.025), quantileSorted(boots, 0.975)], ...base };
 }
 
 /** Points of the empirical CDF: [[x, F(x)], ...] for sorted x. */

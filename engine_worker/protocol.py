@@ -123,6 +123,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True):
     waiting: int
     ping_sent_ns: int
     sent_ns: int
+    bad_frames: int = 0  # malformed frames the engine dropped since it started
 
 
 Message = Union[Submit, Abort, Ping, Accepted, DeltaBatch, Error, Heartbeat]

@@ -127,6 +127,7 @@ class EngineServer:
         return p.Heartbeat(
             engine_id=self.engine_id, backend=info.kind, model=info.model, max_model_len=info.max_model_len,
             running=running, waiting=waiting, ping_sent_ns=ping_sent_ns, sent_ns=p.now_ns(),
+            bad_frames=self.stats.bad_frames,
         )
 
     def _on_submit(self, identity: bytes, msg: p.Submit) -> None:

@@ -37,7 +37,10 @@ class Metrics:
         self.engine_up = Gauge("tokenfan_engine_up", "1 while the engine answers heartbeats", registry=r)
         self.engine_queue = Gauge("tokenfan_engine_queue_depth", "Requests waiting in the engine", registry=r)
         self.engine_running = Gauge("tokenfan_engine_running", "Requests generating in the engine", registry=r)
-        self.bad_frames = Gauge("tokenfan_bad_frames", "Malformed frames dropped from the engine link", registry=r)
+        self.bad_frames = Gauge("tokenfan_bad_frames", "Malformed frames the gateway dropped from the engine link",
+                                registry=r)
+        self.engine_bad_frames = Gauge("tokenfan_engine_bad_frames", "Malformed frames the engine dropped "
+                                       "(from any peer), as of its last heartbeat", registry=r)
         for t in ("sse", "ws"):  # export both transports from the start, at 0
             self.active_streams.labels(t)
             self.subscribers.labels(t)

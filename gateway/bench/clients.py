@@ -55,7 +55,7 @@ class Plan:
 class Recorder:
     """Everything one subscriber saw."""
 
-    __slots__ = ("stream", "post_ns", "connected_ns", "done", "error", "seq", "recv", "emit", "deltas", "content")
+    __slots__ = ("connected_ns", "content", "deltas", "done", "emit", "error", "post_ns", "recv", "seq", "stream")
 
     def __init__(self, stream: int, post_ns: int) -> None:
         self.stream, self.post_ns, self.connected_ns = stream, post_ns, 0
@@ -102,6 +102,16 @@ def to_samples(transport: str, recs: list[Recorder]) -> ArmSamples:
 # -- subscribers ------------------------------------------------------------------------------
 
 
+async def _let_others_stamp() -> None:
+    """Yield once between taking a receive time and parsing.
+
+    When several subscribers' data arrive in one event-loop iteration, their coroutines resume one
+    after the other; without this, the second one's timestamp would include the first one's
+    parsing, a fixed per-stream order bias between two subscribers of the same stream.
+    """
+    await asyncio.sleep(0)
+
+
 async def subscribe_sse(http: httpx.AsyncClient, url: str, rec: Recorder) -> None:
     async with http.stream("GET", url, headers={"Accept": "text/event-stream"}) as r:
         rec.connected_ns = time.time_ns()
@@ -111,6 +121,7 @@ async def subscribe_sse(http: httpx.AsyncClient, url: str, rec: Recorder) -> Non
         dec = SseDecoder()
         async for data in r.aiter_raw():
             t = time.time_ns()  # before parsing: every event completed by this read arrived now
+            await _let_others_stamp()
             for ev in dec.feed(data):
                 if ev.data == b"[DONE]":
                     rec.done = True
@@ -128,6 +139,7 @@ async def subscribe_ws(url: str, rec: Recorder) -> None:
         rec.connected_ns = time.time_ns()
         async for raw in ws:
             t = time.time_ns()
+            await _let_others_stamp()
             msg = orjson.loads(raw)
             kind = msg["type"]
             if kind == "chunk":

@@ -12,6 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -52,7 +53,7 @@ class Spawned:
         if self.tmpdir is not None:
             self.tmpdir.cleanup()
 
-    def __enter__(self) -> Spawned:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -71,7 +72,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float,
     while time.monotonic() < deadline:
         for p in procs:
             if p.poll() is not None:
-                raise RuntimeError(f"{p.args} exited with {p.returncode}; see {log}")
+                raise RuntimeError(f"{p.args!r} exited with {p.returncode}; see {log}")
         try:
             if httpx.get(url + "/health", timeout=1.0, trust_env=False).status_code == 200:
                 return

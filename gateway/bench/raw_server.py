@@ -61,7 +61,7 @@ class RawServer:
         now = time.time_ns()
         data = CHUNK % (s.id.encode(), now // 1_000_000_000, delta, finish, seq, now, now)
         frame = http_chunk(b"id: %d\ndata: %b\n\n" % (seq, data))
-        text = '{"type":"chunk","seq":%d,"data":%s}' % (seq, data.decode())
+        text = f'{{"type":"chunk","seq":{seq},"data":{data.decode()}}}'
         s.frames.append((frame, text))
         for w in s.sse:
             w.write(frame)

@@ -55,7 +55,7 @@ def baseline_result(gw: dict[str, Any], raw: dict[str, Any], rate: float) -> dic
 
 
 def meta(argv: list[str], seed: int) -> dict[str, Any]:
-    versions = {"python": sys.version.split()[0]}
+    versions: dict[str, str | None] = {"python": sys.version.split()[0]}
     for pkg in ("tokenfan", "httpx", "websockets", "numpy", "uvicorn", "starlette", "uvloop", "orjson"):
         try:
             versions[pkg] = metadata.version(pkg)
@@ -124,8 +124,8 @@ def summary_md(results: dict[str, Any]) -> str:
            "", arm_table(results), "", diff_line(results), "", server_line(results), ""]
     if "baseline" in results:
         b = results["baseline"]
-        out += ["## Raw floor", "", f"Same clients against `gateway/bench/raw_server.py` at {b['tokens_per_s']:g} "
-                "tokens/s per stream.", "", arm_table(b["run"]), "", server_line(b["run"]), "",
+        out += ["## Raw floor", "", (f"Same clients against `gateway/bench/raw_server.py` at {b['tokens_per_s']:g} "
+                 "tokens/s per stream."), "", arm_table(b["run"]), "", server_line(b["run"]), "",
                 f"Gateway deliveries/s = {b['deliveries_per_s_ratio']:.2f} × raw"
                 + (f"; deliveries per CPU-second = {b['deliveries_per_cpu_s_ratio']:.3f} × raw "
                    f"(gateway CPU per token = {b['cpu_per_token_ratio']:.1f} × raw)"
@@ -136,8 +136,8 @@ def summary_md(results: dict[str, Any]) -> str:
             out.append(f"- {rate} tokens/s: saturation (p99 delivery > {results['saturation_threshold_ms']:g} ms) at "
                        + ", ".join(f"{t} = {n if n is not None else 'not reached'}" for t, n in sat.items()))
         out.append("")
-    out += ["Definitions: see `gateway/bench/stats.py` (TTFT, ITL, E2E as in `vllm bench serve`; delivery = "
-            "client receive − engine emit, live events only)."]
+    out.append("Definitions: see `gateway/bench/stats.py` (TTFT, ITL, E2E as in `vllm bench serve`; delivery = "
+               "client receive − engine emit, live events only).")
     return "\n".join(out)
 
 

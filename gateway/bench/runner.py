@@ -7,6 +7,7 @@ import multiprocessing as mp
 import queue
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import httpx
@@ -15,8 +16,8 @@ from tqdm import tqdm
 from gateway.bench.clients import ARMS, Plan, worker_main
 from gateway.bench.stats import ArmSamples
 
-_CPU = re.compile(rb"^process_cpu_seconds_total (\S+)$", re.M)
-_SENT = re.compile(rb'^tokenfan_chunks_sent_total\{transport="(\w+)"\} (\S+)$', re.M)
+_CPU = re.compile(rb"^process_cpu_seconds_total (\S+)$", re.MULTILINE)
+_SENT = re.compile(rb'^tokenfan_chunks_sent_total\{transport="(\w+)"\} (\S+)$', re.MULTILINE)
 
 
 @dataclass
@@ -69,12 +70,13 @@ def run_clients(plan: Plan, workers: int, desc: str = "bench", progress_bar: boo
                sent={t: sent1.get(t, 0.0) - sent0.get(t, 0.0) for t in sent1})
 
 
-def _collect(procs: list[mp.process.BaseProcess], results: mp.queues.Queue, progress: mp.sharedctypes.Synchronized,
+def _collect(procs: Sequence[mp.process.BaseProcess], results: mp.queues.Queue, progress: mp.sharedctypes.Synchronized,
              plan: Plan, desc: str, progress_bar: bool) -> dict[int, dict[str, ArmSamples]]:
     got: dict[int, dict[str, ArmSamples]] = {}
-    by_time = plan.duration is not None
-    bar = tqdm(total=round(plan.duration) if by_time else plan.streams, desc=desc, unit="s" if by_time else "stream",
-               disable=not progress_bar, leave=False, dynamic_ncols=True)
+    duration = plan.duration
+    bar = tqdm(total=round(duration) if duration is not None else plan.streams, desc=desc,
+               unit="s" if duration is not None else "stream", disable=not progress_bar, leave=False,
+               dynamic_ncols=True)
     t0 = time.monotonic()
     with bar:
         while len(got) < len(procs):
@@ -86,7 +88,7 @@ def _collect(procs: list[mp.process.BaseProcess], results: mp.queues.Queue, prog
                 if dead:
                     raise RuntimeError(f"bench client {dead[0].name} exited with {dead[0].exitcode}")
             done = progress.value
-            bar.n = min(bar.total, int(time.monotonic() - t0)) if by_time else min(done, plan.streams)
+            bar.n = min(bar.total, int(time.monotonic() - t0)) if duration is not None else min(done, plan.streams)
             bar.set_postfix_str(f"{done} streams done", refresh=False)
             bar.refresh()
     return got

@@ -41,6 +41,7 @@ import numpy as np
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 MIN_CLUSTERS = 20
+ALTERNATE_AA = False
 NS_PER_MS = 1e6
 
 
@@ -215,7 +216,7 @@ def median_difference(a: ArmSamples, b: ArmSamples, *, paired: bool, n_boot: int
     """Median B - A delivery latency (ms) with a bootstrap 95% CI (see the module docstring)."""
     rng = np.random.default_rng(seed)
     if paired:
-        alternate = a.transport == b.transport
+        alternate = ALTERNATE_AA and a.transport == b.transport
         d, s = paired_differences(a, b, alternate=alternate)
         n_clusters = int(np.unique(s).size)
         clusters = s if n_clusters >= MIN_CLUSTERS else np.arange(d.size)

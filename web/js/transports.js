@@ -137,7 +137,10 @@ export class EventSourceSubscription extends Generation {
     if (this.settled || this.stopping) return;
     if (typeof e.data === "string") {
       // The server's own `event: error`, with an OpenAI error body.
-      this.fail(apiErrorFromBody(JSON.parse(e.data)));
+      const err = apiErrorFromBody(JSON.parse(e.data));
+      // A subscriber that fell behind is dropped and told to resume: EventSource reconnects with
+      // Last-Event-ID by itself once the server closes the response.
+      if (err.code !== "slow_consumer") this.fail(err);
       return;
     }
     if (this.es.readyState === EventSource.CONNECTING) {

@@ -7,6 +7,7 @@ Transports stay thin: they move the chunk objects :mod:`gateway.generation` prod
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -53,6 +54,7 @@ class Gateway:
     hub: StreamHub = field(init=False)
     policy: SlowConsumerPolicy = field(init=False)
     draining: bool = False
+    active: collections.Counter[str | None] = field(default_factory=collections.Counter)
 
     def __post_init__(self) -> None:
         self.hub = StreamHub(self.config.retention)
@@ -82,13 +84,37 @@ class Gateway:
                            param="model", code="model_not_found")
         return served
 
-    async def open(self, parsed: ParsedRequest) -> tuple[RequestHandle, ChunkBuilder]:
+    def _admit(self, key: str | None) -> None:
+        total = sum(self.active.values())
+        if total >= self.config.max_concurrent:
+            raise APIError(429, f"Too many concurrent generations ({total}); the limit is "
+                                f"{self.config.max_concurrent}.", type="rate_limit_error",
+                           code="too_many_requests", retry_after=1.0)
+        per_key = self.config.max_concurrent_per_key
+        if per_key and key is not None and self.active[key] >= per_key:
+            raise APIError(429, f"This API key has {self.active[key]} generations in flight; the limit is "
+                                f"{per_key}.", type="rate_limit_error", code="too_many_requests", retry_after=1.0)
+
+    def _release(self, key: str | None) -> None:
+        self.active[key] -= 1
+        if self.active[key] <= 0:
+            del self.active[key]
+
+    async def open(self, parsed: ParsedRequest, key: str | None = None) -> tuple[RequestHandle, ChunkBuilder]:
         """Submit to the engine and wait until it accepted (prompt validated); raises APIError."""
         model = self.check_model(parsed.model)
+        self._admit(key)
         rid = new_id(parsed.endpoint)
         handle = self.engine.submit(parsed.to_submit(rid, trace_id=rid))
+        self.active[key] += 1
+        handle.on_close.append(lambda: self._release(key))
         try:
-            await handle.wait_accepted(self.config.accept_timeout)
+            prompt_tokens = await handle.wait_accepted(self.config.accept_timeout)
+            limit = self.config.max_prompt_tokens
+            if limit and prompt_tokens > limit:
+                raise APIError(400, f"The prompt has {prompt_tokens} tokens; this server accepts at most {limit}.",
+                               param="messages" if parsed.endpoint == "chat.completions" else "prompt",
+                               code="prompt_too_long")
         except BaseException:
             handle.close()
             raise
@@ -123,7 +149,7 @@ def completions_route(endpoint: Endpoint):  # type: ignore[no-untyped-def]
         try:
             body = await read_body(request, gw.config.max_body_bytes)
             parsed = parse_request(endpoint, body, gw.config.limits)
-            handle, builder = await gw.open(parsed)
+            handle, builder = await gw.open(parsed, request.scope.get("state", {}).get("api_key"))
         except APIError as exc:
             gw.metrics.requests.labels(name, str(exc.status)).inc()
             gw.metrics.errors.labels("client" if exc.status < 500 else "engine").inc()
@@ -288,7 +314,7 @@ class WsSession:
         last: float | None = None
         try:
             parsed = parse_request(endpoint, orjson.dumps(body), gw.config.limits)
-            handle, builder = await gw.open(parsed)
+            handle, builder = await gw.open(parsed, self.ws.scope.get("state", {}).get("api_key"))
             async for ev in chunk_events(handle, builder):
                 assert ev is not None
                 if ev.text:

@@ -92,6 +92,7 @@ class AuthMiddleware:
         if key is None and ws:
             key = (query.get("api_key") or [None])[0]
         if self.auth.key_ok(key):
+            scope.setdefault("state", {})["api_key"] = key  # for per-key limits
             return None
         m = _SUBSCRIBE.match(path)
         token = (query.get("token") or [None])[0]

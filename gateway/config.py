@@ -30,6 +30,9 @@ class GatewayConfig:
     sse_retry_ms: int = 1000
     inject_delay: dict[str, float] = field(default_factory=dict)  # transport -> seconds (diagnostic)
     shutdown_grace: float = 10.0
+    max_concurrent: int = 4096
+    max_concurrent_per_key: int = 0
+    max_prompt_tokens: int = 0
     api_keys: tuple[str, ...] = ()
     token_secret: str | None = None
     stream_token_ttl: float = 3600.0
@@ -87,6 +90,13 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--inject-delay", action="append", default=[], metavar="TRANSPORT:MS",
                    help="DIAGNOSTIC: delay every write of a transport (sse|ws) by MS ms, for bench "
                         "calibration; off by default [TOKENFAN_INJECT_DELAY]")
+    g.add_argument("--max-concurrent", type=int, default=env("max_concurrent", d.max_concurrent, int),
+                   help="generations in flight in this gateway (429 above) [TOKENFAN_MAX_CONCURRENT]")
+    g.add_argument("--max-concurrent-per-key", type=int,
+                   default=env("max_concurrent_per_key", d.max_concurrent_per_key, int),
+                   help="generations in flight per API key, 0 = no per-key limit [TOKENFAN_MAX_CONCURRENT_PER_KEY]")
+    g.add_argument("--max-prompt-tokens", type=int, default=env("max_prompt_tokens", d.max_prompt_tokens, int),
+                   help="prompt length limit in tokens, 0 = only the model's context [TOKENFAN_MAX_PROMPT_TOKENS]")
     g.add_argument("--api-key", dest="api_keys", action="append", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* (repeatable; env: comma-separated) "
                         "[TOKENFAN_API_KEYS]")
@@ -132,6 +142,8 @@ def gateway_config_from_args(ns: argparse.Namespace, engine_address: str) -> Gat
         policy=SlowConsumerPolicy(coalesce_after=ns.coalesce_after, send_timeout=ns.send_timeout),
         sse_retry_ms=ns.sse_retry_ms, shutdown_grace=ns.shutdown_grace,
         inject_delay=parse_inject_delay(ns.inject_delay or [x for x in [env("inject_delay", "")] if x]),
+        max_concurrent=ns.max_concurrent, max_concurrent_per_key=ns.max_concurrent_per_key,
+        max_prompt_tokens=ns.max_prompt_tokens,
         api_keys=tuple(ns.api_keys) if ns.api_keys else _csv(env("api_keys", "")),
         token_secret=ns.token_secret, stream_token_ttl=ns.stream_token_ttl,
         allowed_origins=_csv(ns.allowed_origins), cors_origins=_csv(ns.cors_origins),

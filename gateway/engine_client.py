@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class RequestHandle:
     """Events of one request: an ``Accepted`` first, then deltas, or an ``APIError``."""
 
-    __slots__ = ("request_id", "trace_id", "_queue", "accepted", "done", "_client")
+    __slots__ = ("request_id", "trace_id", "_queue", "accepted", "done", "_client", "on_close")
 
     def __init__(self, client: EngineClient, request_id: str, trace_id: str) -> None:
         self._client = client
@@ -37,6 +37,7 @@ class RequestHandle:
         self._queue: asyncio.Queue[p.Delta | APIError] = asyncio.Queue()
         self.accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.done = False
+        self.on_close: list[Callable[[], None]] = []
 
     def _push(self, item: p.Delta | APIError) -> None:
         self._queue.put_nowait(item)
@@ -76,6 +77,9 @@ class RequestHandle:
 
     def close(self) -> None:
         """Forget the request; abort it in the engine if it had not finished (sync: safe in ``finally``)."""
+        callbacks, self.on_close = self.on_close, []
+        for cb in callbacks:
+            cb()
         self._client._forget(self.request_id, abort=not self.done)
 
 

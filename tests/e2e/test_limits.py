@@ -1,0 +1,41 @@
+"""Configurable limits answer 413 / 429 + Retry-After / 400 in the OpenAI shape, and free up again."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.e2e.helpers import wait_until
+from tests.procs import start_gateway
+
+
+def test_concurrency_per_key_and_total_and_prompt_tokens(synthetic_engine: str) -> None:
+    proc, url = start_gateway(synthetic_engine, "--api-key", "k1", "--api-key", "k2", "--max-concurrent", "2",
+                              "--max-concurrent-per-key", "1", "--max-prompt-tokens", "10",
+                              "--max-body-bytes", "2000", "--max-subscribers", "1", name="gateway-limits")
+    h1, h2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
+    long = {"endpoint": "completions", "prompt": "x", "max_tokens": 1500}
+    try:
+        s1 = httpx.post(url + "/v1/streams", json=long, headers=h1)
+        assert s1.status_code == 201
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=h1)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert httpx.post(url + "/v1/streams", json=long, headers=h2).status_code == 201
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=h2)
+        assert r.status_code == 429  # k2 is at its own limit; the total is also 2
+        httpx.delete(f"{url}/v1/streams/{s1.json()['id']}", headers=h1)
+        wait_until(lambda: httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                                      headers=h1).status_code == 200, what="slot freed after cancel")
+        r = httpx.post(url + "/v1/completions", json={"prompt": "one two three four five six seven eight nine ten "
+                                                                "eleven twelve", "max_tokens": 2}, headers=h1)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_too_long"
+        r = httpx.post(url + "/v1/completions", content=b'{"prompt":"' + b"x" * 3000 + b'"}', headers=h1)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        # one subscriber per stream
+        s3 = httpx.post(url + "/v1/streams", json={**long, "max_tokens": 300}, headers=h1).json()
+        with httpx.stream("GET", s3["events_url"]) as first:
+            assert any(line.startswith("id: ") for line in first.iter_lines())  # subscribed and receiving
+            second = httpx.get(s3["events_url"])
+            assert second.status_code == 429 and second.json()["error"]["code"] == "too_many_subscribers"
+    finally:
+        proc.stop()

@@ -265,7 +265,7 @@ async def _sleep_until(t: float) -> None:
 
 def worker_main(plan: Plan, progress: Any, ready: Any, go: Any, start_at: Any, results: Any) -> None:
     """Process entry point: warm up, report ready, wait for the common start time, run the plan,
-    put ``(worker, samples)`` on ``results``."""
+    put ``(worker, samples, CPU seconds used)`` on ``results``."""
     try:
         import uvloop
 
@@ -278,4 +278,5 @@ def worker_main(plan: Plan, progress: Any, ready: Any, go: Any, start_at: Any, r
         go.wait()  # blocks this worker's loop on purpose: nothing of the run has started yet
         return float(start_at.value)
 
-    results.put((plan.worker, runner(Worker(plan, progress).run(wait_for_start))))
+    samples = runner(Worker(plan, progress).run(wait_for_start))
+    results.put((plan.worker, samples, time.process_time()))

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 from websockets.asyncio.server import ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidState
 
 WORDS = [b" The", b" gateway", b" writes", b" every", b" token", b" to", b" each", b" subscriber", b"."]
 CHUNK = (b'{"id":"%s","object":"chat.completion.chunk","created":%d,"model":"raw","system_fingerprint":null,'
@@ -38,6 +40,15 @@ class RawStream:
     sse: set[asyncio.StreamWriter] = field(default_factory=set)
     ws: set[ServerConnection] = field(default_factory=set)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def ws_write(s: RawStream, ws: ServerConnection, payload: bytes) -> None:
+    """Frame and write without awaiting (no lock, no drain): the floor, not a robust server."""
+    try:
+        ws.protocol.send_text(payload)
+        ws.send_data()
+    except (InvalidState, ConnectionClosed):
+        s.ws.discard(ws)
 
 
 def http_chunk(payload: bytes) -> bytes:
@@ -63,13 +74,15 @@ class RawServer:
         frame = http_chunk(b"id: %d\ndata: %b\n\n" % (seq, data))
         text = f'{{"type":"chunk","seq":{seq},"data":{data.decode()}}}'
         s.frames.append((frame, text))
-        for w in s.sse:
-            w.write(frame)
+        for w in list(s.sse):
+            if w.is_closing():
+                s.sse.discard(w)
+            else:
+                w.write(frame)
         self.sent["sse"] += len(s.sse)
-        for ws in s.ws:
-            # Queue the frame without awaiting: the websockets connection writes it immediately.
-            ws.protocol.send_text(text.encode())
-            ws.send_data()
+        payload = text.encode()
+        for ws in list(s.ws):
+            ws_write(s, ws, payload)
         self.sent["ws"] += len(s.ws)
 
     async def tick(self, s: RawStream) -> None:
@@ -86,9 +99,8 @@ class RawServer:
         s.finished.set()
         for w in s.sse:
             w.write(SSE_DONE)
-        for ws in s.ws:
-            ws.protocol.send_text(b'{"type":"done"}')
-            ws.send_data()
+        for ws in list(s.ws):
+            ws_write(s, ws, b'{"type":"done"}')
 
     # -- HTTP -----------------------------------------------------------------------------------
 
@@ -199,11 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
 
-        uvloop.run(server.serve())
+        runner: Any = uvloop.run
     except ImportError:
-        asyncio.run(server.serve())
-    except KeyboardInterrupt:
-        pass
+        runner = asyncio.run
+    with contextlib.suppress(KeyboardInterrupt):
+        runner(server.serve())
     return 0
 
 

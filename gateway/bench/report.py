@@ -40,6 +40,8 @@ def run_result(run: Run, *, n_boot: int, seed: int) -> dict[str, Any]:
         "separate_streams": run.plan.separate, "workers": run.workers, "wall_s": run.wall_s,
         "arms": arms, "diff_ms": median_difference(a, b, paired=not run.plan.separate, n_boot=n_boot, seed=seed),
         "server": server,
+        "client": {"workers": run.workers, "cpu_s": run.client_cpu_s,
+                   "cpu_util_per_worker": run.client_cpu_s / run.wall_s / run.workers},
     }
 
 
@@ -111,6 +113,10 @@ def server_line(result: dict[str, Any]) -> str:
         parts.append(f"CPU {s['cpu_s']:.2f} s ({100 * s['cpu_util']:.0f}% of a core)")
         if s.get("cpu_us_per_token") is not None:
             parts.append(f"{s['cpu_us_per_token']:.1f} µs CPU per delivered token (both arms)")
+    c = result.get("client")
+    if c:
+        parts.append(f"client {c['workers']} process(es) at {100 * c['cpu_util_per_worker']:.0f}% CPU each"
+                     + (" (client-bound: add --workers)" if c["cpu_util_per_worker"] > 0.8 else ""))
     return ", ".join(parts)
 
 

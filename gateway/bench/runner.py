@@ -28,6 +28,7 @@ class Run:
     wall_s: float  # first scheduled start -> last chunk received
     cpu_s: float | None  # server process CPU seconds during the run (None: no /metrics)
     sent: dict[str, float]  # chunks the server reports written, by transport
+    client_cpu_s: float = 0.0  # CPU of all client workers (warm-up included): near workers x wall = client-bound
 
 
 def scrape(url: str) -> tuple[float | None, dict[str, float]]:
@@ -55,7 +56,7 @@ def run_clients(plan: Plan, workers: int, desc: str = "bench", progress_bar: boo
         cpu0, sent0 = scrape(plan.url)
         start_at.value = time.time() + 0.2
         go.set()
-        got = _collect(procs, results, progress, plan, desc, progress_bar)
+        got, client_cpu = _collect(procs, results, progress, plan, desc, progress_bar)
         cpu1, sent1 = scrape(plan.url)
     finally:
         for p in procs:
@@ -67,12 +68,13 @@ def run_clients(plan: Plan, workers: int, desc: str = "bench", progress_bar: boo
     last = max((int(a.recv_ns.max()) for a in arms.values() if a.recv_ns.size), default=int(start_at.value * 1e9))
     return Run(plan=plan, workers=workers, arms=arms, wall_s=max(1e-9, last / 1e9 - start_at.value),
                cpu_s=(cpu1 - cpu0) if cpu0 is not None and cpu1 is not None else None,
-               sent={t: sent1.get(t, 0.0) - sent0.get(t, 0.0) for t in sent1})
+               sent={t: sent1.get(t, 0.0) - sent0.get(t, 0.0) for t in sent1}, client_cpu_s=client_cpu)
 
 
 def _collect(procs: Sequence[mp.process.BaseProcess], results: mp.queues.Queue, progress: mp.sharedctypes.Synchronized,
-             plan: Plan, desc: str, progress_bar: bool) -> dict[int, dict[str, ArmSamples]]:
+             plan: Plan, desc: str, progress_bar: bool) -> tuple[dict[int, dict[str, ArmSamples]], float]:
     got: dict[int, dict[str, ArmSamples]] = {}
+    cpu = 0.0
     duration = plan.duration
     bar = tqdm(total=round(duration) if duration is not None else plan.streams, desc=desc,
                unit="s" if duration is not None else "stream", disable=not progress_bar, leave=False,
@@ -81,8 +83,9 @@ def _collect(procs: Sequence[mp.process.BaseProcess], results: mp.queues.Queue, 
     with bar:
         while len(got) < len(procs):
             try:
-                w, samples = results.get(timeout=0.25)  # drain before join: big results block a child's exit
+                w, samples, used = results.get(timeout=0.25)  # drain before join: big results block an exit
                 got[w] = samples
+                cpu += used
             except queue.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
@@ -91,4 +94,4 @@ def _collect(procs: Sequence[mp.process.BaseProcess], results: mp.queues.Queue, 
             bar.n = min(bar.total, int(time.monotonic() - t0)) if duration is not None else min(done, plan.streams)
             bar.set_postfix_str(f"{done} streams done", refresh=False)
             bar.refresh()
-    return got
+    return got, cpu

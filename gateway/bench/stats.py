@@ -23,13 +23,11 @@ pair, its connection order and its place in the gateway's wake-up order, so they
 independent, and an i.i.d. token bootstrap gives intervals that are too narrow (an A/A run then
 "finds" a difference). With fewer than ``MIN_CLUSTERS`` streams tokens are resampled i.i.d.
 
-A/A on one transport (``sse,sse``, ``ws,ws``): the gateway writes an event to the subscribers of
-one transport in a fixed order per stream (its waiter set's order), so on every stream one of the
-two subscribers is always ~0.1 ms first, at random which. That is a real per-stream effect, but not
-an arm effect, and it makes the pooled median jump between two modes. The two subscribers are
-exchangeable, so the paired difference alternates their labels per token (even ``seq``: B - A, odd:
-A - B), a balanced crossover like the gateway's own SSE/WS alternation by ``seq``; each stream then
-contributes both orders equally.
+Why streams, concretely: the gateway writes an event to the subscribers of one transport in a
+fixed order per stream (the order of its waiter set), so on a given stream one SSE subscriber is
+always ~25 µs ahead of the other (WS: ~5 µs), at random which. Between SSE and WS the gateway
+alternates the order by ``seq``, so that effect cancels within each stream. The client takes the
+receive time before parsing and yields once, so its own parsing order adds no such bias.
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ import numpy as np
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 MIN_CLUSTERS = 20
-ALTERNATE_AA = False
 NS_PER_MS = 1e6
 
 
@@ -172,16 +169,13 @@ def _pair_keys(a: ArmSamples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return a.stream[m] * (1 << 24) + a.seq[m], a.recv_ns[m], a.stream[m]
 
 
-def paired_differences(a: ArmSamples, b: ArmSamples, *, alternate: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def paired_differences(a: ArmSamples, b: ArmSamples) -> tuple[np.ndarray, np.ndarray]:
     """``recv_B - recv_A`` (ns) for every (stream, seq) both arms received live and uncoalesced,
-    with the stream id of each pair. ``alternate`` swaps the labels on odd ``seq`` (A/A only)."""
+    with the stream id of each pair."""
     ka, ta, sa = _pair_keys(a)
     kb, tb, _ = _pair_keys(b)
     _, ia, ib = np.intersect1d(ka, kb, assume_unique=True, return_indices=True)
-    d = tb[ib] - ta[ia]
-    if alternate:
-        d = np.where(ka[ia] % 2 == 0, d, -d)  # key = stream << 24 | seq: same parity as seq
-    return d, sa[ia]
+    return tb[ib] - ta[ia], sa[ia]
 
 
 def bootstrap_medians(values: np.ndarray, clusters: np.ndarray, n_boot: int,
@@ -216,14 +210,13 @@ def median_difference(a: ArmSamples, b: ArmSamples, *, paired: bool, n_boot: int
     """Median B - A delivery latency (ms) with a bootstrap 95% CI (see the module docstring)."""
     rng = np.random.default_rng(seed)
     if paired:
-        alternate = ALTERNATE_AA and a.transport == b.transport
-        d, s = paired_differences(a, b, alternate=alternate)
+        d, s = paired_differences(a, b)
         n_clusters = int(np.unique(s).size)
         clusters = s if n_clusters >= MIN_CLUSTERS else np.arange(d.size)
         median = float(np.median(d)) if d.size else float("nan")
         boots = bootstrap_medians(d, clusters, n_boot, rng)
-        method = "paired per token" + (" (labels alternate by seq: A/A)" if alternate else "") + \
-            (", stream-cluster bootstrap" if n_clusters >= MIN_CLUSTERS else ", token bootstrap (few streams)")
+        method = "paired per token, " + ("stream-cluster bootstrap" if n_clusters >= MIN_CLUSTERS
+                                          else "token bootstrap (few streams)")
         n = int(d.size)
     else:
         da, db = delivery_ns(a), delivery_ns(b)

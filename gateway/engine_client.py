@@ -188,15 +188,23 @@ class EngineClient:
         self._send(p.Abort(request_ids=request_ids))
 
     def _send(self, msg: p.Message) -> bool:
+        """Send without blocking; False if the engine is not connected (IMMEDIATE) or the send failed."""
         assert self._sock is not None
         try:
-            self._sock.send_multipart(p.encode(msg), flags=zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:
-            return False
+            # zmq.asyncio returns a Future, already done for a NOBLOCK send: its exception is the outcome.
+            fut = self._sock.send_multipart(p.encode(msg), flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             log.warning("engine send failed: %s", exc)
             return False
+        if not fut.done():
+            fut.add_done_callback(_log_send_failure)
+            return True
+        exc = fut.exception()
+        if exc is None:
+            return True
+        if not isinstance(exc, zmq.Again):
+            log.warning("engine send failed: %s", exc)
+        return False
 
     async def _reader(self) -> None:
         assert self._sock is not None
@@ -241,6 +249,11 @@ class EngineClient:
         if h is not None:
             h.done = True
             h._fail(err)
+
+
+def _log_send_failure(fut: asyncio.Future[object]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("engine send failed: %s", fut.exception())
 
 
 def new_request_id() -> str:

@@ -34,8 +34,37 @@ def test_concurrency_per_key_and_total_and_prompt_tokens(synthetic_engine: str) 
         # one subscriber per stream
         s3 = httpx.post(url + "/v1/streams", json={**long, "max_tokens": 300}, headers=h1).json()
         with httpx.stream("GET", s3["events_url"]) as first:
-            assert any(line.startswith("id: ") for line in first.iter_lines())  # subscribed and receiving
+            lines = first.iter_lines()  # keep the iterator: dropping it closes the response
+            assert any(line.startswith("id: ") for line in lines)  # subscribed and receiving
             second = httpx.get(s3["events_url"])
             assert second.status_code == 429 and second.json()["error"]["code"] == "too_many_subscribers"
     finally:
         proc.stop()
+
+
+def test_requests_fail_fast_with_503_when_no_engine_is_attached(ipc_dir) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    from tests.procs import free_port, spawn
+
+    port = free_port()
+    proc = spawn(["-m", "gateway.cli", "gateway", "--engine", f"ipc://{ipc_dir / 'nobody.sock'}", "--port",
+                  str(port), "--log-level", "warning"], "gateway-no-engine")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _up(url), what="gateway listening")
+        assert httpx.get(url + "/health").status_code == 503
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "engine_unavailable"
+        assert time.monotonic() - t0 < 2
+    finally:
+        proc.stop()
+
+
+def _up(url: str) -> bool:
+    try:
+        httpx.get(url + "/health")
+        return True
+    except httpx.HTTPError:
+        return False

@@ -408,6 +408,28 @@ async def server_error(request: Request, exc: Exception) -> Response:
     return APIError(500, "Internal server error.", type="server_error", code="internal_error").response()
 
 
+class IsolationHeaders:
+    """Cross-origin isolation for the pages (COOP + COEP): browsers then give ``performance.now()``
+    ~5 µs resolution instead of 100 µs, which the A/B page's latency measurements need."""
+
+    HEADERS = [(b"cross-origin-opener-policy", b"same-origin"), (b"cross-origin-embedder-policy", b"require-corp")]
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path in ("/", "/ab") or path.startswith("/web/")):
+            return await self.app(scope, receive, send)
+
+        async def send_with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *self.HEADERS]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
 def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> Starlette:
     """Build the app; the lifespan attaches to the engine at ``config.engine_address``."""
 
@@ -451,7 +473,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> Starlett
     auth = Auth(api_keys=frozenset(config.api_keys), token_ttl=config.stream_token_ttl,
                 allowed_origins=config.allowed_origins,
                 **({"secret": config.token_secret.encode()} if config.token_secret else {}))
-    middleware = [Middleware(AuthMiddleware, auth=auth)]
+    middleware = [Middleware(IsolationHeaders), Middleware(AuthMiddleware, auth=auth)]
     if config.cors_origins:
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
                                         allow_methods=["GET", "POST", "DELETE"],

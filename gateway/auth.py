@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlsplit
 
+import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import APIError
@@ -76,7 +77,16 @@ class AuthMiddleware:
             return await self.app(scope, receive, send)
         if scope["type"] == "http":
             return await err.response()(scope, receive, send)
-        await send({"type": "websocket.close", "code": 1008, "reason": err.message[:120]})
+        if err.status == 403:  # a foreign Origin: refuse the handshake itself (HTTP 403)
+            await send({"type": "websocket.close", "code": 1008, "reason": err.message[:120]})
+            return
+        # Accept, say why in the protocol's own terms, then close with 4000 + HTTP status (4401):
+        # a browser cannot read a refused handshake's status, but it can read this.
+        await receive()  # websocket.connect
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.send", "text": orjson.dumps({"type": "error", "id": None,
+                                                                    "error": err.body()["error"]}).decode()})
+        await send({"type": "websocket.close", "code": 4000 + err.status, "reason": err.code or "unauthorized"})
 
     def _check(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
         ws = scope["type"] == "websocket"

@@ -61,13 +61,23 @@ def test_websocket_key_and_origin_checks(secured: str) -> None:
     async def attempt(url: str, origin: str | None) -> str:
         try:
             async with websockets.connect(url, origin=origin) as ws:  # type: ignore[arg-type]
-                await ws.send(json.dumps({"type": "request", "id": "1", "body": {
-                    "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}}))
-                return json.loads(await ws.recv())["type"]
+                try:
+                    await ws.send(json.dumps({"type": "request", "id": "1", "body": {
+                        "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}}))
+                except websockets.ConnectionClosed:
+                    pass  # already refused: the reason is still in the receive buffer
+                msg = json.loads(await ws.recv())
+                if msg["type"] == "error":
+                    await ws.wait_closed()
+                    return f"{msg['error']['code']} {ws.close_code}"
+                return str(msg["type"])
         except websockets.InvalidStatus as exc:
             return f"refused {exc.response.status_code}"
+        except websockets.ConnectionClosedError as exc:
+            return f"closed {exc.rcvd.code if exc.rcvd else None}"
 
-    assert asyncio.run(attempt(base + "/v1/ws", None)) == "refused 403"
+    assert asyncio.run(attempt(base + "/v1/ws", None)) == "missing_api_key 4401"
+    assert asyncio.run(attempt(base + "/v1/ws?api_key=nope", None)) == "invalid_api_key 4401"
     assert asyncio.run(attempt(base + f"/v1/ws?api_key={KEY}", None)) == "chunk"
     assert asyncio.run(attempt(base + f"/v1/ws?api_key={KEY}", "https://evil.example")) == "refused 403"
     assert asyncio.run(attempt(base + f"/v1/ws?api_key={KEY}", "https://app.example")) == "chunk"

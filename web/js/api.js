@@ -23,9 +23,17 @@ export function epochMs() {
 }
 
 /** `{"error": {...}}` (or the inner object) → ApiError. */
+// Errors that arrive over a WebSocket carry no HTTP status: recover it from the error code.
+const STATUS_OF_CODE = {
+  missing_api_key: 401, invalid_api_key: 401, origin_not_allowed: 403, stream_not_found: 404,
+  stream_expired: 410, too_many_requests: 429, too_many_subscribers: 429, engine_unavailable: 503,
+  server_shutdown: 503,
+};
+
 export function apiErrorFromBody(body, status = 0) {
   const e = (body && body.error) || body || {};
-  return new ApiError(status, e.message || "Unknown error", { type: e.type, code: e.code, param: e.param });
+  return new ApiError(status || STATUS_OF_CODE[e.code] || 0, e.message || "Unknown error",
+    { type: e.type, code: e.code, param: e.param });
 }
 
 export async function errorFromResponse(resp) {

@@ -30,7 +30,8 @@ from engine_worker import protocol as p
 from gateway import fanout, sse
 from gateway.auth import Auth, AuthMiddleware
 from gateway.config import GatewayConfig
-from gateway.engine_client import EngineClient, RequestHandle, new_request_id
+from gateway.engine_client import RequestHandle
+from gateway.engine_pool import EnginePool
 from gateway.errors import APIError, engine_unavailable
 from gateway.generation import chunk_events
 from gateway.metrics import Metrics
@@ -48,7 +49,7 @@ class Gateway:
     """Everything the routes share: config, engine link, metrics (owned by the lifespan)."""
 
     config: GatewayConfig
-    engine: EngineClient
+    engine: EnginePool
     metrics: Metrics = field(default_factory=Metrics)
     extra: dict[str, Any] = field(default_factory=dict)
     hub: StreamHub = field(init=False)
@@ -368,11 +369,14 @@ async def models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     gw = gateway_of(request)
     hb = gw.engine.last_heartbeat
+    engines = gw.engine.status()
     if gw.engine.healthy and hb is not None:
+        running, waiting = gw.engine.load()
         return JSONResponse({"status": "ok", "engine": {"id": hb.engine_id, "backend": hb.backend,
-                                                        "model": hb.model, "running": hb.running,
-                                                        "waiting": hb.waiting}})
-    return JSONResponse({"status": "unavailable", "engine": None}, status_code=503, headers={"Retry-After": "1"})
+                                                        "model": hb.model, "running": running,
+                                                        "waiting": waiting}, "engines": engines})
+    return JSONResponse({"status": "unavailable", "engine": None, "engines": engines}, status_code=503,
+                        headers={"Retry-After": "1"})
 
 
 async def metrics(request: Request) -> Response:
@@ -435,8 +439,8 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> Starlett
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        engine = EngineClient(config.engine_address, heartbeat_interval=config.heartbeat_interval,
-                              heartbeat_timeout=config.heartbeat_timeout)
+        engine = EnginePool([a.strip() for a in config.engine_address.split(",") if a.strip()],
+                            heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout)
         await engine.start()
         gw = Gateway(config=config, engine=engine)
         app.state.gateway = gw

@@ -87,7 +87,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def cmd_gateway(ns: argparse.Namespace) -> int:
     from gateway.config import gateway_config_from_args
 
-    run_gateway(gateway_config_from_args(ns, ns.engine_address))
+    engines = ",".join(ns.engine_address or [env("engine_address", "")])
+    run_gateway(gateway_config_from_args(ns, engines))
     return 0
 
 
@@ -117,9 +118,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="engine socket (default: a private ipc:// socket per port) [TOKENFAN_ENGINE_ADDRESS]")
     gw = sub.add_parser("gateway", help="run a gateway attached to a running engine")
     add_gateway_arguments(gw)
-    gw.add_argument("--engine", dest="engine_address", required=env("engine_address", None) is None,
-                    default=env("engine_address", None),
-                    help="engine address, e.g. ipc:///run/tokenfan/engine.sock [TOKENFAN_ENGINE_ADDRESS]")
+    gw.add_argument("--engine", dest="engine_address", action="append",
+                    required=env("engine_address", None) is None,
+                    help="engine address, e.g. ipc:///run/tokenfan/engine.sock; several engines: comma-separated "
+                         "or repeated --engine, new requests go to the least-loaded healthy one "
+                         "[TOKENFAN_ENGINE_ADDRESS]")
     sub.add_parser("engine", help="run an engine worker (see `tokenfan engine --help`)")
     sub.add_parser("bench", help="A/B transport benchmark (see `tokenfan bench --help`)")
     sub.add_parser("prepare-model", help="prepare the default model into the cache")

@@ -100,6 +100,7 @@ class EngineClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._last_beat_at = 0.0
         self._was_healthy = False
+        self._submitted_since_beat = 0
         self.healthy_event = asyncio.Event()
 
     async def start(self) -> None:
@@ -140,6 +141,15 @@ class EngineClient:
         hb = self.last_heartbeat
         return (hb.running, hb.waiting) if hb else (0, 0)
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._handles)
+
+    def routing_load(self) -> int:
+        """Engine-reported load plus what this gateway submitted since that report."""
+        running, waiting = self.load()
+        return running + waiting + self._submitted_since_beat
+
     async def _pinger(self) -> None:
         while True:
             self._send(p.Ping(sent_ns=p.now_ns()))
@@ -163,6 +173,7 @@ class EngineClient:
             raise engine_unavailable()
         handle = RequestHandle(self, submit.request_id, submit.trace_id)
         self._handles[submit.request_id] = handle
+        self._submitted_since_beat += 1
         if not self._send(submit):
             del self._handles[submit.request_id]
             raise engine_unavailable("the engine socket is not connected")
@@ -234,6 +245,7 @@ class EngineClient:
                 if self.last_heartbeat is None or self.last_heartbeat.engine_id != msg.engine_id:
                     log.info("engine %s up: %s model=%s", msg.engine_id, msg.backend, msg.model)
                 self.last_heartbeat = msg
+                self._submitted_since_beat = 0
                 self._last_beat_at = time.monotonic()
                 self.healthy_event.set()
             else:

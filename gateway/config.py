@@ -16,8 +16,8 @@ class GatewayConfig:
     port: int = 8000
     engine_address: str = field(default_factory=default_engine_address)
     served_model_name: str | None = None  # default: what the engine reports
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 1.5
+    heartbeat_interval: float = 0.25
+    heartbeat_timeout: float = 1.0
     accept_timeout: float = 30.0
     keepalive_interval: float = 15.0
     max_body_bytes: int = 1 << 20

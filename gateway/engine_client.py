@@ -86,8 +86,8 @@ class RequestHandle:
 @dataclass
 class EngineClient:
     address: str
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 1.5
+    heartbeat_interval: float = 0.25
+    heartbeat_timeout: float = 1.0
     curve_server_key: bytes | None = None
     _handles: dict[str, RequestHandle] = field(default_factory=dict)
     last_heartbeat: p.Heartbeat | None = None

@@ -162,7 +162,7 @@ class EngineServer:
                 self._reply_error(identity, rid, exc.code, exc.message, exc.param)
                 return
             await self._send(identity, p.Accepted(request_id=rid, prompt_tokens=prepared.prompt_tokens))
-            log.debug("accepted %s trace=%s prompt_tokens=%d", rid, submit.trace_id, prepared.prompt_tokens)
+            log.info("accepted %s trace=%s prompt_tokens=%d", rid, submit.trace_id, prepared.prompt_tokens)
             seq = 0
             completion = 0
             gen = self.backend.generate(prepared)
@@ -178,6 +178,8 @@ class EngineServer:
                     ))
                     seq += 1
                     if step.finish_reason is not None:
+                        log.info("finished %s trace=%s reason=%s completion_tokens=%d", rid, submit.trace_id,
+                                 step.finish_reason, completion)
                         break
             finally:
                 await gen.aclose()  # type: ignore[attr-defined]

@@ -28,6 +28,7 @@ from starlette.websockets import WebSocket
 
 from engine_worker import protocol as p
 from gateway import fanout, sse
+from gateway.access_log import AccessLogMiddleware
 from gateway.auth import Auth, AuthMiddleware
 from gateway.config import GatewayConfig
 from gateway.engine_client import RequestHandle
@@ -101,12 +102,18 @@ class Gateway:
         if self.active[key] <= 0:
             del self.active[key]
 
-    async def open(self, parsed: ParsedRequest, key: str | None = None) -> tuple[RequestHandle, ChunkBuilder]:
-        """Submit to the engine and wait until it accepted (prompt validated); raises APIError."""
+    async def open(self, parsed: ParsedRequest, scope: Any = None) -> tuple[RequestHandle, ChunkBuilder]:
+        """Submit to the engine and wait until it accepted (prompt validated); raises APIError.
+
+        ``scope`` (of the HTTP request or WebSocket) supplies the API key for per-key limits and the
+        request id the engine logs as ``trace``; the generation id is recorded for the access log."""
+        state = scope.setdefault("state", {}) if scope is not None else {}
+        key = state.get("api_key")
         model = self.check_model(parsed.model)
         self._admit(key)
         rid = new_id(parsed.endpoint)
-        handle = self.engine.submit(parsed.to_submit(rid, trace_id=rid))
+        handle = self.engine.submit(parsed.to_submit(rid, trace_id=state.get("request_id", rid)))
+        state["generation_id"] = rid
         self.active[key] += 1
         handle.on_close.append(lambda: self._release(key))
         try:
@@ -150,7 +157,7 @@ def completions_route(endpoint: Endpoint):  # type: ignore[no-untyped-def]
         try:
             body = await read_body(request, gw.config.max_body_bytes)
             parsed = parse_request(endpoint, body, gw.config.limits)
-            handle, builder = await gw.open(parsed, request.scope.get("state", {}).get("api_key"))
+            handle, builder = await gw.open(parsed, request.scope)
         except APIError as exc:
             gw.metrics.requests.labels(name, str(exc.status)).inc()
             gw.metrics.errors.labels("client" if exc.status < 500 else "engine").inc()
@@ -315,7 +322,7 @@ class WsSession:
         last: float | None = None
         try:
             parsed = parse_request(endpoint, orjson.dumps(body), gw.config.limits)
-            handle, builder = await gw.open(parsed, self.ws.scope.get("state", {}).get("api_key"))
+            handle, builder = await gw.open(parsed, self.ws.scope)
             async for ev in chunk_events(handle, builder):
                 assert ev is not None
                 if ev.text:
@@ -477,7 +484,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> Starlett
     auth = Auth(api_keys=frozenset(config.api_keys), token_ttl=config.stream_token_ttl,
                 allowed_origins=config.allowed_origins,
                 **({"secret": config.token_secret.encode()} if config.token_secret else {}))
-    middleware = [Middleware(IsolationHeaders), Middleware(AuthMiddleware, auth=auth)]
+    middleware = [Middleware(AccessLogMiddleware), Middleware(IsolationHeaders), Middleware(AuthMiddleware, auth=auth)]
     if config.cors_origins:
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
                                         allow_methods=["GET", "POST", "DELETE"],

@@ -60,6 +60,7 @@ def run_gateway(config: Any, extra_lifespan: Any = None) -> None:
         ws_max_size=config.ws_max_message_bytes, ws_per_message_deflate=config.ws_per_message_deflate,
         ws_ping_interval=config.keepalive_interval, ws_ping_timeout=config.keepalive_interval * 2,
         timeout_graceful_shutdown=config.shutdown_grace + 2.0,
+        access_log=False,  # tokenfan.access writes one JSON line per request instead
     )).run()
 
 

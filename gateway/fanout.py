@@ -79,7 +79,7 @@ async def create_stream(request: Request) -> Response:
         gw.hub.evict()
         if len(gw.hub.streams) >= gw.hub.retention.max_streams:
             gw.hub.create(endpoint, "")  # raises the 429
-        handle, builder = await gw.open(parsed, request.scope.get("state", {}).get("api_key"))
+        handle, builder = await gw.open(parsed, request.scope)
     except APIError as exc:
         gw.metrics.requests.labels("/v1/streams", str(exc.status)).inc()
         return exc.response()

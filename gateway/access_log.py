@@ -1,0 +1,60 @@
+"""JSON access log: one line per HTTP request or WebSocket session, written when it ends.
+
+Every request gets a request id (the client's ``X-Request-ID`` if it sent a sane one, else a new
+one), echoed in the ``X-Request-ID`` response header and passed to the engine as the submission's
+``trace_id``, so the engine's log lines for that generation carry the same id.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("tokenfan.access")
+_SANE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class AccessLogMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _SANE.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        t0 = time.monotonic()
+        status = 0
+        sent = 0
+
+        async def send_logged(message: Message) -> None:
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            elif message["type"] == "websocket.accept":
+                status = 101
+            elif message["type"] == "websocket.close" and status == 0:
+                status = 403
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_logged)
+        finally:
+            if log.isEnabledFor(logging.INFO):
+                client = scope.get("client")
+                log.info(orjson.dumps({
+                    "ts": time.time(), "request_id": rid, "type": scope["type"], "method": scope.get("method", "WS"),
+                    "path": scope["path"], "status": status, "duration_ms": round((time.monotonic() - t0) * 1000, 2),
+                    "bytes": sent, "client": f"{client[0]}:{client[1]}" if client else None,
+                    "generation_id": scope["state"].get("generation_id"),
+                }).decode())

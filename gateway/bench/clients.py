@@ -55,7 +55,8 @@ class Plan:
 class Recorder:
     """Everything one subscriber saw."""
 
-    __slots__ = ("connected_ns", "content", "deltas", "done", "emit", "error", "post_ns", "recv", "seq", "stream")
+    __slots__ = ("connected_ns", "content", "deltas", "done", "emit", "error", "post_ns", "recv", "sent", "seq",
+                 "stream")
 
     def __init__(self, stream: int, post_ns: int) -> None:
         self.stream, self.post_ns, self.connected_ns = stream, post_ns, 0
@@ -64,6 +65,7 @@ class Recorder:
         self.seq: list[int] = []
         self.recv: list[int] = []
         self.emit: list[int] = []
+        self.sent: list[int] = []
         self.deltas: list[int] = []
         self.content: list[bool] = []
 
@@ -72,6 +74,7 @@ class Recorder:
         self.seq.append(s.seq)
         self.recv.append(recv_ns)
         self.emit.append(s.emit_ns)
+        self.sent.append(s.sent_ns)
         self.deltas.append(s.deltas)
         self.content.append(s.content)
 
@@ -87,6 +90,7 @@ def to_samples(transport: str, recs: list[Recorder]) -> ArmSamples:
     a.seq = np.fromiter(itertools.chain.from_iterable(r.seq for r in recs), np.int64)
     a.recv_ns = np.fromiter(itertools.chain.from_iterable(r.recv for r in recs), np.int64)
     a.emit_ns = np.fromiter(itertools.chain.from_iterable(r.emit for r in recs), np.int64)
+    a.sent_ns = np.fromiter(itertools.chain.from_iterable(r.sent for r in recs), np.int64)
     a.deltas = np.fromiter(itertools.chain.from_iterable(r.deltas for r in recs), np.int64)
     a.content = np.fromiter(itertools.chain.from_iterable(r.content for r in recs), bool)
     a.sub_stream = np.array([r.stream for r in recs], np.int64)

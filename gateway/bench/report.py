@@ -18,7 +18,8 @@ from gateway.bench.runner import Run
 from gateway.bench.stats import arm_metrics, delivery_ns, median_difference
 
 METRIC_ROWS = (("ttft_ms", "TTFT ms"), ("itl_ms", "ITL ms"), ("e2e_ms", "E2E ms"),
-               ("delivery_ms", "delivery ms"), ("tokens_per_s", "tokens/s/stream"))
+               ("delivery_ms", "delivery ms"), ("engine_to_gateway_ms", "  engine→gateway ms"),
+               ("gateway_to_client_ms", "  gateway→client ms"), ("tokens_per_s", "tokens/s/stream"))
 STATS = ("mean", "p50", "p90", "p99", "p99.9")
 
 

@@ -11,6 +11,8 @@ with the same machine clock). Where they overlap they match ``vllm bench serve``
   ``latency`` (request sent -> last chunk).
 - **Delivery latency**: ``recv_ns - emit_ns`` per *live* content event: events the engine emitted
   after the subscriber was connected (replayed history would only measure the join delay).
+- **Engine->gateway / gateway->client**: the delivery latency split at the gateway's publish stamp
+  ``sent_ns`` (uncoalesced live content events): where the time goes.
 - **Tokens/s per stream**: ``(deltas - 1) / (last content - first content)``, i.e. 1/TPOT.
   "Deltas" are engine outputs (one token each unless the engine fell behind).
 - Percentiles: ``numpy.percentile`` (linear interpolation), as vLLM. p50, p90, p99, p99.9, mean.
@@ -55,6 +57,7 @@ class ArmSamples:
     seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     recv_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     emit_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    sent_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     deltas: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     content: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     live: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
@@ -64,7 +67,7 @@ class ArmSamples:
     ok: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     errors: list[str] = field(default_factory=list)
 
-    EVENT_FIELDS = ("stream", "seq", "recv_ns", "emit_ns", "deltas", "content", "live")
+    EVENT_FIELDS = ("stream", "seq", "recv_ns", "emit_ns", "sent_ns", "deltas", "content", "live")
     SUB_FIELDS = ("sub_stream", "post_ns", "connected_ns", "ok")
 
     @classmethod
@@ -108,6 +111,11 @@ def _pname(p: float) -> str:
 def delivery_ns(a: ArmSamples) -> np.ndarray:
     m = a.content & a.live
     return a.recv_ns[m] - a.emit_ns[m]
+
+
+def _split(a: ArmSamples, part: str) -> np.ndarray:
+    m = a.content & a.live & (a.sent_ns > 0) & (a.deltas == 1)  # a coalesced event is re-stamped when merged
+    return (a.sent_ns[m] - a.emit_ns[m]) if part == "engine" else (a.recv_ns[m] - a.sent_ns[m])
 
 
 def itl_ns(a: ArmSamples) -> np.ndarray:
@@ -157,6 +165,9 @@ def arm_metrics(a: ArmSamples, wall_s: float) -> dict[str, Any]:
         "itl_ms": summary_ms(itl_ns(a)),
         "e2e_ms": summary_ms(e2e),
         "delivery_ms": summary_ms(delivery_ns(a)),
+        # delivery = engine->gateway (publish - emit) + gateway->client (receive - publish)
+        "engine_to_gateway_ms": summary_ms(_split(a, "engine")),
+        "gateway_to_client_ms": summary_ms(_split(a, "client")),
         "tokens_per_s": summary_plain(tps),
     }
 

@@ -63,6 +63,7 @@ def parse_block(block: bytes) -> SseEvent | None:
 class ChunkSample(NamedTuple):
     seq: int
     emit_ns: int
+    sent_ns: int  # the gateway's publish time (0 if absent)
     deltas: int  # engine deltas this event carries (>1 when the gateway coalesced a lagging subscriber)
     content: bool  # carries completion text (role-only and usage chunks do not)
     finish: bool  # carries a finish_reason
@@ -77,4 +78,4 @@ def chunk_sample(chunk: dict[str, Any]) -> ChunkSample:
         delta = c.get("delta")
         content = bool(delta.get("content") if delta is not None else c.get("text"))
         finish = c.get("finish_reason") is not None
-    return ChunkSample(tf["seq"], tf["emit_ns"], tf.get("coalesced", 1), content, finish)
+    return ChunkSample(tf["seq"], tf["emit_ns"], tf.get("sent_ns", 0), tf.get("coalesced", 1), content, finish)

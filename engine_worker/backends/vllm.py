@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, Step
 from engine_worker.config import EngineConfig
@@ -43,6 +43,7 @@ _FINISH: dict[str, FinishReason] = {
 # CPU counts up to which every CPU of the process joins the OpenMP pool. vLLM's "auto" reserves a core
 # for its scheduler and skips SMT siblings: right for big hosts, but on a 2-vCPU box it halves decode speed.
 _BIND_ALL_CPUS_UP_TO = 8
+PLUGIN_NAME = "tokenfan_cpu_amx"  # the vllm.general_plugins entry point in pyproject.toml
 
 
 class VllmBackend:
@@ -81,7 +82,7 @@ class VllmBackend:
             model=str(model_dir),
             served_model_name=[self._info.model],
             max_model_len=self._config.max_model_len,
-            dtype=dtype,
+            dtype=dtype,  # type: ignore[arg-type]  # validated by vLLM
             enforce_eager=self._config.enforce_eager,
             tensor_parallel_size=self._config.tensor_parallel_size,
             pipeline_parallel_size=self._config.pipeline_parallel_size,
@@ -95,7 +96,26 @@ class VllmBackend:
         self._tokenizer = self._engine.get_tokenizer()
         max_len = self._engine.model_config.max_model_len
         self._info = BackendInfo(kind="vllm", model=self._info.model, max_model_len=max_len)
+        await self._warm_up()
         log.info("vLLM ready in %.1f s", time.monotonic() - started)
+
+    async def _warm_up(self) -> None:
+        """One short generation, so a model that cannot run fails here instead of on the first request.
+
+        vLLM's own start-up warm-up does not cover everything: bfloat16 without AMX permission, for
+        one, only dies (SIGILL in the worker) on the first real forward pass.
+        """
+        from vllm import SamplingParams
+
+        engine = self._require_engine()
+        ids = self._tokenizer.encode("Hello", add_special_tokens=True)
+        try:
+            async for _ in engine.generate(_engine_input(ids), SamplingParams(max_tokens=2), "tokenfan-warmup"):
+                pass
+        except Exception as exc:  # re-raised: the engine is unusable, the process must not serve
+            await self.shutdown()
+            raise RuntimeError(f"vLLM started but cannot generate ({type(exc).__name__}: {exc}); "
+                               "see the engine log above") from exc
 
     async def shutdown(self) -> None:
         if self._engine is not None:
@@ -171,7 +191,7 @@ class VllmBackend:
         """Deltas from vLLM. Closing or cancelling this generator aborts the request in vLLM."""
         engine = self._require_engine()
         rid = prepared.submit.request_id
-        ids, params = prepared.payload  # type: ignore[misc]
+        ids, params = cast("tuple[list[int], SamplingParams]", prepared.payload)
         stream = engine.generate(_engine_input(ids), params, rid)
         self._waiting.add(rid)
         final: Step | None = None
@@ -240,4 +260,19 @@ def resolve_dtype(dtype: str, *, on_cpu: bool) -> str:
 
     native_bf16 = any(getattr(torch.cpu, probe, lambda: False)()
                       for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
-    return "bfloat16" if native_bf16 else "float32"
+    if not native_bf16:
+        return "float32"
+    if not amx_plugin_active():
+        log.warning("the tokenfan_cpu_amx vLLM plugin is not installed or not allowed by VLLM_PLUGINS "
+                    "(pip install -e . registers it): using float32, bfloat16 would crash on AMX CPUs")
+        return "float32"
+    return "bfloat16"
+
+
+def amx_plugin_active() -> bool:
+    """Whether vLLM will load ``tokenfan_cpu_amx`` in its worker processes."""
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="vllm.general_plugins")}
+    allowed = os.environ.get("VLLM_PLUGINS")
+    return PLUGIN_NAME in names and (allowed is None or PLUGIN_NAME in allowed.split(","))

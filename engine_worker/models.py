@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine_worker.config import EngineConfig
@@ -141,10 +141,10 @@ def _write_tiny_llama(out: Path, seed: int) -> None:
         vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
         bos_token_id=bos_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
-        tie_word_embeddings=False, torch_dtype="float32",
+        tie_word_embeddings=False, dtype="float32",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config)  # float32: torch's default dtype
     model.generation_config.bos_token_id = bos_id
     model.generation_config.eos_token_id = fast.eos_token_id
     model.save_pretrained(out, safe_serialization=True)
@@ -194,15 +194,15 @@ def _assemble_gguf(dest: Path) -> Path:
     return Path(package.assemble(dest / package.MODEL_NAME))
 
 
-def _dequantize(gguf_path: Path) -> tuple[object, object]:
+def _dequantize(gguf_path: Path) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("dequantizing %s with transformers", gguf_path.name)
     directory, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    tokenizer: Any = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     # bfloat16 is Gemma's native dtype; Q4_K weights lose nothing measurable by it and the files halve.
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.bfloat16)
+    model: Any = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.bfloat16)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -210,7 +210,7 @@ def _dequantize(gguf_path: Path) -> tuple[object, object]:
     # The GGUF says add_bos_token=true but transformers' GGUF import drops it; without <bos> Gemma's
     # completions degrade into repetition (chat prompts get it from the template).
     tokenizer.add_bos_token = True
-    # Instruction-tuned Gemma ends its turn with <end_of_turn>: stop there as well as at <eos>.
+    # A chat turn ends with <end_of_turn>: stop there as well as at <eos>.
     end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
     eos = [tokenizer.eos_token_id] + ([end_of_turn] if isinstance(end_of_turn, int) else [])
     model.generation_config.eos_token_id = eos

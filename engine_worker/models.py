@@ -89,8 +89,9 @@ def _build_once(path: Path, build: Callable[[Path], None]) -> Path:
             build(tmp)
             (tmp / MARKER).write_text(json.dumps({"built_at": time.time()}) + "\n")
             _make_readable(tmp)
-            if path.exists():
-                log.warning("replacing incomplete model directory %s", path)
+            if path.exists():  # an interrupted build, or an empty directory made for us (pytest's mktemp)
+                if any(path.iterdir()):
+                    log.warning("replacing incomplete model directory %s", path)
                 shutil.rmtree(path)
             os.rename(tmp, path)
         finally:

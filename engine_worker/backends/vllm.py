@@ -8,10 +8,11 @@ Deliberate choices:
 * Tokenization happens once, in :meth:`VllmBackend.prepare` (chat template applied by the model's
   tokenizer, or ``--chat-template``); vLLM receives token ids, so prompt length is known before the
   request is accepted and over-long prompts are rejected like vLLM's OpenAI server does.
-* dtype ``auto`` on CPU: bfloat16 when the CPU has AMX or AVX512-BF16 (the ``tokenfan_cpu_amx`` vLLM
-  plugin requests AMX permission inside the worker, without which bfloat16 dies with SIGILL), else
-  float32. Measured on a 2-core Sapphire Rapids VM: Gemma 3 270M decodes at ~TODO tok/s in bfloat16
-  vs ~TODO tok/s in float32. float16 is never chosen: Gemma 3 overflows in it.
+* dtype ``auto`` on CPU: bfloat16 when the CPU has AMX or AVX512-BF16 and the ``tokenfan_cpu_amx`` vLLM
+  plugin is active (it requests AMX permission inside vLLM's worker; without it bfloat16 dies with SIGILL
+  on the first forward pass), else float32. bfloat16 halves weight and KV-cache memory; on a 2-vCPU AMX
+  VM its decode speed for Gemma 3 270M was within measurement noise of float32's. float16 is never
+  chosen: Gemma 3 overflows in it.
 * ``load()`` counts requests itself: *waiting* from the start of :meth:`generate` until vLLM's first
   output, *running* after it. vLLM keeps scheduler counts only when stat logging is on.
 """

@@ -7,7 +7,8 @@ resuming after ``seq`` and following the live tail are the same loop: send what 
 cursor, then wait. There is no seam between replay and live.
 
 Fairness: on publish, subscribers are woken per transport group, SSE first for even ``seq`` and
-WebSocket first for odd ``seq``, so neither transport is systematically written first.
+WebSocket first for odd ``seq``, so neither transport is systematically written first; within a
+group the starting subscriber rotates with ``seq``, so no subscriber is always first either.
 
 Slow subscribers follow :class:`SlowConsumerPolicy`.
 """
@@ -150,7 +151,8 @@ class Stream:
     task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
-        self._waiters: dict[Transport, set[asyncio.Event]] = {"sse": set(), "ws": set()}
+        # dicts as insertion-ordered sets: the rotation in _wake needs a stable order
+        self._waiters: dict[Transport, dict[asyncio.Event, None]] = {"sse": {}, "ws": {}}
 
     @property
     def finished(self) -> bool:
@@ -179,14 +181,18 @@ class Stream:
     def _wake(self, seq: int) -> None:
         order = TRANSPORTS if seq % 2 == 0 else TRANSPORTS[::-1]
         for transport in order:
-            for waiter in self._waiters[transport]:
+            waiters = list(self._waiters[transport])
+            if not waiters:
+                continue
+            k = seq % len(waiters)
+            for waiter in waiters[k:] + waiters[:k]:
                 waiter.set()
 
     def _register(self, transport: Transport, waiter: asyncio.Event) -> None:
-        self._waiters[transport].add(waiter)
+        self._waiters[transport][waiter] = None
 
     def _unregister(self, transport: Transport, waiter: asyncio.Event) -> None:
-        self._waiters[transport].discard(waiter)
+        self._waiters[transport].pop(waiter, None)
 
 
 # Writers: the transport-specific half of a subscriber.

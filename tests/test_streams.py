@@ -133,6 +133,28 @@ def test_wake_order_alternates_between_transports() -> None:
     assert asyncio.run(main()) == ["sse", "ws", "ws", "sse", "sse", "ws", "ws", "sse"]
 
 
+def test_wake_order_rotates_within_a_transport() -> None:
+    async def main() -> list[str]:
+        s = StreamHub(Retention()).create("completions", "m")
+        order: list[str] = []
+
+        def writer(name: str):  # type: ignore[no-untyped-def]
+            async def w(batch: list[Event]) -> None:
+                order.append(name)
+            return w
+
+        tasks = [asyncio.create_task(follow(s, "sse", -1, writer(n), SlowConsumerPolicy())) for n in "abc"]
+        await asyncio.sleep(0)
+        for _ in range(3):
+            s.publish(ChunkEvent(B.delta_chunk("x", None), 1, "x", 1))
+            await asyncio.sleep(0.001)
+        s.finish("done")
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(main()) == list("abc" "bca" "cab")
+
+
 def test_a_stalled_writer_raises_slow_consumer() -> None:
     from gateway.streams import SlowConsumer
 

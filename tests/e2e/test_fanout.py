@@ -98,7 +98,8 @@ class Subscriber:
         return False
 
     async def ws(self, budget: int) -> bool:
-        async with websockets.connect(f"{self.url.replace('http', 'ws')}/v1/streams/{self.sid}/ws?after={self.last}") as ws:
+        url = f"{self.url.replace('http', 'ws')}/v1/streams/{self.sid}/ws?after={self.last}"
+        async with websockets.connect(url, close_timeout=2) as ws:
             async for raw in ws:
                 msg = json.loads(raw)
                 if msg["type"] == "done":
@@ -119,7 +120,7 @@ def test_random_join_drop_resume_over_both_transports_loses_and_repeats_nothing(
     subs = [Subscriber(url, info["id"], rng.choice(["sse", "ws"]), random.Random(rng.random())) for _ in range(40)]
 
     async def main() -> None:
-        await asyncio.wait_for(asyncio.gather(*(s.run() for s in subs)), 60)
+        await asyncio.wait_for(asyncio.gather(*(s.run() for s in subs)), 120)
 
     asyncio.run(main())
     expected, last_seq = full_text(url, info["id"])

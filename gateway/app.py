@@ -37,7 +37,7 @@ from gateway.errors import APIError, engine_unavailable
 from gateway.generation import chunk_events
 from gateway.metrics import Metrics
 from gateway.openai_api import ChunkBuilder, Endpoint, ParsedRequest, dumps, new_id, parse_request
-from gateway.streams import SlowConsumerPolicy, StreamHub
+from gateway.streams import SlowConsumerPolicy, StreamHub, Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +55,14 @@ class Gateway:
     extra: dict[str, Any] = field(default_factory=dict)
     hub: StreamHub = field(init=False)
     policy: SlowConsumerPolicy = field(init=False)
+    watchdog: Watchdog = field(init=False)
     draining: bool = False
     active: collections.Counter[str | None] = field(default_factory=collections.Counter)
 
     def __post_init__(self) -> None:
         self.hub = StreamHub(self.config.retention)
         self.policy = self.config.policy
+        self.watchdog = Watchdog(self.policy.send_timeout, self.config.keepalive_interval)
 
     def end_all_streams(self) -> None:
         """Shutdown deadline: fail every in-flight generation with an explicit error."""
@@ -461,6 +463,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> Starlett
             else:
                 yield
         finally:
+            gw.watchdog.stop()
             await engine.close()
 
     routes: list[Any] = [

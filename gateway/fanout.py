@@ -56,7 +56,7 @@ async def _pump(gw: Any, stream: Stream, handle: Any, builder: Any) -> None:
     finally:
         handle.close()
         gw.hub.mark_finished(stream)
-        gw.metrics.retained.set(gw.hub.total_bytes + gw.hub.running_bytes())
+        gw.metrics.retained.set(gw.hub.total_bytes)
 
 
 async def create_stream(request: Request) -> Response:
@@ -76,9 +76,7 @@ async def create_stream(request: Request) -> Response:
             raise APIError(400, '`endpoint` must be "chat.completions" or "completions".', param="endpoint")
         obj["stream"] = True
         parsed = parse_request(endpoint, orjson.dumps(obj), gw.config.limits)
-        gw.hub.evict()
-        if len(gw.hub.streams) >= gw.hub.retention.max_streams:
-            gw.hub.create(endpoint, "")  # raises the 429
+        gw.hub.check_capacity()
         handle, builder = await gw.open(parsed, request.scope)
     except APIError as exc:
         gw.metrics.requests.labels("/v1/streams", str(exc.status)).inc()
@@ -167,6 +165,7 @@ class EventStreamResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gw, stream = self.gw, self.stream
         delay = gw.config.inject_delay.get("sse", 0.0)
+        chunks = gw.metrics.chunks.labels("sse")
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
 
         async def body(data: bytes) -> None:
@@ -176,7 +175,7 @@ class EventStreamResponse(Response):
             if delay:
                 await asyncio.sleep(delay)
             await body(b"".join(e.sse for e in batch))
-            gw.metrics.chunks.labels("sse").inc(len(batch))
+            chunks.inc(len(batch))
 
         async def idle() -> None:
             await body(sse.comment("keep-alive"))
@@ -184,8 +183,7 @@ class EventStreamResponse(Response):
         async def serve() -> bytes:
             await body(sse.comment("tokenfan stream " + stream.id) + b"retry: %d\n\n" % gw.config.sse_retry_ms)
             try:
-                await follow(stream, "sse", self.after, write, gw.policy, idle=idle,
-                             keepalive=gw.config.keepalive_interval)
+                await follow(stream, "sse", self.after, write, gw.policy, gw.watchdog, idle=idle)
             except SlowConsumer as exc:
                 gw.metrics.errors.labels("network").inc()
                 return sse.event(_slow_error(stream, exc).to_bytes(), event="error")
@@ -249,17 +247,18 @@ async def stream_ws(ws: WebSocket) -> None:
         await ws.close(4000 + exc.status if exc.status < 1000 else 1008, exc.code or "error")
         return
     delay = gw.config.inject_delay.get("ws", 0.0)
+    chunks = gw.metrics.chunks.labels("ws")
 
     async def write(batch: list[Event]) -> None:
         if delay:
             await asyncio.sleep(delay)
         for e in batch:
             await ws.send_text(e.ws)
-        gw.metrics.chunks.labels("ws").inc(len(batch))
+        chunks.inc(len(batch))
 
     async def serve() -> tuple[int, str, str | None]:
         try:
-            await follow(stream, "ws", after, write, gw.policy)
+            await follow(stream, "ws", after, write, gw.policy, gw.watchdog)
         except SlowConsumer as exc:
             gw.metrics.errors.labels("network").inc()
             return 1013, "slow consumer: resume with ?after=<last seq>", None

@@ -152,7 +152,7 @@ class Stream:
 
     def __post_init__(self) -> None:
         # dicts as insertion-ordered sets: the rotation in _wake needs a stable order
-        self._waiters: dict[Transport, dict[asyncio.Event, None]] = {"sse": {}, "ws": {}}
+        self._waiters: dict[Transport, dict[Subscription, None]] = {"sse": {}, "ws": {}}
 
     @property
     def finished(self) -> bool:
@@ -181,18 +181,18 @@ class Stream:
     def _wake(self, seq: int) -> None:
         order = TRANSPORTS if seq % 2 == 0 else TRANSPORTS[::-1]
         for transport in order:
-            waiters = list(self._waiters[transport])
-            if not waiters:
+            subs = list(self._waiters[transport])
+            if not subs:
                 continue
-            k = seq % len(waiters)
-            for waiter in waiters[k:] + waiters[:k]:
-                waiter.set()
+            k = seq % len(subs)
+            for sub in subs[k:] + subs[:k]:
+                sub.waiter.set()
 
-    def _register(self, transport: Transport, waiter: asyncio.Event) -> None:
-        self._waiters[transport][waiter] = None
+    def _register(self, transport: Transport, sub: Subscription) -> None:
+        self._waiters[transport][sub] = None
 
-    def _unregister(self, transport: Transport, waiter: asyncio.Event) -> None:
-        self._waiters[transport].pop(waiter, None)
+    def _unregister(self, transport: Transport, sub: Subscription) -> None:
+        self._waiters[transport].pop(sub, None)
 
 
 # Writers: the transport-specific half of a subscriber.
@@ -200,48 +200,114 @@ WriteEvents = Callable[[list[Event]], Awaitable[None]]
 WriteIdle = Callable[[], Awaitable[None]]
 
 
+@dataclass(eq=False, slots=True)
+class Subscription:
+    """One subscriber's state as the :class:`Watchdog` sees it."""
+
+    transport: Transport
+    task: asyncio.Task[Any] | None
+    waiter: asyncio.Event = field(default_factory=asyncio.Event)
+    busy_since: float | None = None  # monotonic start of the write in progress
+    last_write: float = field(default_factory=time.monotonic)
+    ping_due: bool = False
+    slow: bool = False
+
+
+class Watchdog:
+    """One task per gateway instead of one timer per write or wait.
+
+    Every ``tick`` seconds it closes subscribers whose current write has been blocked longer than
+    ``send_timeout`` (their task is cancelled and :func:`follow` turns that into
+    :class:`SlowConsumer`), and wakes subscribers idle longer than ``keepalive`` so they send a
+    keep-alive. Timers per write cost more than the writes themselves at thousands of subscribers.
+    """
+
+    def __init__(self, send_timeout: float, keepalive: float | None, tick: float = 0.25) -> None:
+        self.send_timeout = send_timeout
+        self.keepalive = keepalive
+        self.tick = min(tick, send_timeout / 2, keepalive / 2 if keepalive else tick)
+        self.subs: dict[Subscription, None] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, sub: Subscription) -> None:
+        self.subs[sub] = None
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="stream-watchdog")
+
+    def remove(self, sub: Subscription) -> None:
+        self.subs.pop(sub, None)
+
+    async def _run(self) -> None:
+        while self.subs:
+            await asyncio.sleep(self.tick)
+            self.check(time.monotonic())
+
+    def check(self, now: float) -> None:
+        for sub in list(self.subs):
+            if sub.busy_since is not None:
+                if now - sub.busy_since > self.send_timeout and not sub.slow and sub.task is not None:
+                    sub.slow = True
+                    sub.task.cancel()
+            elif self.keepalive is not None and now - sub.last_write > self.keepalive:
+                sub.ping_due = True
+                sub.waiter.set()
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
 async def follow(
     stream: Stream, transport: Transport, after: int, write: WriteEvents, policy: SlowConsumerPolicy,
-    *, idle: WriteIdle | None = None, keepalive: float | None = None,
+    watchdog: Watchdog, *, idle: WriteIdle | None = None,
 ) -> int:
     """Send every event with ``seq > after`` and then the live tail until the stream ends.
 
-    Returns the last ``seq`` sent (``after`` if none). Raises :class:`SlowConsumer` when a write
-    exceeds the policy's send timeout. The caller writes the stream's ending.
+    Returns the last ``seq`` sent (``after`` if none). Raises :class:`SlowConsumer` when the
+    watchdog finds a write blocked past the send timeout. ``idle`` (if given) is called when the
+    watchdog asks for a keep-alive. The caller writes the stream's ending.
     """
     cursor = after + 1
     live = False  # becomes True once the subscriber has reached the head of the log
-    waiter = asyncio.Event()
-    stream._register(transport, waiter)
+    sub = Subscription(transport, asyncio.current_task())
+    stream._register(transport, sub)
+    watchdog.add(sub)
+
+    async def timed(coro: Awaitable[None]) -> None:
+        sub.busy_since = time.monotonic()
+        try:
+            await coro
+        except asyncio.CancelledError:
+            if sub.slow:
+                if sub.task is not None:
+                    sub.task.uncancel()
+                raise SlowConsumer(f"a write was blocked for more than {watchdog.send_timeout:g}s") from None
+            raise
+        sub.busy_since = None
+        sub.last_write = time.monotonic()
+
     try:
         while True:
-            waiter.clear()
+            sub.waiter.clear()
             if cursor < len(stream.events):
                 batch = policy.plan(stream.events[cursor:], live)
                 cursor = batch[-1].seq + 1
-                try:
-                    async with asyncio.timeout(policy.send_timeout):  # no task per write, unlike wait_for
-                        await write(batch)
-                except TimeoutError as exc:
-                    raise SlowConsumer(f"a write took longer than {policy.send_timeout:g}s") from exc
+                await timed(write(batch))
                 continue
             live = True
             if stream.finished:
                 return cursor - 1
-            if keepalive is None or idle is None:
-                await waiter.wait()
+            if sub.ping_due:
+                sub.ping_due = False
+                if idle is not None:
+                    await timed(idle())
+                else:
+                    sub.last_write = time.monotonic()
                 continue
-            try:
-                async with asyncio.timeout(keepalive):
-                    await waiter.wait()
-            except TimeoutError:
-                try:
-                    async with asyncio.timeout(policy.send_timeout):
-                        await idle()
-                except TimeoutError as exc:
-                    raise SlowConsumer(f"a keep-alive write took longer than {policy.send_timeout:g}s") from exc
+            await sub.waiter.wait()
     finally:
-        stream._unregister(transport, waiter)
+        stream._unregister(transport, sub)
+        watchdog.remove(sub)
 
 
 @dataclass(slots=True)
@@ -263,20 +329,26 @@ class StreamHub:
         self.streams: dict[str, Stream] = {}
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.total_bytes = 0
+        self.total_bytes = 0  # held by finished (retained) streams
 
-    def create(self, endpoint: str, model: str, stream_id: str | None = None) -> Stream:
+    def check_capacity(self) -> None:
+        """Raise the 429 if no stream can be created now (after evicting what is due)."""
         self.evict()
         if len(self.streams) >= self.retention.max_streams:
             raise APIError(429, f"Too many streams ({len(self.streams)}); the limit is {self.retention.max_streams}.",
                            type="rate_limit_error", code="too_many_streams", retry_after=1.0)
+
+    def create(self, endpoint: str, model: str, stream_id: str | None = None) -> Stream:
+        """A new running stream (call :meth:`check_capacity` first to refuse early)."""
         stream = Stream(id=stream_id or "str-" + uuid.uuid4().hex, endpoint=endpoint, model=model)
         self.streams[stream.id] = stream
         return stream
 
     def get(self, stream_id: str) -> Stream:
-        self.evict()
         stream = self.streams.get(stream_id)
+        if stream is not None and stream.finished and self._expired(stream, time.monotonic()):
+            self.evict()
+            stream = self.streams.get(stream_id)
         if stream is not None:
             return stream
         if stream_id in self._gone:
@@ -289,17 +361,15 @@ class StreamHub:
         self.total_bytes += stream.size
         self.evict()
 
-    def running_bytes(self) -> int:
-        return sum(s.size for s in self.streams.values() if not s.finished)
+    def _expired(self, s: Stream, now: float) -> bool:
+        return s.finished_at is not None and now - s.finished_at > self.retention.finished_ttl
 
     def evict(self) -> None:
         """Drop finished streams past their TTL, then the oldest finished ones while over the byte budget."""
         now = time.monotonic()
         while self._finished:
             sid = next(iter(self._finished))
-            s = self.streams[sid]
-            expired = s.finished_at is not None and now - s.finished_at > self.retention.finished_ttl
-            if not expired and self.total_bytes <= self.retention.max_bytes:
+            if not self._expired(self.streams[sid], now) and self.total_bytes <= self.retention.max_bytes:
                 break
             self._drop(sid)
 

@@ -8,7 +8,12 @@ import time
 from gateway.errors import APIError
 from gateway.generation import ChunkEvent
 from gateway.openai_api import ChunkBuilder
-from gateway.streams import Event, Retention, SlowConsumerPolicy, StreamHub, coalesce, follow
+from gateway.streams import Event, Retention, SlowConsumerPolicy, StreamHub, Watchdog, coalesce
+from gateway.streams import follow as _follow
+
+
+def follow(stream, transport, after, write, policy):  # type: ignore[no-untyped-def]
+    return _follow(stream, transport, after, write, policy, Watchdog(policy.send_timeout, None, tick=0.01))
 
 B = ChunkBuilder("chat.completions", "chatcmpl-x", "m", include_usage=False)
 
@@ -26,7 +31,7 @@ def texts(events: list[Event]) -> str:
 def test_coalesce_keeps_all_text_and_the_last_seq() -> None:
     hub = StreamHub(Retention())
     s = hub.create("chat.completions", "m")
-    role = B.role_chunk()
+    role = B.role_chunk()  # (no event loop needed: publishing is synchronous)
     assert role is not None
     s.publish(ChunkEvent(role, 1, "", 0))
     publish_text(s, ["a", "b", "c"])

@@ -25,11 +25,14 @@ pair, its connection order and its place in the gateway's wake-up order, so they
 independent, and an i.i.d. token bootstrap gives intervals that are too narrow (an A/A run then
 "finds" a difference). With fewer than ``MIN_CLUSTERS`` streams tokens are resampled i.i.d.
 
-Why streams, concretely: the gateway writes an event to the subscribers of one transport in a
-fixed order per stream (the order of its waiter set), so on a given stream one SSE subscriber is
-always ~25 µs ahead of the other (WS: ~5 µs), at random which. Between SSE and WS the gateway
-alternates the order by ``seq``, so that effect cancels within each stream. The client takes the
-receive time before parsing and yields once, so its own parsing order adds no such bias.
+Write order: the gateway wakes SSE subscribers first on even ``seq`` and WS first on odd ``seq``,
+and rotates the order inside each transport by ``seq`` as well. With one subscriber per arm and
+stream, consecutive tokens therefore reach the two arms in opposite orders, and whoever is written
+first is ~5-25 µs ahead. The per-token differences are then a two-humped mixture whose median
+jumps between the humps; so the paired estimator first averages each (even, odd) pair of tokens,
+which cancels the write-order effect exactly and leaves the transport difference plus noise, and
+takes the median of those pair means. The client takes the receive time before parsing and yields
+once, so its own parsing order adds no such bias.
 """
 
 from __future__ import annotations
@@ -183,10 +186,26 @@ def _pair_keys(a: ArmSamples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def paired_differences(a: ArmSamples, b: ArmSamples) -> tuple[np.ndarray, np.ndarray]:
     """``recv_B - recv_A`` (ns) for every (stream, seq) both arms received live and uncoalesced,
     with the stream id of each pair."""
+    d, s, _ = _paired(a, b)
+    return d, s
+
+
+def _paired(a: ArmSamples, b: ArmSamples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ka, ta, sa = _pair_keys(a)
     kb, tb, _ = _pair_keys(b)
-    _, ia, ib = np.intersect1d(ka, kb, assume_unique=True, return_indices=True)
-    return tb[ib] - ta[ia], sa[ia]
+    keys, ia, ib = np.intersect1d(ka, kb, assume_unique=True, return_indices=True)
+    return tb[ib] - ta[ia], sa[ia], keys
+
+
+def order_balanced_differences(a: ArmSamples, b: ArmSamples) -> tuple[np.ndarray, np.ndarray]:
+    """Means of the paired differences of tokens ``2k`` and ``2k+1`` of each stream (both needed):
+    the gateway writes those two in opposite orders, so the write-order effect cancels."""
+    d, s, keys = _paired(a, b)
+    pair = keys // 2  # keys = stream << 24 | seq: same stream, seq // 2
+    uniq, first, counts = np.unique(pair, return_index=True, return_counts=True)
+    full = counts == 2
+    idx = first[full]
+    return (d[idx] + d[idx + 1]) / 2.0, s[idx]
 
 
 def bootstrap_medians(values: np.ndarray, clusters: np.ndarray, n_boot: int,
@@ -221,12 +240,13 @@ def median_difference(a: ArmSamples, b: ArmSamples, *, paired: bool, n_boot: int
     """Median B - A delivery latency (ms) with a bootstrap 95% CI (see the module docstring)."""
     rng = np.random.default_rng(seed)
     if paired:
-        d, s = paired_differences(a, b)
+        d, s = order_balanced_differences(a, b)
         n_clusters = int(np.unique(s).size)
         clusters = s if n_clusters >= MIN_CLUSTERS else np.arange(d.size)
         median = float(np.median(d)) if d.size else float("nan")
         boots = bootstrap_medians(d, clusters, n_boot, rng)
-        method = "paired per token, " + ("stream-cluster bootstrap" if n_clusters >= MIN_CLUSTERS
+        method = "paired per token pair (write order balanced), " + ("stream-cluster bootstrap"
+                                                                       if n_clusters >= MIN_CLUSTERS
                                           else "token bootstrap (few streams)")
         n = int(d.size)
     else:

@@ -154,9 +154,26 @@ def _write_tiny_llama(out: Path, seed: int) -> None:
 # --------------------------------------------------------------------------- default Gemma 3 270M
 
 
+TRANSCRIPT_CHAT_TEMPLATE = ASSETS / "transcript_chat_template.jinja"
+SERVING_HINTS = "tokenfan.json"  # per-model serving hints the vLLM backend reads (chat template, stops)
+
+
 def prepare_default_model(cache_dir: Path) -> Path:
     """The default model (Gemma 3 270M, dequantized from the PyPI GGUF) under ``cache_dir``; built once."""
-    return _build_once(Path(cache_dir) / DEFAULT_MODEL_DIRNAME, _write_gemma)
+    path = _build_once(Path(cache_dir) / DEFAULT_MODEL_DIRNAME, _write_gemma)
+    write_serving_hints(path)
+    return path
+
+
+def write_serving_hints(path: Path) -> None:
+    """The PyPI GGUF is the *base* Gemma 3 270M, not the instruction-tuned one: with Gemma's chat
+    tokens it mostly echoes the question, while as a plain "User:/Assistant:" transcript it answers.
+    So chat requests to the default model use the transcript template and stop at the next turn."""
+    hints = {"chat_template": TRANSCRIPT_CHAT_TEMPLATE.name, "chat_stop": ["\nUser:"],
+             "note": "base model: chat is rendered as a plain transcript"}
+    (path / TRANSCRIPT_CHAT_TEMPLATE.name).write_text(TRANSCRIPT_CHAT_TEMPLATE.read_text(encoding="utf-8"),
+                                                      encoding="utf-8")
+    (path / SERVING_HINTS).write_text(json.dumps(hints, indent=2) + "\n", encoding="utf-8")
 
 
 def _write_gemma(out: Path) -> None:

@@ -19,6 +19,7 @@ Deliberate choices:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -26,9 +27,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import msgspec
+
 from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, Step
 from engine_worker.config import EngineConfig
-from engine_worker.models import DEFAULT_MODEL_DIRNAME, resolve_model
+from engine_worker.models import DEFAULT_MODEL_DIRNAME, SERVING_HINTS, resolve_model
 from engine_worker.protocol import FinishReason, Sampling, Submit
 
 if TYPE_CHECKING:
@@ -57,6 +60,7 @@ class VllmBackend:
         self._engine: AsyncLLM | None = None
         self._tokenizer: Any = None
         self._chat_template: str | None = None
+        self._chat_stop: list[str] = []
         self._waiting: set[str] = set()
         self._running: set[str] = set()
 
@@ -70,6 +74,7 @@ class VllmBackend:
         """Resolve (or prepare) the model and start vLLM. Blocks the event loop while the model loads."""
         configure_runtime_env(self._config)
         model_dir = resolve_model(self._config)
+        self._load_serving_hints(model_dir)
         if self._config.chat_template:
             self._chat_template = Path(self._config.chat_template).read_text(encoding="utf-8")
 
@@ -128,8 +133,22 @@ class VllmBackend:
 
     # -- requests --------------------------------------------------------------------------
 
+    def _load_serving_hints(self, model_dir: Path) -> None:
+        """Optional ``tokenfan.json`` in the model directory: a chat template and extra chat stops."""
+        hints_path = model_dir / SERVING_HINTS
+        if not hints_path.is_file():
+            return
+        hints = json.loads(hints_path.read_text(encoding="utf-8"))
+        if hints.get("chat_template"):
+            self._chat_template = (model_dir / hints["chat_template"]).read_text(encoding="utf-8")
+        self._chat_stop = [str(s) for s in hints.get("chat_stop", [])]
+        log.info("serving hints from %s: %s", hints_path, hints.get("note", ""))
+
     async def prepare(self, submit: Submit) -> Prepared:
-        params = self.sampling_params(submit.sampling)
+        sampling = submit.sampling
+        if submit.messages is not None and self._chat_stop:
+            sampling = msgspec.structs.replace(sampling, stop=[*sampling.stop, *self._chat_stop])
+        params = self.sampling_params(sampling)
         if submit.messages is not None:
             param = "messages"
             text = self._render_chat(submit)

@@ -167,9 +167,9 @@ def prepare_default_model(cache_dir: Path) -> Path:
 
 def write_serving_hints(path: Path) -> None:
     """The PyPI GGUF is the *base* Gemma 3 270M, not the instruction-tuned one: with Gemma's chat
-    tokens it mostly echoes the question, while as a plain "User:/Assistant:" transcript it answers.
+    tokens it mostly echoes the question, while as a plain "Question:/Answer:" transcript it answers.
     So chat requests to the default model use the transcript template and stop at the next turn."""
-    hints = {"chat_template": TRANSCRIPT_CHAT_TEMPLATE.name, "chat_stop": ["\nUser:"],
+    hints = {"chat_template": TRANSCRIPT_CHAT_TEMPLATE.name, "chat_stop": ["\nQuestion:", "\n\n"],
              "note": "base model: chat is rendered as a plain transcript"}
     (path / TRANSCRIPT_CHAT_TEMPLATE.name).write_text(TRANSCRIPT_CHAT_TEMPLATE.read_text(encoding="utf-8"),
                                                       encoding="utf-8")

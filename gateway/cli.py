@@ -40,9 +40,9 @@ def run_gateway(config: Any, extra_lifespan: Any = None) -> None:
 
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.app import RawSend, create_app
 
-    app = create_app(config, extra_lifespan=extra_lifespan)
+    app = RawSend(create_app(config, extra_lifespan=extra_lifespan))
 
     class GracefulServer(uvicorn.Server):
         """On SIGTERM/SIGINT: stop accepting, let streams finish for ``--shutdown-grace`` seconds, then

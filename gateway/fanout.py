@@ -167,14 +167,18 @@ class EventStreamResponse(Response):
         delay = gw.config.inject_delay.get("sse", 0.0)
         chunks = gw.metrics.chunks.labels("sse")
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        raw_send = scope.get("tokenfan.raw_send", send)  # the response has started: skip the wrappers
 
         async def body(data: bytes) -> None:
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+            await raw_send({"type": "http.response.body", "body": data, "more_body": True})
 
         async def write(batch: list[Event]) -> None:
             if delay:
                 await asyncio.sleep(delay)
-            await body(b"".join(e.sse for e in batch))
+            if len(batch) == 1:
+                await raw_send(batch[0].sse_message)
+            else:
+                await body(b"".join(e.sse for e in batch))
             chunks.inc(len(batch))
 
         async def idle() -> None:
@@ -248,12 +252,13 @@ async def stream_ws(ws: WebSocket) -> None:
         return
     delay = gw.config.inject_delay.get("ws", 0.0)
     chunks = gw.metrics.chunks.labels("ws")
+    asgi_send = ws.scope.get("tokenfan.raw_send", ws._send)  # accepted already: skip the wrappers
 
     async def write(batch: list[Event]) -> None:
         if delay:
             await asyncio.sleep(delay)
         for e in batch:
-            await ws.send_text(e.ws)
+            await asgi_send(e.ws_message)  # the prebuilt message; Starlette's state checks add nothing here
         chunks.inc(len(batch))
 
     async def serve() -> tuple[int, str, str | None]:

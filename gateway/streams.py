@@ -48,13 +48,18 @@ class Event:
     sse: bytes  # "id: <seq>\ndata: <json>\n\n"
     ws: str  # {"type":"chunk","seq":n,"data":<json>}
     size: int
+    # The ASGI messages themselves, built once and handed to every subscriber's ``send``.
+    sse_message: dict[str, Any]
+    ws_message: dict[str, Any]
 
 
 def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str | None) -> Event:
     data = orjson.dumps(chunk)
     sse = b"id: %d\ndata: %b\n\n" % (seq, data)
     ws = '{"type":"chunk","seq":%d,"data":%s}' % (seq, data.decode())
-    return Event(seq, chunk, text, finish_reason, sse, ws, len(sse) + len(ws) + 64)
+    return Event(seq, chunk, text, finish_reason, sse, ws, len(sse) + len(ws) + 64,
+                 {"type": "http.response.body", "body": sse, "more_body": True},
+                 {"type": "websocket.send", "text": ws})
 
 
 def coalesce(events: list[Event]) -> list[Event]:

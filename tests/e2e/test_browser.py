@@ -431,3 +431,38 @@ def test_stats_percentiles_and_paired_bootstrap_ci(page: Page, gateway_url: str)
     assert "stream-cluster" in r["shifted"]["method"] and r["shifted"]["streams"] == 25
     assert r["again"] == r["shifted"], "the bootstrap must be reproducible (seeded)"
     assert r["none"]["median"] is None and r["none"]["n"] == 0
+
+
+# -- the real vLLM engine ------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_chat_streams_from_real_vllm_over_each_transport(
+    page: Page, console: ConsoleLog, vllm_gateway_url: str, transport: str,
+) -> None:
+    model = httpx.get(vllm_gateway_url + "/v1/models").json()["data"][0]["id"]
+    page.goto(f"{vllm_gateway_url}/?transport={transport}")
+    page.wait_for_function("m => document.querySelector('#model').textContent === m", arg=model)
+    ask(page, max_tokens=40)
+    assert wait_answer_settled(page, timeout=60_000) == "done"
+    assert answer_text(page)
+    answer = page.locator(ANSWER).last
+    assert answer.get_attribute("data-transport") == transport
+    assert int(answer.locator('[data-metric="tokens"]').text_content() or "0") > 0
+    shot(page, f"vllm-chat-{transport}.png")
+    assert console.errors == []
+
+
+@pytest.mark.vllm
+def test_ab_run_on_real_vllm_gives_identical_texts(page: Page, console: ConsoleLog, vllm_gateway_url: str) -> None:
+    page.goto(vllm_gateway_url + "/ab")
+    page.fill("#runs", "2")
+    page.fill("#max-tokens", "40")
+    page.click("#start")
+    page.wait_for_function("window.__tokenfan.result !== null", timeout=60_000)
+    text_a = page.text_content("#pane-A .text")
+    assert text_a and text_a == page.text_content("#pane-B .text")
+    assert page.get_attribute("#verdict", "data-identical") == "true"
+    shot(page, "vllm-ab.png", full_page=True)
+    assert console.errors == []

@@ -33,7 +33,7 @@ from gateway.auth import Auth, AuthMiddleware
 from gateway.config import GatewayConfig
 from gateway.engine_client import RequestHandle
 from gateway.engine_pool import EnginePool
-from gateway.errors import APIError, engine_unavailable
+from gateway.errors import APIError, engine_unavailable, error_class
 from gateway.generation import chunk_events
 from gateway.metrics import Metrics
 from gateway.openai_api import ChunkBuilder, Endpoint, ParsedRequest, dumps, new_id, parse_request
@@ -162,7 +162,7 @@ def completions_route(endpoint: Endpoint):  # type: ignore[no-untyped-def]
             handle, builder = await gw.open(parsed, request.scope)
         except APIError as exc:
             gw.metrics.requests.labels(name, str(exc.status)).inc()
-            gw.metrics.errors.labels("client" if exc.status < 500 else "engine").inc()
+            gw.metrics.errors.labels(error_class(exc)).inc()
             return exc.response()
         except ClientDisconnect:
             return Response(status_code=499)
@@ -198,7 +198,7 @@ async def sse_body(gw: Gateway, handle: RequestHandle, builder: ChunkBuilder, t0
             yield b"data: " + dumps(ev.chunk) + b"\n\n"
         yield sse.DONE
     except APIError as exc:
-        m.errors.labels("engine").inc()
+        m.errors.labels(error_class(exc)).inc()
         yield sse.event(exc.to_bytes(), event="error")
     finally:
         m.active_streams.labels("sse").dec()
@@ -313,7 +313,7 @@ class WsSession:
         self.tasks[cid] = asyncio.create_task(self.generate(cid, endpoint, body))
 
     def send_error(self, cid: str | None, err: APIError) -> None:
-        self.gw.metrics.errors.labels("client" if err.status < 500 else "engine").inc()
+        self.gw.metrics.errors.labels(error_class(err)).inc()
         self.send({"type": "error", "id": cid, "error": err.body()["error"]})
 
     async def generate(self, cid: str, endpoint: Endpoint, body: dict[str, Any]) -> None:

@@ -55,6 +55,20 @@ class APIError(Exception):
         return Response(self.to_bytes(), status_code=self.status, media_type="application/json", headers=headers)
 
 
+CONTENT_CODES = {"context_length_exceeded", "prompt_too_long"}
+NETWORK_CODES = {"slow_consumer"}
+
+
+def error_class(err: APIError) -> str:
+    """The streaming error class for metrics: ``network`` (the path to the client), ``content`` (the
+    prompt or output does not fit), ``client`` (any other bad request), ``engine`` (the server side)."""
+    if err.code in NETWORK_CODES:
+        return "network"
+    if err.code in CONTENT_CODES:
+        return "content"
+    return "client" if err.status < 500 else "engine"
+
+
 def engine_unavailable(detail: str = "the engine is not answering heartbeats") -> APIError:
     return APIError(503, f"Service unavailable: {detail}; retry shortly.", type="server_error",
                     code="engine_unavailable", retry_after=1.0)

@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway import sse
-from gateway.errors import APIError
+from gateway.errors import APIError, error_class
 from gateway.generation import chunk_events
 from gateway.openai_api import parse_request
 from gateway.streams import Event, SlowConsumer, Stream, Transport, follow
@@ -47,7 +47,7 @@ async def _pump(gw: Any, stream: Stream, handle: Any, builder: Any) -> None:
             gw.metrics.tokens.inc(ev.tokens)
         stream.finish("done")
     except APIError as exc:
-        gw.metrics.errors.labels("engine").inc()
+        gw.metrics.errors.labels(error_class(exc)).inc()
         stream.finish("error", exc)
     except asyncio.CancelledError:
         gw.metrics.aborted.inc()
@@ -80,6 +80,7 @@ async def create_stream(request: Request) -> Response:
         handle, builder = await gw.open(parsed, request.scope)
     except APIError as exc:
         gw.metrics.requests.labels("/v1/streams", str(exc.status)).inc()
+        gw.metrics.errors.labels(error_class(exc)).inc()
         return exc.response()
     stream = gw.hub.create(endpoint, builder._base["model"], stream_id=handle.request_id)
     stream.task = asyncio.create_task(_pump(gw, stream, handle, builder), name=f"pump-{stream.id}")

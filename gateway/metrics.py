@@ -41,6 +41,8 @@ class Metrics:
                                 registry=r)
         self.engine_bad_frames = Gauge("tokenfan_engine_bad_frames", "Malformed frames the engine dropped "
                                        "(from any peer), as of its last heartbeat", registry=r)
+        for c in ("network", "engine", "client", "content"):
+            self.errors.labels(c)
         for t in ("sse", "ws"):  # export both transports from the start, at 0
             self.active_streams.labels(t)
             self.subscribers.labels(t)

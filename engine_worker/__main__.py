@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from engine_worker.backends.base import Backend
 from engine_worker.config import EngineConfig, add_engine_arguments, default_engine_address, engine_config_from_args, env
@@ -35,7 +36,7 @@ async def run_engine(config: EngineConfig) -> None:
     backend = build_backend(config)
     await backend.start()
     server = EngineServer(backend=backend, address=config.address, max_queue=config.max_queue,
-                          allow_remote_tcp=config.allow_remote_tcp)
+                          allow_remote_tcp=config.allow_remote_tcp, curve_dir=config.curve_dir)
     try:
         await server.serve(stop)
     finally:
@@ -47,6 +48,9 @@ def add_address_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ZeroMQ address to bind: ipc://PATH or tcp://HOST:PORT [TOKENFAN_ENGINE_ADDRESS]")
     parser.add_argument("--allow-remote-engine", action="store_true", default=env("allow_remote_engine", False, bool),
                         help="allow binding tcp:// to a non-loopback address [TOKENFAN_ALLOW_REMOTE_ENGINE]")
+    parser.add_argument("--curve-dir", type=Path, default=env("curve_dir", None, Path),
+                        help="CURVE keys (from `tokenfan keys DIR`): encrypt the link and admit only "
+                             "authorized gateways [TOKENFAN_CURVE_DIR]")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(ns, ns.address)
     config.allow_remote_tcp = ns.allow_remote_engine
+    config.curve_dir = ns.curve_dir
     try:
         asyncio.run(run_engine(config))
     except (ValueError, PermissionError, FileNotFoundError) as exc:

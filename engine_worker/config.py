@@ -58,6 +58,7 @@ class EngineConfig:
     # engine server
     max_queue: int = 1024  # requests waiting beyond this are rejected with engine_overloaded
     allow_remote_tcp: bool = False
+    curve_dir: Path | None = None
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -50,6 +50,7 @@ def check_tcp_bind(address: str, allow_remote: bool) -> None:
     if not allow_remote:
         raise ValueError(
             f"refusing to bind the engine socket to non-loopback {address}: the engine link is "
-            "unauthenticated; pass --allow-remote-engine to do it anyway on a private network"
+            "unauthenticated; use --curve-dir (CURVE keys from `tokenfan keys DIR`), or pass "
+            "--allow-remote-engine to do it anyway on a private network"
         )
-    log.warning("engine socket bound to non-loopback %s: anyone who can reach it can submit requests", address)
+    log.warning("engine socket bound to non-loopback %s (authenticated only with --curve-dir)", address)

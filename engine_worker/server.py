@@ -15,12 +15,14 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
 from engine_worker import protocol as p
 from engine_worker.backends.base import Backend, RequestRejected
+from engine_worker.curve import serve_curve
 from engine_worker.ipc import check_tcp_bind, prepare_ipc_dir, secure_ipc_socket
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class EngineServer:
     address: str
     max_queue: int = 1024
     allow_remote_tcp: bool = False
+    curve_dir: Path | None = None
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     stats: ServerStats = field(default_factory=ServerStats)
 
@@ -65,9 +68,10 @@ class EngineServer:
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Bind, serve until ``stop`` is set, then abort everything and close."""
-        check_tcp_bind(self.address, self.allow_remote_tcp)
+        check_tcp_bind(self.address, self.allow_remote_tcp or self.curve_dir is not None)
         prepare_ipc_dir(self.address)
         sock = self._ctx.socket(zmq.ROUTER)
+        authenticator = serve_curve(self._ctx, sock, self.curve_dir) if self.curve_dir else None
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # unknown peer: drop, don't raise
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -89,6 +93,8 @@ class EngineServer:
                 req.task.cancel()
             await asyncio.gather(*tasks, *(r.task for r in self._requests.values()), return_exceptions=True)
             sock.close(linger=0)
+            if authenticator is not None:
+                authenticator.stop()
             self._ctx.term()
             log.info("engine %s stopped", self.engine_id)
 

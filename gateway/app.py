@@ -467,7 +467,8 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> Starlett
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine = EnginePool([a.strip() for a in config.engine_address.split(",") if a.strip()],
-                            heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout)
+                            heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout,
+                            curve_dir=config.curve_dir)
         await engine.start()
         gw = Gateway(config=config, engine=engine)
         app.state.gateway = gw

@@ -103,6 +103,16 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.bench.cli import main as bench_main  # type: ignore[import-not-found]
 
         return int(bench_main(argv[1:]))
+    if argv[:1] == ["keys"]:
+        from pathlib import Path
+
+        from engine_worker.curve import generate
+
+        if len(argv) != 2 or argv[1].startswith("-"):
+            print("usage: tokenfan keys DIR   (CURVE key pairs for tcp:// engine links)", file=sys.stderr)
+            return 2
+        print(generate(Path(argv[1])))
+        return 0
     if argv[:1] == ["prepare-model"]:
         from engine_worker.models import main as models_main  # type: ignore[attr-defined]
 
@@ -127,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("engine", help="run an engine worker (see `tokenfan engine --help`)")
     sub.add_parser("bench", help="A/B transport benchmark (see `tokenfan bench --help`)")
     sub.add_parser("prepare-model", help="prepare the default model into the cache")
+    sub.add_parser("keys", help="create CURVE keys for tcp:// engine links: tokenfan keys DIR")
     ns = parser.parse_args(argv)
     _logging(ns.log_level)
     if ns.command == "serve":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine_worker.config import default_engine_address, env
 from gateway.openai_api import Limits
@@ -38,6 +39,7 @@ class GatewayConfig:
     stream_token_ttl: float = 3600.0
     allowed_origins: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
+    curve_dir: Path | None = None
     log_level: str = "INFO"
 
 
@@ -111,6 +113,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cors-origins", default=env("cors_origins", ""),
                    help="comma-separated Origins allowed by CORS on HTTP routes; * allows any "
                         "[TOKENFAN_CORS_ORIGINS]")
+    g.add_argument("--curve-dir", type=Path, default=env("curve_dir", None, Path),
+                   help="CURVE keys (from `tokenfan keys DIR`) for tcp:// engine links: encrypted, and the "
+                        "engine admits only authorized gateways [TOKENFAN_CURVE_DIR]")
     g.add_argument("--log-level", default=env("log_level", d.log_level), help="[TOKENFAN_LOG_LEVEL]")
 
 
@@ -146,6 +151,6 @@ def gateway_config_from_args(ns: argparse.Namespace, engine_address: str) -> Gat
         max_prompt_tokens=ns.max_prompt_tokens,
         api_keys=tuple(ns.api_keys) if ns.api_keys else _csv(env("api_keys", "")),
         token_secret=ns.token_secret, stream_token_ttl=ns.stream_token_ttl,
-        allowed_origins=_csv(ns.allowed_origins), cors_origins=_csv(ns.cors_origins),
+        allowed_origins=_csv(ns.allowed_origins), cors_origins=_csv(ns.cors_origins), curve_dir=ns.curve_dir,
         log_level=ns.log_level,
     )

@@ -15,11 +15,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
 from engine_worker import protocol as p
+from engine_worker.curve import connect_curve
 from gateway.errors import APIError, engine_unavailable
 
 log = logging.getLogger(__name__)
@@ -88,7 +90,7 @@ class EngineClient:
     address: str
     heartbeat_interval: float = 0.25
     heartbeat_timeout: float = 1.0
-    curve_server_key: bytes | None = None
+    curve_dir: Path | None = None
     _handles: dict[str, RequestHandle] = field(default_factory=dict)
     last_heartbeat: p.Heartbeat | None = None
     bad_frames: int = 0
@@ -111,6 +113,8 @@ class EngineClient:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if self.curve_dir is not None:
+            connect_curve(sock, self.curve_dir)
         sock.connect(self.address)
         self._sock = sock
         self._tasks = [asyncio.create_task(self._reader(), name="engine-reader"),

@@ -10,6 +10,7 @@ always reach the right engine. With one engine this is a thin pass-through.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from engine_worker import protocol as p
 from gateway.engine_client import EngineClient, RequestHandle
@@ -19,11 +20,12 @@ log = logging.getLogger(__name__)
 
 
 class EnginePool:
-    def __init__(self, addresses: list[str], heartbeat_interval: float, heartbeat_timeout: float) -> None:
+    def __init__(self, addresses: list[str], heartbeat_interval: float, heartbeat_timeout: float,
+                 curve_dir: Path | None = None) -> None:
         if not addresses:
             raise ValueError("at least one engine address is required")
-        self.clients = [EngineClient(a, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout)
-                        for a in addresses]
+        self.clients = [EngineClient(a, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
+                                     curve_dir=curve_dir) for a in addresses]
 
     async def start(self) -> None:
         for c in self.clients:

@@ -253,7 +253,7 @@ def test_ab_run_fills_the_table_with_identical_texts_and_exports_bench_json(
     assert result["streams"] == 3 and result["separate_streams"] is False
     assert result["arms"]["A"]["transport"] == "sse" and result["arms"]["B"]["transport"] == "ws"
     for arm in result["arms"].values():
-        for metric in ("delivery_ms", "ttft_ms", "itl_ms", "e2e_ms"):
+        for metric in ("delivery_ms", "ttft_ms", "itl_ms", "e2e_ms", "engine_to_gateway_ms", "gateway_to_client_ms"):
             assert set(arm[metric]) == {"n", "mean", "p50", "p90", "p99", "p99.9"}, metric
         assert 0 < arm["live_content_events"] == arm["delivery_ms"]["n"] <= arm["content_events"]
         assert arm["ttft_ms"]["n"] == 3 and arm["errors"] == 0 and arm["subscribers"] == 3

@@ -105,7 +105,8 @@ class SubscriberRecord {
     const piece = choice ? (choice.delta ? choice.delta.content : choice.text) || "" : "";
     if (!piece) return;
     const tf = chunk.tokenfan;
-    this.events.push({ seq: tf.seq, emitMs: tf.emit_ns / 1e6, recvMs, deltas: tf.coalesced || 1 });
+    this.events.push({ seq: tf.seq, emitMs: tf.emit_ns / 1e6, sentMs: tf.sent_ns / 1e6, recvMs,
+      deltas: tf.coalesced || 1 });
     this.text += piece;
     this.textNode.appendData(piece);
   }
@@ -228,6 +229,8 @@ function armMetrics(key) {
     itl_ms: summarize(recs.flatMap((r) => gaps(r.events.map((e) => e.recvMs)))),
     e2e_ms: summarize(recs.filter((r) => r.ok && r.lastChunkMs !== null).map((r) => r.lastChunkMs - r.postMs)),
     delivery_ms: summarize(deliveries(key)),
+    engine_to_gateway_ms: summarize(splitLatency(key, "engine")),
+    gateway_to_client_ms: summarize(splitLatency(key, "client")),
     tokens_per_s: summarize(tps),
   };
 }
@@ -236,6 +239,17 @@ function deliveries(key) {
   return page.runs.flatMap((run) => {
     const r = run[key];
     return r.events.filter((e) => r.isLive(e)).map((e) => r.latency(e));
+  });
+}
+
+/** Delivery latency split at the gateway's publish stamp (live, uncoalesced events), as the bench does. */
+function splitLatency(key, part) {
+  return page.runs.flatMap((run) => {
+    const r = run[key];
+    return r.events.filter((e) => e.deltas === 1 && r.isLive(e)).map((e) => {
+      const engineToGateway = e.sentMs - e.emitMs; // both stamped on the server's clock
+      return part === "engine" ? engineToGateway : r.latency(e) - engineToGateway;
+    });
   });
 }
 

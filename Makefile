@@ -5,7 +5,7 @@ PIP     := $(VENV)/bin/pip
 STAMP   := $(VENV)/.tokenfan-installed
 PYTHON  ?= python3
 
-.PHONY: setup run test browser lint clean
+.PHONY: setup run test test-deps browser lint clean
 
 setup: $(STAMP)
 
@@ -23,13 +23,18 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/tokenfan serve $(ARGS)
 
-# Debian's chromium for the browser tests (Playwright's own browser download does not work here).
-browser:
-	@command -v chromium >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
-	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; fi; }
+# Debian packages the tests drive: chromium (Playwright's own browser download does not work here)
+# and redis-server (the broker of the scale-out test).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+test-deps:
+	@missing=""; command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	if [ -n "$$missing" ]; then $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; fi
 
-test: setup browser
+browser: test-deps
+
+test: setup test-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: setup

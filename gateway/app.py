@@ -56,6 +56,7 @@ class Gateway:
     hub: StreamHub = field(init=False)
     policy: SlowConsumerPolicy = field(init=False)
     watchdog: Watchdog = field(init=False)
+    broker: Any = None  # gateway.broker.Broker with --broker
     draining: bool = False
     active: collections.Counter[str | None] = field(default_factory=collections.Counter)
 
@@ -63,6 +64,14 @@ class Gateway:
         self.hub = StreamHub(self.config.retention)
         self.policy = self.config.policy
         self.watchdog = Watchdog(self.policy.send_timeout, self.config.keepalive_interval)
+
+    def cancel_local_stream(self, stream_id: str) -> bool:
+        """Cancel a generation this gateway runs (a broker-forwarded DELETE); False if not ours."""
+        s = self.hub.streams.get(stream_id)
+        if s is None or s.mirrored or s.finished or s.task is None:
+            return False
+        s.task.cancel()
+        return True
 
     def end_all_streams(self) -> None:
         """Shutdown deadline: fail every in-flight generation with an explicit error."""
@@ -472,6 +481,12 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> Starlett
         await engine.start()
         gw = Gateway(config=config, engine=engine)
         app.state.gateway = gw
+        if config.broker_url:
+            from gateway.broker import Broker
+
+            gw.broker = Broker(config.broker_url, gw.hub, idle_timeout=config.broker_idle_timeout)
+            gw.broker.local_cancel = gw.cancel_local_stream
+            await gw.broker.start()
         for transport, delay in config.inject_delay.items():
             log.warning("DIAGNOSTIC --inject-delay: every %s write is delayed by %.3f ms (benchmark calibration "
                         "only; never in production)", transport, delay * 1000)
@@ -483,6 +498,8 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> Starlett
                 yield
         finally:
             gw.watchdog.stop()
+            if gw.broker is not None:
+                await gw.broker.close()
             await engine.close()
 
     routes: list[Any] = [

@@ -40,6 +40,8 @@ class GatewayConfig:
     allowed_origins: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     curve_dir: Path | None = None
+    broker_url: str | None = None
+    broker_idle_timeout: float = 60.0
     log_level: str = "INFO"
 
 
@@ -113,6 +115,12 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cors-origins", default=env("cors_origins", ""),
                    help="comma-separated Origins allowed by CORS on HTTP routes; * allows any "
                         "[TOKENFAN_CORS_ORIGINS]")
+    g.add_argument("--broker", dest="broker_url", default=env("broker", None),
+                   help="Redis URL (redis://host:6379/0): share fan-out streams across gateway replicas "
+                        "through Redis Streams [TOKENFAN_BROKER]")
+    g.add_argument("--broker-idle-timeout", type=float, default=env("broker_idle_timeout", 60.0, float),
+                   help="a mirrored stream with no new entry for this long ends with owner_lost "
+                        "[TOKENFAN_BROKER_IDLE_TIMEOUT]")
     g.add_argument("--curve-dir", type=Path, default=env("curve_dir", None, Path),
                    help="CURVE keys (from `tokenfan keys DIR`) for tcp:// engine links: encrypted, and the "
                         "engine admits only authorized gateways [TOKENFAN_CURVE_DIR]")
@@ -152,5 +160,6 @@ def gateway_config_from_args(ns: argparse.Namespace, engine_address: str) -> Gat
         api_keys=tuple(ns.api_keys) if ns.api_keys else _csv(env("api_keys", "")),
         token_secret=ns.token_secret, stream_token_ttl=ns.stream_token_ttl,
         allowed_origins=_csv(ns.allowed_origins), cors_origins=_csv(ns.cors_origins), curve_dir=ns.curve_dir,
+        broker_url=ns.broker_url, broker_idle_timeout=ns.broker_idle_timeout,
         log_level=ns.log_level,
     )

@@ -40,10 +40,13 @@ def _gw(holder: Request | WebSocket) -> Any:
 
 async def _pump(gw: Any, stream: Stream, handle: Any, builder: Any) -> None:
     """Engine deltas -> stream events, until the generation ends, fails or is cancelled."""
+    broker = gw.broker
     try:
         async for ev in chunk_events(handle, builder):
             assert ev is not None
-            stream.publish(ev)
+            event = stream.publish(ev)
+            if broker is not None:
+                broker.published(stream, event)
             gw.metrics.tokens.inc(ev.tokens)
         stream.finish("done")
     except APIError as exc:
@@ -55,6 +58,8 @@ async def _pump(gw: Any, stream: Stream, handle: Any, builder: Any) -> None:
         raise
     finally:
         handle.close()
+        if broker is not None:
+            broker.ended(stream)
         gw.hub.mark_finished(stream)
         gw.metrics.retained.set(gw.hub.total_bytes)
 
@@ -96,10 +101,20 @@ async def create_stream(request: Request) -> Response:
     }, status_code=201, headers={"Location": f"/v1/streams/{stream.id}"})
 
 
+async def find_stream(gw: Any, stream_id: str) -> Stream:
+    """The local stream, else (with a broker) a mirror of another replica's; APIError 404 / 410."""
+    try:
+        return gw.hub.get(stream_id)  # type: ignore[no-any-return]
+    except APIError:
+        if gw.broker is None:
+            raise
+        return await gw.broker.mirror(stream_id)  # type: ignore[no-any-return]
+
+
 async def stream_status(request: Request) -> Response:
     gw = _gw(request)
     try:
-        s = gw.hub.get(request.path_params["id"])
+        s = await find_stream(gw, request.path_params["id"])
     except APIError as exc:
         return exc.response()
     return JSONResponse({"id": s.id, "object": "tokenfan.stream", "state": s.state, "events": len(s.events),
@@ -109,10 +124,15 @@ async def stream_status(request: Request) -> Response:
 async def delete_stream(request: Request) -> Response:
     gw = _gw(request)
     try:
-        s = gw.hub.get(request.path_params["id"])
+        s = await find_stream(gw, request.path_params["id"])
     except APIError as exc:
         return exc.response()
-    if s.task is not None and not s.finished:
+    if s.mirrored and not s.finished:
+        # Another replica runs it: ask the owner, then wait for its end to arrive through the broker.
+        await gw.broker.cancel_remote(s.id)
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(s.task), 5.0)
+    elif s.task is not None and not s.finished:
         s.task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await s.task
@@ -128,8 +148,8 @@ def _after(raw: str | None, what: str) -> int:
     return -1 if value is None else value
 
 
-def _subscribe_check(gw: Any, stream_id: str, after: int) -> Stream:
-    stream: Stream = gw.hub.get(stream_id)
+async def _subscribe_check(gw: Any, stream_id: str, after: int) -> Stream:
+    stream = await find_stream(gw, stream_id)
     if stream.subscriber_count() >= gw.hub.retention.max_subscribers:
         raise APIError(429, f"Stream {stream_id} has {stream.subscriber_count()} subscribers; the limit is "
                             f"{gw.hub.retention.max_subscribers}.", type="rate_limit_error",
@@ -142,7 +162,7 @@ async def stream_events(request: Request) -> Response:
     try:
         after = _after(request.headers.get("last-event-id") or request.query_params.get("last_event_id"),
                        "last_event_id")
-        stream = _subscribe_check(gw, request.path_params["id"], after)
+        stream = await _subscribe_check(gw, request.path_params["id"], after)
     except APIError as exc:
         return exc.response()
     if stream.finished and after >= len(stream.events) - 1 and stream.state == "done":
@@ -246,7 +266,7 @@ async def stream_ws(ws: WebSocket) -> None:
     await ws.accept()
     try:
         after = _after(ws.query_params.get("after"), "after")
-        stream = _subscribe_check(gw, ws.path_params["id"], after)
+        stream = await _subscribe_check(gw, ws.path_params["id"], after)
     except APIError as exc:
         await ws.send_text(orjson.dumps({"type": "error", "error": exc.body()["error"]}).decode())
         await ws.close(4000 + exc.status if exc.status < 1000 else 1008, exc.code or "error")

@@ -115,12 +115,12 @@ def _merge(run: list[Event]) -> Event:
 class SlowConsumerPolicy:
     """What happens to a subscriber that cannot keep up.
 
-    - Replay (a subscriber that has not yet reached the head of the log: a late joiner or a resume)
-      is sent event by event, in writes of at most ``replay_batch`` events, so every token keeps its
-      own event and timing.
-    - Once live, at most ``coalesce_after`` pending events are sent one by one; beyond that, pending
-      content events are merged (:func:`coalesce`) so a lagging client catches up with fewer, larger
-      events.
+    - Events that were already in the log when the subscriber's current write began (a late
+      joiner's replay, a resume, a burst) are sent event by event, at most ``replay_batch`` per
+      write, so every token keeps its own event and timing.
+    - A subscriber is *lagging* when more than ``coalesce_after`` events were published while its
+      last write was in progress (the client, not the producer, is the bottleneck); then its pending
+      content events are merged (:func:`coalesce`) so it catches up with fewer, larger events.
     - A single write that does not complete within ``send_timeout`` seconds (the client stopped
       reading and the transport buffer is full) closes the subscriber with a ``slow_consumer``
       reason (SSE error event; WebSocket close 1013). It can resume from its last ``seq``.
@@ -132,10 +132,10 @@ class SlowConsumerPolicy:
     send_timeout: float = 10.0
     replay_batch: int = 64
 
-    def plan(self, pending: list[Event], live: bool) -> list[Event]:
-        if not live:
-            return pending[: self.replay_batch]
-        return pending if len(pending) <= self.coalesce_after else coalesce(pending)
+    def plan(self, pending: list[Event], lagging: bool) -> list[Event]:
+        if lagging and len(pending) > self.coalesce_after:
+            return coalesce(pending)
+        return pending[: self.replay_batch]
 
 
 class SlowConsumer(Exception):
@@ -154,6 +154,7 @@ class Stream:
     size: int = 0
     finished_at: float | None = None
     task: asyncio.Task[None] | None = None
+    mirrored: bool = False  # fed from the broker, not generated here (see gateway.broker)
 
     def __post_init__(self) -> None:
         # dicts as insertion-ordered sets: the rotation in _wake needs a stable order
@@ -273,7 +274,10 @@ async def follow(
     watchdog asks for a keep-alive. The caller writes the stream's ending.
     """
     cursor = after + 1
-    live = False  # becomes True once the subscriber has reached the head of the log
+    # Lagging = more than coalesce_after events were published while our last write was in progress:
+    # the client is the bottleneck, so merge. Events that were already there when a write started
+    # (a late joiner's replay, a burst from the broker) are history, sent event by event.
+    lagging = False
     sub = Subscription(transport, asyncio.current_task())
     stream._register(transport, sub)
     watchdog.add(sub)
@@ -295,11 +299,13 @@ async def follow(
         while True:
             sub.waiter.clear()
             if cursor < len(stream.events):
-                batch = policy.plan(stream.events[cursor:], live)
+                batch = policy.plan(stream.events[cursor:], lagging)
                 cursor = batch[-1].seq + 1
+                head = len(stream.events)
                 await timed(write(batch))
+                lagging = len(stream.events) - head > policy.coalesce_after
                 continue
-            live = True
+            lagging = False
             if stream.finished:
                 return cursor - 1
             if sub.ping_due:

@@ -10,7 +10,13 @@ import sys
 from pathlib import Path
 
 from engine_worker.backends.base import Backend
-from engine_worker.config import EngineConfig, add_engine_arguments, default_engine_address, engine_config_from_args, env
+from engine_worker.config import (
+    EngineConfig,
+    add_engine_arguments,
+    default_engine_address,
+    engine_config_from_args,
+    env,
+)
 
 log = logging.getLogger("engine_worker")
 

@@ -54,7 +54,7 @@ class RequestHandle:
         """Prompt token count once the engine accepted the request; raises APIError."""
         try:
             return await asyncio.wait_for(asyncio.shield(self.accepted), timeout)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise engine_unavailable(f"the engine did not accept the request within {timeout:.0f}s") from exc
 
     async def deltas(self, idle: float | None = None) -> AsyncIterator[p.Delta | None]:
@@ -66,7 +66,7 @@ class RequestHandle:
             else:
                 try:
                     item = await asyncio.wait_for(self._queue.get(), idle)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     yield None
                     continue
             if isinstance(item, APIError):

@@ -285,7 +285,7 @@ async def stream_ws(ws: WebSocket) -> None:
     async def serve() -> tuple[int, str, str | None]:
         try:
             await follow(stream, "ws", after, write, gw.policy, gw.watchdog)
-        except SlowConsumer as exc:
+        except SlowConsumer:
             gw.metrics.errors.labels("network").inc()
             return 1013, "slow consumer: resume with ?after=<last seq>", None
         if stream.state == "cancelled":

@@ -69,7 +69,7 @@ class EngineSupervisor:
             proc.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), self.stop_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("engine worker did not stop within %.0fs: killing it", self.stop_timeout)
                 proc.kill()
                 await proc.wait()

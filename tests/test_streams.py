@@ -128,7 +128,7 @@ def test_wake_order_alternates_between_transports() -> None:
         tasks = [asyncio.create_task(follow(s, "sse", -1, writer("sse"), policy)),
                  asyncio.create_task(follow(s, "ws", -1, writer("ws"), policy))]
         await asyncio.sleep(0)
-        for i in range(4):
+        for _ in range(4):
             s.publish(ChunkEvent(B.delta_chunk("x", None), 1, "x", 1))
             await asyncio.sleep(0.001)
         s.finish("done")

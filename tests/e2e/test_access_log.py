@@ -26,7 +26,8 @@ def test_request_id_links_the_access_log_and_the_engine_log(ipc_dir) -> None:  #
         auto = httpx.get(url + "/v1/models").headers["x-request-id"]
         assert len(auto) == 32
         wait_until(lambda: "req-abc-123" in gw.log() and "trace=req-abc-123" in engine.log(), what="log lines")
-        lines = [json.loads(l.split("tokenfan.access: ", 1)[1]) for l in gw.log().splitlines() if "tokenfan.access: " in l]
+        lines = [json.loads(line.split("tokenfan.access: ", 1)[1]) for line in gw.log().splitlines()
+                 if "tokenfan.access: " in line]
         entry = next(e for e in lines if e["request_id"] == "req-abc-123")
         assert entry["path"] == "/v1/completions" and entry["status"] == 200 and entry["generation_id"] == generation
         assert f"accepted {generation} trace=req-abc-123" in engine.log()

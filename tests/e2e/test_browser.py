@@ -19,7 +19,12 @@ pytest.importorskip("playwright.sync_api", reason="playwright is not installed (
 from playwright.sync_api import Browser, Page, Route, sync_playwright  # noqa: E402
 
 from tests.e2e.browser_fixtures import (  # noqa: E402
-    CHROMIUM, CHROMIUM_ARGS, ConsoleLog, CuttableProxy, aborted_total, full_stream_text,
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    ConsoleLog,
+    CuttableProxy,
+    aborted_total,
+    full_stream_text,
     start_gateway_without_engine,
 )
 from tests.procs import ARTIFACTS, start_engine, start_gateway  # noqa: E402

@@ -96,7 +96,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="synthetic engine: stretch every token to this many characters (payload-size knob) "
                         "[TOKENFAN_SYNTHETIC_TOKEN_CHARS]")
     g.add_argument("--max-queue", type=int, default=env("max_queue", d.max_queue, int),
-                   help="requests waiting in the engine before new ones are refused [TOKENFAN_MAX_QUEUE]")
+                   help="requests in the engine (running + waiting) beyond which new ones get 503 "
+                        "engine_overloaded [TOKENFAN_MAX_QUEUE]")
 
 
 def engine_config_from_args(ns: argparse.Namespace, address: str) -> EngineConfig:

@@ -177,11 +177,27 @@ def completions_route(endpoint: Endpoint):  # type: ignore[no-untyped-def]
             return Response(status_code=499)
         gw.metrics.requests.labels(name, "200").inc()
         if parsed.stream:
-            return StreamingResponse(sse_body(gw, handle, builder, time.monotonic()), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            return TimedStreamingResponse(sse_body(gw, handle, builder, time.monotonic()), gw.policy.send_timeout,
+                                          media_type="text/event-stream", headers=SSE_HEADERS)
         return await full_response(gw, handle, builder)
 
     return handler
+
+
+class TimedStreamingResponse(StreamingResponse):
+    """A StreamingResponse whose every write must finish within ``send_timeout`` seconds: a client
+    that stopped reading (dead peer, full buffers) ends the response, which aborts its generation."""
+
+    def __init__(self, content: AsyncIterator[bytes], send_timeout: float, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.send_timeout = send_timeout
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            async with asyncio.timeout(self.send_timeout):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def sse_body(gw: Gateway, handle: RequestHandle, builder: ChunkBuilder, t0: float) -> AsyncIterator[bytes]:

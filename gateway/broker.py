@@ -1,7 +1,8 @@
 """Fan-out across gateway replicas through Redis Streams (``--broker redis://…``).
 
 The gateway that runs a generation (its *owner*) appends every published event to the Redis stream
-``tokenfan:s:<id>`` (fields ``seq``, ``data`` = the chunk JSON with its ``tokenfan`` object, ``text``,
+``tokenfan:s:<id>``: a header entry (``created`` = model, ``endpoint``) before the stream's id is handed
+out, one entry per event (``seq``, ``data`` = the chunk JSON with its ``tokenfan`` object, ``text``,
 ``fin``), then a terminal entry (``end`` = done | error | cancelled, ``error`` = the OpenAI error JSON).
 Any other replica asked for a stream it does not hold builds a local *mirror*: a :class:`Stream` in its
 own hub fed by ``XREAD`` from the start of the Redis stream. Subscribers then follow the mirror exactly
@@ -71,6 +72,17 @@ class Broker:
 
     # -- owner side --------------------------------------------------------------------------
 
+    async def created(self, stream: Stream) -> None:
+        """Announce a new stream before its id is handed out, so any replica finds it at once."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(_key(stream.id), {b"created": stream.model.encode(), b"endpoint": stream.endpoint.encode()})
+        pipe.expire(_key(stream.id), KNOWN_TTL_S)  # bounded even if this owner dies mid-stream
+        pipe.set(_known(stream.id), b"1", ex=KNOWN_TTL_S)
+        try:
+            await pipe.execute()
+        except Exception as exc:  # noqa: BLE001 - the stream still works on this replica
+            log.error("broker: announcing stream %s failed: %s", stream.id, exc)
+
     def published(self, stream: Stream, event: Event) -> None:
         """Queue one event of a local stream for Redis (sent with the next pipeline flush)."""
         fields = {b"seq": b"%d" % event.seq, b"data": orjson.dumps(event.chunk), b"text": event.text.encode(),
@@ -99,9 +111,6 @@ class Broker:
             pipe.xadd(_key(stream_id), fields)
             if expire_s is not None:
                 pipe.expire(_key(stream_id), max(1, expire_s))
-                pipe.set(_known(stream_id), b"1", ex=KNOWN_TTL_S)
-            elif fields.get(b"seq") == b"0":
-                pipe.expire(_key(stream_id), KNOWN_TTL_S)  # bounded even if this owner dies mid-stream
                 pipe.set(_known(stream_id), b"1", ex=KNOWN_TTL_S)
         try:
             await pipe.execute()
@@ -135,8 +144,9 @@ class Broker:
         if existing is not None:
             return existing
         self.hub.check_capacity()
-        data = orjson.loads(first[0][1][b"data"]) if b"data" in first[0][1] else {}
-        stream = self.hub.create("", str(data.get("model", "")), stream_id=stream_id)
+        header = first[0][1]
+        stream = self.hub.create(header.get(b"endpoint", b"").decode(), header.get(b"created", b"").decode(),
+                                 stream_id=stream_id)
         stream.mirrored = True
         task = asyncio.create_task(self._feed(stream), name=f"mirror-{stream_id}")
         self._tasks.add(task)
@@ -157,6 +167,8 @@ class Broker:
                     return
                 for entry_id, fields in reply[0][1]:
                     last_id = entry_id
+                    if b"created" in fields:
+                        continue
                     if b"end" in fields:
                         err = None
                         if fields.get(b"error"):

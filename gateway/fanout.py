@@ -88,6 +88,9 @@ async def create_stream(request: Request) -> Response:
         gw.metrics.errors.labels(error_class(exc)).inc()
         return exc.response()
     stream = gw.hub.create(endpoint, builder._base["model"], stream_id=handle.request_id)
+    if gw.broker is not None:
+        # Announce before the id is handed out (and before any event): every replica finds it at once.
+        await gw.broker.created(stream)
     stream.task = asyncio.create_task(_pump(gw, stream, handle, builder), name=f"pump-{stream.id}")
     gw.metrics.requests.labels("/v1/streams", "201").inc()
     base = str(request.base_url).rstrip("/")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,7 +102,6 @@ class EngineClient:
         self._last_beat_at = 0.0
         self._was_healthy = False
         self._submitted_since_beat = 0
-        self.healthy_event = asyncio.Event()
 
     async def start(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
@@ -162,7 +160,6 @@ class EngineClient:
             if self._was_healthy and not healthy:
                 log.error("engine at %s missed heartbeats for %.1fs: failing %d in-flight requests",
                           self.address, self.heartbeat_timeout, len(self._handles))
-                self.healthy_event.clear()
                 err = engine_unavailable("the engine stopped answering (crashed or restarting)")
                 for h in list(self._handles.values()):
                     h._fail(err)
@@ -251,7 +248,6 @@ class EngineClient:
                 self.last_heartbeat = msg
                 self._submitted_since_beat = 0
                 self._last_beat_at = time.monotonic()
-                self.healthy_event.set()
             else:
                 self.bad_frames += 1
                 log.warning("unexpected %s from engine", type(msg).__name__)
@@ -270,7 +266,3 @@ class EngineClient:
 def _log_send_failure(fut: asyncio.Future[object]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.warning("engine send failed: %s", fut.exception())
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex

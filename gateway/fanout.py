@@ -27,7 +27,7 @@ from gateway import sse
 from gateway.errors import APIError, error_class
 from gateway.generation import chunk_events
 from gateway.openai_api import parse_request
-from gateway.streams import Event, SlowConsumer, Stream, Transport, follow
+from gateway.streams import Event, SlowConsumer, Stream, follow
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +311,3 @@ async def stream_ws(ws: WebSocket) -> None:
         pass
     finally:
         gw.metrics.subscribers.labels("ws").dec()
-
-
-def transport_name(t: Transport) -> str:
-    return "EventSource (SSE)" if t == "sse" else "WebSocket"

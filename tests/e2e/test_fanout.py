@@ -164,12 +164,12 @@ def test_a_thousand_subscribers_on_one_stream_all_get_the_full_text(slow_engine_
 
 
 def test_a_stalled_subscriber_is_cut_without_growing_memory_or_delaying_others(ipc_dir) -> None:  # type: ignore[no-untyped-def]
-    # 2,000-character tokens at 500/s: ~1 MB/s, so a reader that stops fills every buffer
-    # (the kernel alone may hold 4 MB per socket) within seconds.
+    # 6,000 tokens of 2,000 characters at 1,000/s: 12 MB over 6 s, so a reader that stops fills every
+    # buffer on the way (the kernel alone may hold 4 MB per socket) long before the stream ends.
     address = f"ipc://{ipc_dir / 'fat.sock'}"
-    engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "500",
-                          "--synthetic-token-chars", "2000", name="engine-fat")
-    gw, url = start_gateway(address, "--send-timeout", "1", name="gateway-fat")
+    engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "1000",
+                          "--synthetic-token-chars", "2000", "--max-model-len", "20000", name="engine-fat")
+    gw, url = start_gateway(address, "--send-timeout", "1", "--max-tokens-cap", "20000", name="gateway-fat")
     try:
         _stalled_subscriber_case(url)
     finally:
@@ -178,7 +178,7 @@ def test_a_stalled_subscriber_is_cut_without_growing_memory_or_delaying_others(i
 
 
 def _stalled_subscriber_case(url: str) -> None:
-    info = create(url, max_tokens=2000, endpoint="completions")
+    info = create(url, max_tokens=6000, endpoint="completions")
     errors_before = metric(url, "tokenfan_errors_total", '{class="network"}')
     rss_before = metric(url, "process_resident_memory_bytes")
     # A raw client with a tiny receive window that never reads after the headers.
@@ -190,9 +190,9 @@ def _stalled_subscriber_case(url: str) -> None:
     try:
         t0 = time.monotonic()
         text, last = full_text(url, info["id"])  # a healthy reader follows the whole live stream
-        assert last >= 100 and len(text) >= 2000 * 2000
+        assert last >= 100 and len(text) >= 6000 * 2000
         # The healthy reader finished at the engine's pace even though the stalled one never read.
-        assert time.monotonic() - t0 < 2000 / 500 + 5
+        assert time.monotonic() - t0 < 6000 / 1000 + 10
         wait_until(lambda: metric(url, "tokenfan_errors_total", '{class="network"}') > errors_before,
                    timeout=10, what="stalled subscriber closed as slow")
         assert metric(url, "process_resident_memory_bytes") - rss_before < 50 << 20

@@ -79,14 +79,19 @@ export const MIN_CLUSTERS = 20;
  * @param {number[]} diffs
  * @param {Array} streams  the stream (cluster) of each difference
  */
-export function pairedMedianDiff(diffs, streams, { resamples = 1000, seed = 1 } = {}) {
+export function pairedMedianDiff(diffs, streams,
+  { resamples = 1000, seed = 1, floorMs = 0, method = "paired per token" } = {}) {
   const nStreams = new Set(streams).size;
   const clustered = nStreams >= MIN_CLUSTERS;
   const base = { paired: true, n: diffs.length, streams: nStreams, n_boot: resamples, seed,
-    method: "paired per token, " + (clustered ? "stream-cluster bootstrap" : "token bootstrap (few streams)") };
-  if (!diffs.length) return { median: null, ci95: null, ...base };
+    systematic_floor_ms: floorMs,
+    method: `${method}, ` + (clustered ? "stream-cluster bootstrap" : "token bootstrap (few streams)") };
+  if (!diffs.length) return { median: null, ci95: null, ci95_sampling: null, ...base };
   const boots = bootstrapMedians(diffs, clustered ? streams : null, { resamples, seed }).sort();
-  return { median: median(diffs), ci95: [quantileSorted(boots, 0.025), quantileSorted(boots, 0.975)], ...base };
+  const lo = quantileSorted(boots, 0.025);
+  const hi = quantileSorted(boots, 0.975);
+  // As `tokenfan bench`: the bootstrap covers sampling noise; the floor is what timestamps cannot resolve.
+  return { median: median(diffs), ci95: [lo - floorMs, hi + floorMs], ci95_sampling: [lo, hi], ...base };
 }
 
 /** Points of the empirical CDF: [[x, F(x)], ...] for sorted x. */

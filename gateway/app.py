@@ -73,6 +73,10 @@ class Gateway:
         s.task.cancel()
         return True
 
+    def in_flight(self) -> int:
+        """Generations this gateway is still waiting on the engine for."""
+        return sum(c.in_flight for c in self.engine.clients)
+
     def end_all_streams(self) -> None:
         """Shutdown deadline: fail every in-flight generation with an explicit error."""
         err = APIError(503, "The server is shutting down; retry on another instance.", type="server_error",

@@ -51,8 +51,14 @@ def run_gateway(config: Any, extra_lifespan: Any = None) -> None:
         async def shutdown(self, sockets: Any = None) -> None:
             gw = getattr(app.state, "gateway", None)
             if gw is not None:
-                gw.draining = True
-                asyncio.get_running_loop().call_later(config.shutdown_grace, gw.end_all_streams)
+                gw.draining = True  # new generations get 503 from here on
+                for server in self.servers:
+                    server.close()  # stop accepting; open connections (SSE and WS) carry on
+                deadline = asyncio.get_running_loop().time() + config.shutdown_grace
+                while gw.in_flight() and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.05)
+                gw.end_all_streams()
+                await asyncio.sleep(0.2)  # let the error events reach the clients
             await super().shutdown(sockets)
 
     GracefulServer(uvicorn.Config(

@@ -114,7 +114,9 @@ def test_a_live_subscriber_that_lags_gets_coalesced_events() -> None:
     assert len(got) == 2 and got[1].seq == 20 and got[1].chunk["tokenfan"]["coalesced"] == 20
 
 
-def test_wake_order_alternates_between_transports() -> None:
+def write_order(subscribers: list[tuple[str, str]], events: int) -> list[str]:
+    """Names of the subscribers ``(name, transport)`` in the order their writes happened."""
+
     async def main() -> list[str]:
         s = StreamHub(Retention()).create("completions", "m")
         order: list[str] = []
@@ -124,40 +126,25 @@ def test_wake_order_alternates_between_transports() -> None:
                 order.append(name)
             return w
 
-        policy = SlowConsumerPolicy()
-        tasks = [asyncio.create_task(follow(s, "sse", -1, writer("sse"), policy)),
-                 asyncio.create_task(follow(s, "ws", -1, writer("ws"), policy))]
+        tasks = [asyncio.create_task(follow(s, transport, -1, writer(name), SlowConsumerPolicy()))
+                 for name, transport in subscribers]
         await asyncio.sleep(0)
-        for _ in range(4):
+        for _ in range(events):
             s.publish(ChunkEvent(B.delta_chunk("x", None), 1, "x", 1))
             await asyncio.sleep(0.001)
         s.finish("done")
         await asyncio.gather(*tasks)
         return order
 
-    assert asyncio.run(main()) == ["sse", "ws", "ws", "sse", "sse", "ws", "ws", "sse"]
+    return asyncio.run(main())
+
+
+def test_wake_order_alternates_between_transports() -> None:
+    assert write_order([("sse", "sse"), ("ws", "ws")], 4) == ["sse", "ws", "ws", "sse", "sse", "ws", "ws", "sse"]
 
 
 def test_wake_order_rotates_within_a_transport() -> None:
-    async def main() -> list[str]:
-        s = StreamHub(Retention()).create("completions", "m")
-        order: list[str] = []
-
-        def writer(name: str):  # type: ignore[no-untyped-def]
-            async def w(batch: list[Event]) -> None:
-                order.append(name)
-            return w
-
-        tasks = [asyncio.create_task(follow(s, "sse", -1, writer(n), SlowConsumerPolicy())) for n in "abc"]
-        await asyncio.sleep(0)
-        for _ in range(3):
-            s.publish(ChunkEvent(B.delta_chunk("x", None), 1, "x", 1))
-            await asyncio.sleep(0.001)
-        s.finish("done")
-        await asyncio.gather(*tasks)
-        return order
-
-    assert asyncio.run(main()) == list("abc" "bca" "cab")
+    assert write_order([(n, "sse") for n in "abc"], 3) == list("abc" "bca" "cab")
 
 
 def test_a_stalled_writer_raises_slow_consumer() -> None:

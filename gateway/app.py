@@ -35,7 +35,7 @@ from gateway.engine_client import RequestHandle
 from gateway.engine_pool import EnginePool
 from gateway.errors import APIError, engine_unavailable, error_class
 from gateway.generation import chunk_events
-from gateway.metrics import Metrics
+from gateway.metrics import ChunkMeter, Metrics
 from gateway.openai_api import ChunkBuilder, Endpoint, ParsedRequest, dumps, new_id, parse_request
 from gateway.streams import SlowConsumerPolicy, StreamHub, Watchdog
 
@@ -208,22 +208,13 @@ async def sse_body(gw: Gateway, handle: RequestHandle, builder: ChunkBuilder, t0
     """The POST streaming body; aborts the engine request if the client leaves (task cancelled)."""
     m = gw.metrics
     m.active_streams.labels("sse").inc()
-    last: float | None = None
+    meter = ChunkMeter(m, "sse", t0)
     try:
         async for ev in chunk_events(handle, builder, idle=gw.config.keepalive_interval):
             if ev is None:
                 yield sse.comment("keep-alive")
                 continue
-            if ev.text:
-                now = time.monotonic()
-                if last is None:
-                    m.ttft.labels("sse").observe(now - t0)
-                else:
-                    m.itl.labels("sse").observe(now - last)
-                last = now
-            m.delivery.labels("sse").observe(max(0, p.now_ns() - ev.emit_ns) / 1e9)
-            m.chunks.labels("sse").inc()
-            m.tokens.inc(ev.tokens)
+            meter.observe(ev.text, ev.tokens, ev.emit_ns)
             yield b"data: " + dumps(ev.chunk) + b"\n\n"
         yield sse.DONE
     except APIError as exc:
@@ -349,23 +340,13 @@ class WsSession:
         gw = self.gw
         handle: RequestHandle | None = None
         gw.metrics.active_streams.labels("ws").inc()
-        t0 = time.monotonic()
-        last: float | None = None
+        meter = ChunkMeter(gw.metrics, "ws", time.monotonic())
         try:
             parsed = parse_request(endpoint, orjson.dumps(body), gw.config.limits)
             handle, builder = await gw.open(parsed, self.ws.scope)
             async for ev in chunk_events(handle, builder):
                 assert ev is not None
-                if ev.text:
-                    now = time.monotonic()
-                    if last is None:
-                        gw.metrics.ttft.labels("ws").observe(now - t0)
-                    else:
-                        gw.metrics.itl.labels("ws").observe(now - last)
-                    last = now
-                gw.metrics.delivery.labels("ws").observe(max(0, p.now_ns() - ev.emit_ns) / 1e9)
-                gw.metrics.chunks.labels("ws").inc()
-                gw.metrics.tokens.inc(ev.tokens)
+                meter.observe(ev.text, ev.tokens, ev.emit_ns)
                 self.send({"type": "chunk", "id": cid, "data": ev.chunk})
             self.send({"type": "done", "id": cid})
         except APIError as exc:

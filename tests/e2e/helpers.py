@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
+
+from tests.procs import start_engine, start_gateway
 
 
 def sse_events(text: str) -> list[dict[str, str]]:
@@ -55,3 +60,31 @@ def engine_load(url: str) -> tuple[int, int]:
 
 def data_json(ev: dict[str, str]) -> dict:
     return json.loads(ev["data"])
+
+
+@contextlib.contextmanager
+def fat_gateway(ipc_dir: Path, name: str) -> Iterator[str]:
+    """An engine emitting 2,000-character tokens at 1,000/s (~2 MB/s per stream) behind a gateway with a
+    1 s send timeout: a client that stops reading fills every buffer on the way (the kernel alone may
+    hold 4 MB per socket) within seconds, long before a multi-thousand-token stream ends."""
+    address = f"ipc://{ipc_dir / f'{name}.sock'}"
+    engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "1000",
+                          "--synthetic-token-chars", "2000", "--max-model-len", "20000", name=f"engine-{name}")
+    try:
+        gw, url = start_gateway(address, "--send-timeout", "1", "--max-tokens-cap", "20000", name=f"gateway-{name}")
+        try:
+            yield url
+        finally:
+            gw.stop()
+    finally:
+        engine.stop()
+
+
+def stalled_client(url: str, request: bytes) -> socket.socket:
+    """A raw HTTP client with a 2 KB receive window that sends ``request`` and then never reads."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.connect((host, int(port)))
+    sock.sendall(request)
+    return sock

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import time
 from collections.abc import Iterator
 
@@ -14,7 +13,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.e2e.helpers import chunk_text, metric, sse_events, wait_until
+from tests.e2e.helpers import chunk_text, fat_gateway, metric, sse_events, stalled_client, wait_until
 from tests.procs import start_engine, start_gateway
 
 
@@ -164,29 +163,15 @@ def test_a_thousand_subscribers_on_one_stream_all_get_the_full_text(slow_engine_
 
 
 def test_a_stalled_subscriber_is_cut_without_growing_memory_or_delaying_others(ipc_dir) -> None:  # type: ignore[no-untyped-def]
-    # 6,000 tokens of 2,000 characters at 1,000/s: 12 MB over 6 s, so a reader that stops fills every
-    # buffer on the way (the kernel alone may hold 4 MB per socket) long before the stream ends.
-    address = f"ipc://{ipc_dir / 'fat.sock'}"
-    engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "1000",
-                          "--synthetic-token-chars", "2000", "--max-model-len", "20000", name="engine-fat")
-    gw, url = start_gateway(address, "--send-timeout", "1", "--max-tokens-cap", "20000", name="gateway-fat")
-    try:
+    with fat_gateway(ipc_dir, "fat") as url:
         _stalled_subscriber_case(url)
-    finally:
-        gw.stop()
-        engine.stop()
 
 
 def _stalled_subscriber_case(url: str) -> None:
-    info = create(url, max_tokens=6000, endpoint="completions")
+    info = create(url, max_tokens=6000, endpoint="completions")  # 12 MB over 6 s
     errors_before = metric(url, "tokenfan_errors_total", '{class="network"}')
     rss_before = metric(url, "process_resident_memory_bytes")
-    # A raw client with a tiny receive window that never reads after the headers.
-    host, port = url.removeprefix("http://").split(":")
-    stalled = socket.socket()
-    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
-    stalled.connect((host, int(port)))
-    stalled.sendall(f"GET /v1/streams/{info['id']}/events HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    stalled = stalled_client(url, f"GET /v1/streams/{info['id']}/events HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     try:
         t0 = time.monotonic()
         text, last = full_text(url, info["id"])  # a healthy reader follows the whole live stream

@@ -71,30 +71,16 @@ def _up(url: str) -> bool:
 
 
 def test_a_post_stream_client_that_stops_reading_is_cut_and_its_generation_aborted(ipc_dir) -> None:  # type: ignore[no-untyped-def]
-    import socket
+    from tests.e2e.helpers import fat_gateway, metric, stalled_client
 
-    from tests.e2e.helpers import metric
-    from tests.procs import start_engine
-
-    address = f"ipc://{ipc_dir / 'deadclient.sock'}"
-    # 8,000 tokens of 2,000 characters at 1,000/s: 16 MB over 8 s, far more than every buffer on the
-    # way (the kernel alone may hold 4 MB per socket), so the stream cannot end before a write blocks.
-    engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "1000",
-                          "--synthetic-token-chars", "2000", "--max-model-len", "20000", name="engine-deadclient")
-    proc, url = start_gateway(address, "--send-timeout", "1", "--max-tokens-cap", "20000", name="gateway-deadclient")
-    try:
+    with fat_gateway(ipc_dir, "deadclient") as url:
         before = metric(url, "tokenfan_requests_aborted_total")
-        host, port = url.removeprefix("http://").split(":")
-        dead = socket.socket()
-        dead.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
-        dead.connect((host, int(port)))
-        body = b'{"prompt":"x","max_tokens":8000,"stream":true}'
-        dead.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        # never read: once every buffer is full, the write times out and the engine request is aborted
-        wait_until(lambda: metric(url, "tokenfan_requests_aborted_total") > before, timeout=30,
-                   what="dead client's generation aborted")
-        dead.close()
-    finally:
-        proc.stop()
-        engine.stop()
+        body = b'{"prompt":"x","max_tokens":8000,"stream":true}'  # 16 MB over 8 s
+        dead = stalled_client(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        try:
+            # once every buffer is full, the write times out and the engine request is aborted
+            wait_until(lambda: metric(url, "tokenfan_requests_aborted_total") > before, timeout=30,
+                       what="dead client's generation aborted")
+        finally:
+            dead.close()

@@ -304,18 +304,24 @@ def test_eventsource_reconnects_with_last_event_id_without_losing_or_repeating_t
 # -- errors --------------------------------------------------------------------------------------------
 
 
+def assert_chat_shows_error(page: Page, url: str, transport: str, message: str, screenshot: str) -> None:
+    """The chat page announces ``message`` on load and again on the answer it is asked for."""
+    page.goto(f"{url}/?transport={transport}")
+    page.wait_for_function("!document.querySelector('#banner').hidden")
+    assert message in (page.text_content("#banner") or "")
+    ask(page)
+    assert wait_answer_settled(page, timeout=5_000) == "error"
+    assert message in (page.text_content(f"{ANSWER} .error") or "")
+    shot(page, screenshot)
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_engine_down_shows_503_instead_of_hanging(
     page: Page, engineless_gateway_url: str, transport: str,
 ) -> None:
-    page.goto(f"{engineless_gateway_url}/?transport={transport}")
-    page.wait_for_function("!document.querySelector('#banner').hidden")
-    assert "Engine unavailable (503)" in (page.text_content("#banner") or "")
-    ask(page)
-    assert wait_answer_settled(page, timeout=5_000) == "error"
-    assert "Engine unavailable (503)" in (page.text_content(f"{ANSWER} .error") or "")
+    assert_chat_shows_error(page, engineless_gateway_url, transport, "Engine unavailable (503)",
+                            f"chat-engine-down-{transport}.png")
     assert page.is_enabled("#send")
-    shot(page, f"chat-engine-down-{transport}.png")
 
 
 def test_ab_page_with_engine_down_shows_503(page: Page, engineless_gateway_url: str) -> None:
@@ -329,13 +335,8 @@ def test_ab_page_with_engine_down_shows_503(page: Page, engineless_gateway_url: 
 def test_missing_api_key_shows_authentication_failure(
     page: Page, keyed_gateway_url: str, transport: str,
 ) -> None:
-    page.goto(f"{keyed_gateway_url}/?transport={transport}")
-    page.wait_for_function("!document.querySelector('#banner').hidden")
-    assert "Authentication failed (401)" in (page.text_content("#banner") or "")
-    ask(page)
-    assert wait_answer_settled(page, timeout=5_000) == "error"
-    assert "Authentication failed (401)" in (page.text_content(f"{ANSWER} .error") or "")
-    shot(page, f"chat-auth-failed-{transport}.png")
+    assert_chat_shows_error(page, keyed_gateway_url, transport, "Authentication failed (401)",
+                            f"chat-auth-failed-{transport}.png")
 
 
 def test_api_key_from_the_settings_opens_every_transport(

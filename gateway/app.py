@@ -31,6 +31,7 @@ from gateway import fanout, sse
 from gateway.access_log import AccessLogMiddleware
 from gateway.auth import Auth, AuthMiddleware
 from gateway.config import GatewayConfig
+from gateway.edge import gateway_of, read_body
 from gateway.engine_client import RequestHandle
 from gateway.engine_pool import EnginePool
 from gateway.errors import APIError, engine_unavailable, error_class
@@ -52,7 +53,6 @@ class Gateway:
     config: GatewayConfig
     engine: EnginePool
     metrics: Metrics = field(default_factory=Metrics)
-    extra: dict[str, Any] = field(default_factory=dict)
     hub: StreamHub = field(init=False)
     policy: SlowConsumerPolicy = field(init=False)
     watchdog: Watchdog = field(init=False)
@@ -142,24 +142,6 @@ class Gateway:
             handle.close()
             raise
         return handle, ChunkBuilder(parsed.endpoint, rid, model, parsed.include_usage)
-
-
-def gateway_of(scope_holder: Request | WebSocket) -> Gateway:
-    return scope_holder.app.state.gateway  # type: ignore[no-any-return]
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"Request body is {declared} bytes; the limit is {limit}.", code="request_too_large")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 # -- OpenAI HTTP endpoints --------------------------------------------------------------------

@@ -83,7 +83,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     @contextlib.asynccontextmanager
     async def with_engine(gw: Any) -> AsyncIterator[None]:
         async with supervisor.running():
-            gw.extra["supervisor"] = supervisor
             yield
 
     log.info("tokenfan serve: engine=%s on %s, gateway on http://%s:%d", econf.backend, address, ns.host, ns.port)

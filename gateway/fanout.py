@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway import sse
+from gateway.edge import gateway_of, read_body
 from gateway.errors import APIError, error_class
 from gateway.generation import chunk_events
 from gateway.openai_api import parse_request
@@ -33,9 +34,6 @@ log = logging.getLogger(__name__)
 
 END_CANCELLED = sse.event(b'{"reason":"cancelled"}', event="end") + sse.DONE
 
-
-def _gw(holder: Request | WebSocket) -> Any:
-    return holder.app.state.gateway
 
 
 async def _pump(gw: Any, stream: Stream, handle: Any, builder: Any) -> None:
@@ -65,9 +63,7 @@ async def _pump(gw: Any, stream: Stream, handle: Any, builder: Any) -> None:
 
 
 async def create_stream(request: Request) -> Response:
-    from gateway.app import read_body
-
-    gw = _gw(request)
+    gw = gateway_of(request)
     try:
         body = await read_body(request, gw.config.max_body_bytes)
         try:
@@ -115,7 +111,7 @@ async def find_stream(gw: Any, stream_id: str) -> Stream:
 
 
 async def stream_status(request: Request) -> Response:
-    gw = _gw(request)
+    gw = gateway_of(request)
     try:
         s = await find_stream(gw, request.path_params["id"])
     except APIError as exc:
@@ -125,7 +121,7 @@ async def stream_status(request: Request) -> Response:
 
 
 async def delete_stream(request: Request) -> Response:
-    gw = _gw(request)
+    gw = gateway_of(request)
     try:
         s = await find_stream(gw, request.path_params["id"])
     except APIError as exc:
@@ -161,7 +157,7 @@ async def _subscribe_check(gw: Any, stream_id: str, after: int) -> Stream:
 
 
 async def stream_events(request: Request) -> Response:
-    gw = _gw(request)
+    gw = gateway_of(request)
     try:
         after = _after(request.headers.get("last-event-id") or request.query_params.get("last_event_id"),
                        "last_event_id")
@@ -265,7 +261,7 @@ async def _until_disconnect(work: Any, receive: Receive) -> Any:
 
 
 async def stream_ws(ws: WebSocket) -> None:
-    gw = _gw(ws)
+    gw = gateway_of(ws)
     await ws.accept()
     try:
         after = _after(ws.query_params.get("after"), "after")

@@ -194,11 +194,11 @@ class Stream:
             for sub in subs[k:] + subs[:k]:
                 sub.waiter.set()
 
-    def _register(self, transport: Transport, sub: Subscription) -> None:
-        self._waiters[transport][sub] = None
+    def _register(self, sub: Subscription) -> None:
+        self._waiters[sub.transport][sub] = None
 
-    def _unregister(self, transport: Transport, sub: Subscription) -> None:
-        self._waiters[transport].pop(sub, None)
+    def _unregister(self, sub: Subscription) -> None:
+        self._waiters[sub.transport].pop(sub, None)
 
 
 # Writers: the transport-specific half of a subscriber.
@@ -279,7 +279,7 @@ async def follow(
     # (a late joiner's replay, a burst from the broker) are history, sent event by event.
     lagging = False
     sub = Subscription(transport, asyncio.current_task())
-    stream._register(transport, sub)
+    stream._register(sub)
     watchdog.add(sub)
 
     async def timed(coro: Awaitable[None]) -> None:
@@ -317,7 +317,7 @@ async def follow(
                 continue
             await sub.waiter.wait()
     finally:
-        stream._unregister(transport, sub)
+        stream._unregister(sub)
         watchdog.remove(sub)
 
 

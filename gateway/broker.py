@@ -190,8 +190,5 @@ class Broker:
         if seq != len(stream.events):
             return  # duplicate or out of order: never the case for one XADD writer, but never corrupt the log
         chunk = orjson.loads(fields[b"data"])
-        event = encode_event(seq, chunk, fields[b"text"].decode(), fields[b"fin"].decode() or None)
-        stream.events.append(event)
-        stream.size += event.size
-        stream._wake(seq)
+        stream.append(encode_event(seq, chunk, fields[b"text"].decode(), fields[b"fin"].decode() or None))
 

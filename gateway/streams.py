@@ -170,10 +170,15 @@ class Stream:
     def publish(self, ev: ChunkEvent) -> Event:
         seq = len(self.events)
         chunk = {**ev.chunk, "tokenfan": {"seq": seq, "emit_ns": ev.emit_ns, "sent_ns": p.now_ns()}}
-        event = encode_event(seq, chunk, ev.text, ev.finish_reason)
+        return self.append(encode_event(seq, chunk, ev.text, ev.finish_reason))
+
+    def append(self, event: Event) -> Event:
+        """Add an already encoded event (its ``seq`` must be the next one) and wake the subscribers."""
+        if event.seq != len(self.events):
+            raise ValueError(f"stream {self.id}: event seq {event.seq}, expected {len(self.events)}")
         self.events.append(event)
         self.size += event.size
-        self._wake(seq)
+        self._wake(event.seq)
         return event
 
     def finish(self, state: State, error: APIError | None = None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import importlib.util
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -42,7 +43,18 @@ from gateway.streams import SlowConsumerPolicy, StreamHub, Watchdog
 
 log = logging.getLogger(__name__)
 
-WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+
+
+def _web_dir() -> Path | None:
+    """The pages: ``web/`` ships in the wheel as the ``tokenfan_web`` package (see pyproject.toml)."""
+    spec = importlib.util.find_spec("tokenfan_web")
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(loc) / "index.html").is_file():
+            return Path(loc)
+    return None
+
+
+WEB_DIR = _web_dir()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -499,7 +511,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> Starlett
         Route("/v1/streams/{id}/events", fanout.stream_events, methods=["GET"]),
         WebSocketRoute("/v1/streams/{id}/ws", fanout.stream_ws),
     ]
-    if WEB_DIR.is_dir():
+    if WEB_DIR is not None:
         routes.append(Route("/", lambda r: FileResponse(WEB_DIR / "index.html"), methods=["GET"]))
         routes.append(Route("/ab", lambda r: FileResponse(WEB_DIR / "ab.html"), methods=["GET"]))
         routes.append(Mount("/web", StaticFiles(directory=WEB_DIR), name="web"))

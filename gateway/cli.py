@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return engine_main(argv[1:])
     if argv[:1] == ["bench"]:
-        from gateway.bench.cli import main as bench_main  # type: ignore[import-not-found]
+        from tokenfan_bench.cli import main as bench_main  # type: ignore[import-not-found]
 
         return int(bench_main(argv[1:]))
     if argv[:1] == ["keys"]:

@@ -1,10 +1,13 @@
 """OpenAI-shaped errors.
 
+    EngineError              raised by the engine link (gateway.engine_client): a code from the engine's
+                             ``Error`` message, or ``engine_unavailable``; no HTTP status in that layer
     APIError                 an error a client receives: status + {"error": {message, type, param, code}}
     ├── invalid_request      400 / 404 / 413 / 422
     └── engine_unavailable   503 (with Retry-After)
 
-Lower-level failures are mapped into these at the edge (``raise APIError(...) from exc``).
+:func:`to_api_error` is the one place an :class:`EngineError` becomes an :class:`APIError`; each
+transport then frames ``APIError.body()`` its own way (HTTP status, SSE ``event: error``, WS message).
 """
 
 from __future__ import annotations
@@ -23,6 +26,16 @@ ENGINE_CODES: dict[str, tuple[int, str]] = {
     "engine_error": (500, "server_error"),
     "aborted": (499, "server_error"),
 }
+
+
+class EngineError(Exception):
+    """A failure reported by (or about) the engine link, by machine-readable ``code``."""
+
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
 
 
 class APIError(Exception):
@@ -67,6 +80,15 @@ def error_class(err: APIError) -> str:
     if err.code in CONTENT_CODES:
         return "content"
     return "client" if err.status < 500 else "engine"
+
+
+def to_api_error(exc: EngineError | APIError) -> APIError:
+    """The client-facing form of an engine-side failure (an APIError passes through)."""
+    if isinstance(exc, APIError):
+        return exc
+    if exc.code == "engine_unavailable":
+        return APIError(503, exc.message, type="server_error", code="engine_unavailable", retry_after=1.0)
+    return APIError.from_engine(exc.code, exc.message, exc.param)
 
 
 def engine_unavailable(detail: str = "the engine is not answering heartbeats") -> APIError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.bench.stats import (
+from tokenfan_bench.stats import (
     ArmSamples,
     arm_metrics,
     bootstrap_medians,
@@ -15,7 +15,7 @@ from gateway.bench.stats import (
     saturation_point,
     summary_ms,
 )
-from gateway.bench.wire import SseDecoder, chunk_sample
+from tokenfan_bench.wire import SseDecoder, chunk_sample
 
 MS = 1_000_000
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.bench.cli import main as bench_main
+from tokenfan_bench.cli import main as bench_main
 from tests.procs import start_engine, start_gateway
 
 RUN = ["--streams", "24", "--max-tokens", "40", "--ramp", "0.5", "--no-progress"]

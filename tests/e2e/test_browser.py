@@ -268,7 +268,7 @@ def test_ab_run_fills_the_table_with_identical_texts_and_exports_bench_json(
     assert diff["ci95"][0] <= diff["median"] <= diff["ci95"][1]
     assert result["meta"]["texts_identical"] is True
     assert abs(result["meta"]["clock"]["offset_ms"]) < 50  # same machine
-    from gateway.bench.report import summary_md  # the bench's own report reads the export
+    from tokenfan_bench.report import summary_md  # the bench's own report reads the export
 
     assert "median delivery latency B - A" in summary_md(result)
     shot(page, "ab.png", full_page=True)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 import httpx
 from tqdm import tqdm
 
-from gateway.bench.clients import ARMS, Plan, worker_main
-from gateway.bench.stats import ArmSamples
+from tokenfan_bench.clients import ARMS, Plan, worker_main
+from tokenfan_bench.stats import ArmSamples
 
 _CPU = re.compile(rb"^process_cpu_seconds_total (\S+)$", re.MULTILINE)
 _SENT = re.compile(rb'^tokenfan_chunks_sent_total\{transport="(\w+)"\} (\S+)$', re.MULTILINE)

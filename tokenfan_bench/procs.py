@@ -111,7 +111,7 @@ def spawn_raw(tokens_per_s: float, ttft_ms: float, log_dir: Path) -> Spawned:
     log = log_dir / f"raw-{tokens_per_s:g}tps-{port}.log"
     spawned = Spawned(f"http://127.0.0.1:{port}")
     try:
-        spawned.procs.append(_popen(["-m", "gateway.bench.raw_server", "--port", str(port), "--ws-port", str(ws_port),
+        spawned.procs.append(_popen(["-m", "tokenfan_bench.raw_server", "--port", str(port), "--ws-port", str(ws_port),
                                      "--tokens-per-s", str(tokens_per_s), "--ttft-ms", str(ttft_ms)], log))
         wait_healthy(spawned.url, spawned.procs, 30.0, log)
     except BaseException:

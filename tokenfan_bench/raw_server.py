@@ -8,7 +8,7 @@ once (a byte template with the numbers spliced in) and writes the same frame to 
 ``transport.write`` for SSE (HTTP/1.1 chunked, keep-alive), ``websockets`` server for WS.
 No engine, no ZeroMQ, no ASGI, no per-subscriber tasks: what is left is the cost of the sockets.
 
-Run: ``python -m gateway.bench.raw_server --port P --ws-port Q --tokens-per-s 20 --ttft-ms 20``.
+Run: ``python -m tokenfan_bench.raw_server --port P --ws-port Q --tokens-per-s 20 --ttft-ms 20``.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def respond(writer: asyncio.StreamWriter, status: int, body: bytes, ctype: bytes
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gateway.bench.raw_server", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tokenfan_bench.raw_server", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True, help="HTTP (SSE) port")
     ap.add_argument("--ws-port", type=int, required=True, help="WebSocket port")

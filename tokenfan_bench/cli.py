@@ -11,7 +11,7 @@ rates need ``--spawn``: the bench starts one synthetic engine + gateway per rate
 stops it afterwards. Without ``--spawn`` a single ``--rates`` value only labels the engine at
 ``--url`` (and paces the raw floor).
 
-Floor: ``--baseline raw`` repeats the (last) run against :mod:`gateway.bench.raw_server`.
+Floor: ``--baseline raw`` repeats the (last) run against :mod:`tokenfan_bench.raw_server`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gateway.bench import procs, report
-from gateway.bench.clients import Plan
-from gateway.bench.runner import Run, run_clients
-from gateway.bench.stats import saturation_point
+from tokenfan_bench import procs, report
+from tokenfan_bench.clients import Plan
+from tokenfan_bench.runner import Run, run_clients
+from tokenfan_bench.stats import saturation_point
 
 
 def _ints(s: str) -> list[int]:

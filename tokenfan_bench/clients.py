@@ -24,8 +24,8 @@ import orjson
 import websockets
 from websockets.asyncio.client import connect as ws_connect
 
-from gateway.bench.stats import ArmSamples
-from gateway.bench.wire import SseDecoder, chunk_sample
+from tokenfan_bench.stats import ArmSamples
+from tokenfan_bench.wire import SseDecoder, chunk_sample
 
 ARMS = ("A", "B")
 RECV_ERRORS = (httpx.HTTPError, websockets.exceptions.WebSocketException, OSError, TimeoutError,

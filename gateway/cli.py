@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine_worker.config import EngineConfig, add_engine_arguments, default_runtime_dir, env
+from gateway.server import run_gateway
 
 log = logging.getLogger("tokenfan")
 
@@ -33,41 +34,6 @@ def engine_argv(c: EngineConfig) -> list[str]:
     if c.chat_template:
         argv += ["--chat-template", c.chat_template]
     return argv
-
-
-def run_gateway(config: Any, extra_lifespan: Any = None) -> None:
-    import asyncio
-
-    import uvicorn
-
-    from gateway.app import RawSend, create_app
-
-    app = RawSend(create_app(config, extra_lifespan=extra_lifespan))
-
-    class GracefulServer(uvicorn.Server):
-        """On SIGTERM/SIGINT: stop accepting, let streams finish for ``--shutdown-grace`` seconds, then
-        end the rest with an explicit ``server_shutdown`` error (never a silent cut, never a hang)."""
-
-        async def shutdown(self, sockets: Any = None) -> None:
-            gw = getattr(app.state, "gateway", None)
-            if gw is not None:
-                gw.draining = True  # new generations get 503 from here on
-                for server in self.servers:
-                    server.close()  # stop accepting; open connections (SSE and WS) carry on
-                deadline = asyncio.get_running_loop().time() + config.shutdown_grace
-                while gw.in_flight() and asyncio.get_running_loop().time() < deadline:
-                    await asyncio.sleep(0.05)
-                gw.end_all_streams()
-                await asyncio.sleep(0.2)  # let the error events reach the clients
-            await super().shutdown(sockets)
-
-    GracefulServer(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-        ws_max_size=config.ws_max_message_bytes, ws_per_message_deflate=config.ws_per_message_deflate,
-        ws_ping_interval=config.keepalive_interval, ws_ping_timeout=config.keepalive_interval * 2,
-        timeout_graceful_shutdown=config.shutdown_grace + 2.0,
-        access_log=False,  # tokenfan.access writes one JSON line per request instead
-    )).run()
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

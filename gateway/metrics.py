@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -60,29 +58,3 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class ChunkMeter:
-    """Per-client bookkeeping of one streamed generation: TTFT, inter-token gaps, delivery latency,
-    chunk and token counts (label children looked up once, not per chunk)."""
-
-    def __init__(self, metrics: Metrics, transport: str, t0: float) -> None:
-        self._ttft = metrics.ttft.labels(transport)
-        self._itl = metrics.itl.labels(transport)
-        self._delivery = metrics.delivery.labels(transport)
-        self._chunks = metrics.chunks.labels(transport)
-        self._tokens = metrics.tokens
-        self._t0 = t0
-        self._last: float | None = None
-
-    def observe(self, text: str, tokens: int, emit_ns: int) -> None:
-        if text:
-            now = time.monotonic()
-            if self._last is None:
-                self._ttft.observe(now - self._t0)
-            else:
-                self._itl.observe(now - self._last)
-            self._last = now
-        self._delivery.observe(max(0, time.time_ns() - emit_ns) / 1e9)
-        self._chunks.inc()
-        self._tokens.inc(tokens)

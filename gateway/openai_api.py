@@ -240,6 +240,14 @@ class ChunkBuilder:
             "system_fingerprint": None,
         }
 
+    @property
+    def model(self) -> str:
+        return str(self._base["model"])
+
+    @property
+    def request_id(self) -> str:
+        return str(self._base["id"])
+
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = {**self._base, "choices": [choice]}
         if self.include_usage:

@@ -13,9 +13,9 @@ def run_gateway(config: GatewayConfig, extra_lifespan: Any = None) -> None:
     """Serve the gateway app until SIGTERM/SIGINT, then drain (see :class:`GracefulServer`)."""
     import uvicorn
 
-    from gateway.app import RawSend, create_app
+    from gateway.app import create_app
 
-    app = RawSend(create_app(config, extra_lifespan=extra_lifespan))
+    app = create_app(config, extra_lifespan=extra_lifespan)  # RawSend is part of the app
 
     class GracefulServer(uvicorn.Server):
         """On SIGTERM/SIGINT: stop accepting, let streams finish for ``--shutdown-grace`` seconds, then

@@ -37,29 +37,44 @@ TRANSPORTS: tuple[Transport, Transport] = ("sse", "ws")
 State = Literal["running", "done", "error", "cancelled"]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Event:
-    """One published chunk, pre-encoded for both wire formats."""
+    """One published payload (an OpenAI chunk or a Responses event) and its frames, built lazily.
+
+    ``payload`` is what OpenAI clients receive; ``timing`` is tokenfan's ``{seq, emit_ns, sent_ns}``
+    object that fan-out frames add as ``"tokenfan"``. Each wire frame is built at most once per
+    event (:mod:`gateway.framing` caches it in ``frames``), however many readers send it.
+    """
 
     seq: int
-    chunk: dict[str, Any]  # OpenAI chunk + "tokenfan" timing object
+    payload: dict[str, Any]
+    timing: dict[str, Any]
     text: str
     finish_reason: str | None
-    sse: bytes  # "id: <seq>\ndata: <json>\n\n"
-    ws: str  # {"type":"chunk","seq":n,"data":<json>}
-    size: int
-    # The ASGI messages themselves, built once and handed to every subscriber's ``send``.
-    sse_message: dict[str, Any]
-    ws_message: dict[str, Any]
+    frames: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def json(self) -> bytes:
+        """The payload alone, as OpenAI clients get it (not cached: orjson's output buffer is
+        oversized, so frames keep tight copies built from it instead)."""
+        return orjson.dumps(self.payload)
+
+    @property
+    def chunk(self) -> dict[str, Any]:
+        """The payload with the ``tokenfan`` timing object (what fan-out subscribers and the broker carry)."""
+        return {**self.payload, "tokenfan": self.timing}
+
+    @property
+    def size(self) -> int:
+        """Bytes held for retention: the text and the encoded forms (an estimate; frames are lazy)."""
+        return 3 * len(self.text) + 512
 
 
 def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str | None) -> Event:
-    data = orjson.dumps(chunk)
-    sse = b"id: %d\ndata: %b\n\n" % (seq, data)
-    ws = '{"type":"chunk","seq":%d,"data":%s}' % (seq, data.decode())
-    return Event(seq, chunk, text, finish_reason, sse, ws, len(sse) + len(ws) + 64,
-                 {"type": "http.response.body", "body": sse, "more_body": True},
-                 {"type": "websocket.send", "text": ws})
+    """An event from a chunk that may carry its ``tokenfan`` object (as the broker stores it)."""
+    payload = dict(chunk)
+    timing = payload.pop("tokenfan", None) or {"seq": seq, "emit_ns": p.now_ns(), "sent_ns": p.now_ns()}
+    return Event(seq, payload, timing, text, finish_reason)
 
 
 def coalesce(events: list[Event]) -> list[Event]:
@@ -67,7 +82,8 @@ def coalesce(events: list[Event]) -> list[Event]:
 
     A merged event takes the ``seq`` of the last event it covers, so resuming after it is exact;
     its ``tokenfan`` object records ``first_seq`` and ``coalesced`` (how many events it merged).
-    Usage chunks (``choices: []``) are never merged.
+    Only content events merge: chat/completion chunks with a choice, and Responses
+    ``response.output_text.delta`` events; everything else (usage chunks, lifecycle events) stays.
     """
     out: list[Event] = []
     run: list[Event] = []
@@ -80,35 +96,48 @@ def coalesce(events: list[Event]) -> list[Event]:
         run.clear()
 
     for ev in events:
-        if ev.chunk.get("choices"):
+        if _mergeable(ev, run[0] if run else None):
             run.append(ev)
         else:
             flush()
-            out.append(ev)
+            if _mergeable(ev, None):
+                run.append(ev)
+            else:
+                out.append(ev)
     flush()
     return out
+
+
+def _mergeable(ev: Event, head: Event | None) -> bool:
+    kind = ev.payload.get("type")
+    if kind is not None:  # a Responses event
+        ok = kind == "response.output_text.delta"
+        return ok and (head is None or head.payload.get("item_id") == ev.payload.get("item_id"))
+    return bool(ev.payload.get("choices"))
 
 
 def _merge(run: list[Event]) -> Event:
     last = run[-1]
     text = "".join(e.text for e in run)
-    chunk = dict(last.chunk)
-    choice = dict(chunk["choices"][0])
-    if "delta" in choice:
-        delta: dict[str, Any] = {}
-        role = next((e.chunk["choices"][0]["delta"].get("role") for e in run
-                     if e.chunk["choices"][0]["delta"].get("role")), None)
-        if role:
-            delta["role"] = role
-        if text or role:
-            delta["content"] = text
-        choice["delta"] = delta
+    payload = dict(last.payload)
+    if payload.get("type") == "response.output_text.delta":
+        payload["delta"] = text
     else:
-        choice["text"] = text
-    chunk["choices"] = [choice]
-    chunk["tokenfan"] = {**last.chunk["tokenfan"], "first_seq": run[0].seq, "coalesced": len(run),
-                         "sent_ns": p.now_ns()}
-    return encode_event(last.seq, chunk, text, last.finish_reason)
+        choice = dict(payload["choices"][0])
+        if "delta" in choice:
+            delta: dict[str, Any] = {}
+            role = next((e.payload["choices"][0]["delta"].get("role") for e in run
+                         if e.payload["choices"][0]["delta"].get("role")), None)
+            if role:
+                delta["role"] = role
+            if text or role:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        payload["choices"] = [choice]
+    timing = {**last.timing, "first_seq": run[0].seq, "coalesced": len(run), "sent_ns": p.now_ns()}
+    return Event(last.seq, payload, timing, text, last.finish_reason)
 
 
 @dataclass(slots=True)
@@ -131,6 +160,7 @@ class SlowConsumerPolicy:
     coalesce_after: int = 8
     send_timeout: float = 10.0
     replay_batch: int = 64
+    linger: float = 10.0  # after a cut, seconds the connection may still flush its ending before it is reset
 
     def plan(self, pending: list[Event], lagging: bool) -> list[Event]:
         if lagging and len(pending) > self.coalesce_after:
@@ -153,8 +183,11 @@ class Stream:
     error: APIError | None = None
     size: int = 0
     finished_at: float | None = None
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Task[None] | None = None  # the pump (or the broker mirror's feed)
     mirrored: bool = False  # fed from the broker, not generated here (see gateway.broker)
+    # Listed streams are found by id (fan-out, background responses) and retained after they end;
+    # an unlisted stream is the private log of one POST SSE response or one /v1/ws request.
+    listed: bool = True
 
     def __post_init__(self) -> None:
         # dicts as insertion-ordered sets: the rotation in _wake needs a stable order
@@ -168,12 +201,13 @@ class Stream:
         return len(self._waiters["sse"]) + len(self._waiters["ws"])
 
     def publish(self, ev: ChunkEvent) -> Event:
+        """Append the next payload, stamped with its ``seq`` and timing, and wake the readers."""
         seq = len(self.events)
-        chunk = {**ev.chunk, "tokenfan": {"seq": seq, "emit_ns": ev.emit_ns, "sent_ns": p.now_ns()}}
-        return self.append(encode_event(seq, chunk, ev.text, ev.finish_reason))
+        return self.append(Event(seq, ev.chunk, {"seq": seq, "emit_ns": ev.emit_ns, "sent_ns": p.now_ns()},
+                                 ev.text, ev.finish_reason))
 
     def append(self, event: Event) -> Event:
-        """Add an already encoded event (its ``seq`` must be the next one) and wake the subscribers."""
+        """Add an already built event (its ``seq`` must be the next one) and wake the readers."""
         if event.seq != len(self.events):
             raise ValueError(f"stream {self.id}: event seq {event.seq}, expected {len(self.events)}")
         self.events.append(event)
@@ -354,11 +388,18 @@ class StreamHub:
             raise APIError(429, f"Too many streams ({len(self.streams)}); the limit is {self.retention.max_streams}.",
                            type="rate_limit_error", code="too_many_streams", retry_after=1.0)
 
-    def create(self, endpoint: str, model: str, stream_id: str | None = None) -> Stream:
-        """A new running stream (call :meth:`check_capacity` first to refuse early)."""
-        stream = Stream(id=stream_id or "str-" + uuid.uuid4().hex, endpoint=endpoint, model=model)
-        self.streams[stream.id] = stream
+    def create(self, endpoint: str, model: str, stream_id: str | None = None, *, listed: bool = True) -> Stream:
+        """A new running stream (call :meth:`check_capacity` first to refuse early). An unlisted
+        stream is not kept here: only its readers hold it, and it is gone when they are."""
+        stream = Stream(id=stream_id or "str-" + uuid.uuid4().hex, endpoint=endpoint, model=model, listed=listed)
+        if listed:
+            self.streams[stream.id] = stream
         return stream
+
+    def forget(self, stream: Stream) -> None:
+        """Remove a stream that never started (its announcement failed)."""
+        if self.streams.get(stream.id) is stream:
+            del self.streams[stream.id]
 
     def get(self, stream_id: str) -> Stream:
         stream = self.streams.get(stream_id)
@@ -373,6 +414,13 @@ class StreamHub:
         raise APIError(404, f"No stream with id {stream_id}.", code="stream_not_found", param="id")
 
     def mark_finished(self, stream: Stream) -> None:
+        """Start the retention clock of a stream that ended (a still running one is ended as lost
+        first: nothing may sit at the head of the retention order unfinished and block eviction)."""
+        if not stream.listed or self.streams.get(stream.id) is not stream or stream.id in self._finished:
+            return
+        if not stream.finished:
+            stream.finish("error", APIError(502, "The stream ended without an end marker.", type="server_error",
+                                            code="stream_lost"))
         self._finished[stream.id] = None
         self.total_bytes += stream.size
         self.evict()

@@ -8,6 +8,7 @@ import time
 from gateway.errors import APIError
 from gateway.generation import ChunkEvent
 from gateway.openai_api import ChunkBuilder
+from gateway.framing import FANOUT_SSE, FANOUT_WS
 from gateway.streams import Event, Retention, SlowConsumerPolicy, StreamHub, Watchdog, coalesce
 from gateway.streams import follow as _follow
 
@@ -41,7 +42,7 @@ def test_coalesce_keeps_all_text_and_the_last_seq() -> None:
     assert m.seq == 3 and m.text == "abc" and m.finish_reason == "length"
     assert m.chunk["choices"][0]["delta"] == {"role": "assistant", "content": "abc"}
     assert m.chunk["tokenfan"]["first_seq"] == 0 and m.chunk["tokenfan"]["coalesced"] == 4
-    assert b"id: 3\n" in m.sse and '"seq":3' in m.ws
+    assert b"id: 3\n" in FANOUT_SSE.frame(m) and '"seq":3' in FANOUT_WS.frame(m)
 
 
 def test_follow_replays_then_tails_without_a_seam() -> None:

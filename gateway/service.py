@@ -1,0 +1,66 @@
+"""Service endpoints: ``/health``, ``/metrics``, ``/v1/time`` and the pages."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from engine_worker import protocol as p
+from gateway.edge import gateway_of
+from gateway.state import Gateway
+
+
+async def health(request: Request) -> Response:
+    gw: Gateway = gateway_of(request)
+    hb = gw.engine.last_heartbeat
+    engines = gw.engine.status()
+    if gw.engine.healthy and hb is not None:
+        running, waiting = gw.engine.load()
+        return JSONResponse({"status": "ok", "engine": {"id": hb.engine_id, "backend": hb.backend,
+                                                        "model": hb.model, "running": running,
+                                                        "waiting": waiting}, "engines": engines})
+    return JSONResponse({"status": "unavailable", "engine": None, "engines": engines}, status_code=503,
+                        headers={"Retry-After": "1"})
+
+
+async def metrics(request: Request) -> Response:
+    gw: Gateway = gateway_of(request)
+    m = gw.metrics
+    m.engine_up.set(1 if gw.engine.healthy else 0)
+    running, waiting = gw.engine.load()
+    m.engine_running.set(running)
+    m.engine_queue.set(waiting)
+    m.bad_frames.set(gw.engine.bad_frames)
+    if gw.engine.last_heartbeat is not None:
+        m.engine_bad_frames.set(gw.engine.last_heartbeat.bad_frames)
+    return Response(m.render(), media_type=m.content_type)
+
+
+async def server_time(request: Request) -> Response:
+    """The gateway's clock, for NTP-style offset estimation by browser pages."""
+    return Response(b'{"time_ns":%d}' % p.now_ns(), media_type="application/json",
+                    headers={"Cache-Control": "no-store"})
+
+
+def web_dir() -> Path | None:
+    """The pages: ``web/`` ships in the wheel as the ``tokenfan_web`` package (see pyproject.toml)."""
+    spec = importlib.util.find_spec("tokenfan_web")
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(loc) / "index.html").is_file():
+            return Path(loc)
+    return None
+
+
+def page_routes() -> list[Any]:
+    web = web_dir()
+    if web is None:
+        return []
+    return [Route("/", lambda r: FileResponse(web / "index.html"), methods=["GET"]),
+            Route("/ab", lambda r: FileResponse(web / "ab.html"), methods=["GET"]),
+            Mount("/web", StaticFiles(directory=web), name="web")]

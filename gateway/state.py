@@ -1,0 +1,119 @@
+"""What every route shares: the :class:`Gateway` (config, engine link, stream hub, metrics) and admission."""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gateway.config import GatewayConfig
+from gateway.engine_pool import EnginePool
+from gateway.errors import APIError, engine_unavailable
+from gateway.metrics import Metrics
+from gateway.openai_api import ChunkBuilder, ParsedRequest, new_id
+from gateway.streams import SlowConsumerPolicy, StreamHub, Watchdog
+
+if TYPE_CHECKING:
+    from gateway.broker import Broker
+    from gateway.engine_client import RequestHandle
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Gateway:
+    """Everything the routes share (owned by the app's lifespan)."""
+
+    config: GatewayConfig
+    engine: EnginePool
+    metrics: Metrics = field(default_factory=Metrics)
+    hub: StreamHub = field(init=False)
+    policy: SlowConsumerPolicy = field(init=False)
+    watchdog: Watchdog = field(init=False)
+    broker: Broker | None = None
+    draining: bool = False
+    active: collections.Counter[str | None] = field(default_factory=collections.Counter)
+
+    def __post_init__(self) -> None:
+        self.hub = StreamHub(self.config.retention)
+        self.policy = self.config.policy
+        self.watchdog = Watchdog(self.policy.send_timeout, self.config.keepalive_interval)
+
+    def cancel_local_stream(self, stream_id: str) -> bool:
+        """Cancel a generation this gateway runs (a broker-forwarded DELETE); False if not ours."""
+        from gateway.delivery import cancel
+
+        s = self.hub.streams.get(stream_id)
+        return s is not None and cancel(s)
+
+    def in_flight(self) -> int:
+        """Generations this gateway is still waiting on the engine for."""
+        return sum(c.in_flight for c in self.engine.clients)
+
+    def end_all_streams(self) -> None:
+        """Shutdown deadline: fail every in-flight generation with an explicit error."""
+        err = APIError(503, "The server is shutting down; retry on another instance.", type="server_error",
+                       code="server_shutdown", retry_after=1.0)
+        n = self.engine.fail_all(err)
+        if n:
+            log.warning("shutdown grace period over: ended %d in-flight generations with server_shutdown", n)
+
+    @property
+    def model_id(self) -> str | None:
+        return self.config.served_model_name or self.engine.model
+
+    def check_model(self, requested: str | None) -> str:
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", type="server_error", code="server_shutdown",
+                           retry_after=1.0)
+        served = self.model_id
+        if served is None or not self.engine.healthy:
+            raise engine_unavailable()
+        if requested is not None and requested != served:
+            raise APIError(404, f"The model `{requested}` does not exist. This server serves `{served}`.",
+                           param="model", code="model_not_found")
+        return served
+
+    def _admit(self, key: str | None) -> None:
+        total = sum(self.active.values())
+        if total >= self.config.max_concurrent:
+            raise APIError(429, f"Too many concurrent generations ({total}); the limit is "
+                                f"{self.config.max_concurrent}.", type="rate_limit_error",
+                           code="too_many_requests", retry_after=1.0)
+        per_key = self.config.max_concurrent_per_key
+        if per_key and key is not None and self.active[key] >= per_key:
+            raise APIError(429, f"This API key has {self.active[key]} generations in flight; the limit is "
+                                f"{per_key}.", type="rate_limit_error", code="too_many_requests", retry_after=1.0)
+
+    def _release(self, key: str | None) -> None:
+        self.active[key] -= 1
+        if self.active[key] <= 0:
+            del self.active[key]
+
+    async def open(self, parsed: ParsedRequest, scope: Any = None) -> tuple[RequestHandle, ChunkBuilder]:
+        """Submit to the engine and wait until it accepted (prompt validated).
+
+        Raises APIError or EngineError. ``scope`` (of the HTTP request or WebSocket) supplies the API key
+        for per-key limits and the request id the engine logs as ``trace``; the generation id is recorded
+        for the access log."""
+        state = scope.setdefault("state", {}) if scope is not None else {}
+        key = state.get("api_key")
+        model = self.check_model(parsed.model)
+        self._admit(key)
+        rid = new_id(parsed.endpoint)
+        handle = self.engine.submit(parsed.to_submit(rid, trace_id=state.get("request_id", rid)))
+        state["generation_id"] = rid
+        self.active[key] += 1
+        handle.on_close.append(lambda: self._release(key))
+        try:
+            prompt_tokens = await handle.wait_accepted(self.config.accept_timeout)
+            limit = self.config.max_prompt_tokens
+            if limit and prompt_tokens > limit:
+                raise APIError(400, f"The prompt has {prompt_tokens} tokens; this server accepts at most {limit}.",
+                               param="messages" if parsed.endpoint == "chat.completions" else "prompt",
+                               code="prompt_too_long")
+        except BaseException:
+            handle.close()
+            raise
+        return handle, ChunkBuilder(parsed.endpoint, rid, model, parsed.include_usage)

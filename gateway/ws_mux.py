@@ -1,0 +1,178 @@
+"""``/v1/ws``: many generations multiplexed on one WebSocket by client-chosen ids.
+
+Client -> server messages (parsed by the pure :func:`parse_message`):
+  ``{"type":"request","id":ID,"endpoint":"chat.completions"|"completions","body":{OpenAI request}}``
+  ``{"type":"cancel","id":ID}``
+Server -> client: ``{"type":"chunk","id","data"}``, ``{"type":"done","id"[,"cancelled":true]}``,
+``{"type":"error","id","error"}``.
+
+Each request is a single-reader view of an unlisted stream (:mod:`gateway.delivery`); all of them
+write to the one socket. A write blocked past ``--send-timeout`` cuts the whole socket with close 1013
+and aborts every generation on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.websockets import WebSocket
+
+from gateway.conn import WsConn
+from gateway.delivery import read, release, start_generation
+from gateway.edge import gateway_of
+from gateway.errors import APIError, EngineError, error_class, to_api_error
+from gateway.framing import MuxWs
+from gateway.openai_api import Endpoint, parse_request
+from gateway.state import Gateway
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    id: str
+    endpoint: Endpoint
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    id: str
+
+
+class BadMessage(Exception):
+    """A message that cannot be served; ``id`` is the request it names, if any."""
+
+    def __init__(self, id: str | None, error: APIError) -> None:
+        super().__init__(error.message)
+        self.id = id
+        self.error = error
+
+
+def parse_message(raw: bytes) -> Request | Cancel:
+    """One client message -> :class:`Request` or :class:`Cancel`; raises :class:`BadMessage`."""
+    try:
+        msg = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise BadMessage(None, APIError(400, "WebSocket message is not valid JSON.", code="invalid_json")) from None
+    if not isinstance(msg, dict):
+        raise BadMessage(None, APIError(400, "WebSocket message must be a JSON object.", code="invalid_value"))
+    cid = msg.get("id")
+    if not isinstance(cid, str) or not cid or len(cid) > 256:
+        raise BadMessage(None, APIError(400, "`id` must be a non-empty string (max 256 chars).", param="id",
+                                        code="invalid_value"))
+    kind = msg.get("type")
+    if kind == "cancel":
+        return Cancel(cid)
+    if kind != "request":
+        raise BadMessage(cid, APIError(400, '`type` must be "request" or "cancel".', param="type",
+                                       code="invalid_value"))
+    endpoint = msg.get("endpoint", "chat.completions")
+    if endpoint not in ("chat.completions", "completions"):
+        raise BadMessage(cid, APIError(400, '`endpoint` must be "chat.completions" or "completions".',
+                                       param="endpoint", code="invalid_value"))
+    body = msg.get("body")
+    if not isinstance(body, dict):
+        raise BadMessage(cid, APIError(400, "`body` must be an OpenAI request object.", param="body",
+                                       code="invalid_value"))
+    return Request(cid, endpoint, body)
+
+
+class Session:
+    """One ``/v1/ws`` connection."""
+
+    def __init__(self, gw: Gateway, ws: WebSocket) -> None:
+        self.gw = gw
+        self.ws = ws
+        self.conn = WsConn(ws.scope, ws._send, gw.policy.linger)
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.cut = asyncio.Event()
+
+    async def run(self) -> None:
+        cut_wait = asyncio.ensure_future(self.cut.wait())
+        try:
+            while True:
+                recv = asyncio.ensure_future(self.ws.receive())
+                await asyncio.wait({recv, cut_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if not recv.done():
+                    recv.cancel()
+                    break  # cut as too slow
+                msg = recv.result()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                raw = msg.get("text") or msg.get("bytes") or b""
+                self.on_message(raw.encode() if isinstance(raw, str) else raw)
+        finally:
+            cut_wait.cancel()
+            for t in self.tasks.values():
+                t.cancel()
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    def on_message(self, raw: bytes) -> None:
+        try:
+            msg = parse_message(raw)
+        except BadMessage as exc:
+            self.send_error(exc.id, exc.error)
+            return
+        if isinstance(msg, Cancel):
+            task = self.tasks.get(msg.id)
+            if task is None:
+                self.send_error(msg.id, APIError(404, f"No active request with id {msg.id!r}.", param="id",
+                                                 code="not_found"))
+            else:
+                task.cancel()
+            return
+        if msg.id in self.tasks:
+            self.send_error(msg.id, APIError(400, f"Request id {msg.id!r} is already active.", param="id",
+                                             code="invalid_value"))
+            return
+        self.tasks[msg.id] = asyncio.create_task(self.generate(msg), name=f"ws-{msg.id}")
+
+    def send_error(self, cid: str | None, err: APIError) -> None:
+        self.gw.metrics.errors.labels(error_class(err)).inc()
+        text = orjson.dumps({"type": "error", "id": cid, "error": err.body()["error"]}).decode()
+        task = asyncio.ensure_future(self._send(text))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _send(self, text: str) -> None:
+        if not self.conn.closed:
+            with contextlib.suppress(Exception):
+                await self.conn.write(text)
+
+    async def generate(self, req: Request) -> None:
+        gw = self.gw
+        framing = MuxWs(req.id)
+        stream = None
+        cut = False
+        try:
+            parsed = parse_request(req.endpoint, orjson.dumps(req.body), gw.config.limits)
+            stream = await start_generation(gw, parsed, self.ws.scope, listed=False)
+            outcome = await read(gw, stream, framing, -1, self.conn)
+            cut = outcome.cut
+            if cut:
+                self.cut.set()
+                await self.conn.cut(outcome.ending.close_code, outcome.ending.reason)
+            elif isinstance(outcome.ending.frame, str):
+                await self._send(outcome.ending.frame)
+        except (APIError, EngineError) as exc:
+            self.send_error(req.id, to_api_error(exc))
+        except asyncio.CancelledError:
+            if stream is not None and not self.conn.closed and not self.cut.is_set():
+                await asyncio.shield(self._send(orjson.dumps({"type": "done", "id": req.id, "cancelled": True}).decode()))
+            raise
+        finally:
+            if stream is not None:
+                release(stream, cut)
+            self.tasks.pop(req.id, None)
+
+
+async def ws_endpoint(ws: WebSocket) -> None:
+    gw: Gateway = gateway_of(ws)
+    await ws.accept()
+    gw.metrics.requests.labels("/v1/ws", "101").inc()
+    await Session(gw, ws).run()

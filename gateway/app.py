@@ -53,6 +53,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
         await engine.start()
         gw = Gateway(config=config, engine=engine)
         app.state.gateway = gw
+        gw.loop.start()
         if config.broker_url:
             from gateway.broker import Broker
 
@@ -70,6 +71,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
                 yield
         finally:
             gw.watchdog.stop()
+            gw.loop.stop()
             if gw.broker is not None:
                 await gw.broker.close()
             await engine.close()

@@ -54,6 +54,8 @@ class Metrics:
             self.active_streams.labels(t)
             self.subscribers.labels(t)
             self.chunks.labels(t)
+        self.loop_lag = Gauge("tokenfan_event_loop_lag_seconds", "How late the gateway's event loop runs "
+                              "(worst of the last second); new work gets 503 above --max-loop-lag", registry=r)
         self.retained = Gauge("tokenfan_retained_stream_bytes", "Bytes held by retained fan-out streams", registry=r)
 
     def render(self) -> bytes:

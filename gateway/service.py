@@ -37,6 +37,7 @@ async def metrics(request: Request) -> Response:
     m.engine_running.set(running)
     m.engine_queue.set(waiting)
     m.bad_frames.set(gw.engine.bad_frames)
+    m.loop_lag.set(gw.loop.lag)
     if gw.engine.last_heartbeat is not None:
         m.engine_bad_frames.set(gw.engine.last_heartbeat.bad_frames)
     return Response(m.render(), media_type=m.content_type)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 from dataclasses import dataclass, field
@@ -21,6 +22,34 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class LoopMonitor:
+    """How late the event loop runs: the overshoot of a short periodic sleep (worst of the last second).
+
+    Admission refuses new work while it exceeds ``--max-loop-lag``: a gateway that is already behind
+    would only deliver everything later, failure notices included."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.lag = 0.0
+        self._recent: collections.deque[float] = collections.deque(maxlen=max(1, int(1.0 / interval)))
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-monitor")
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(self.interval)
+            self._recent.append(max(0.0, loop.time() - t - self.interval))
+            self.lag = max(self._recent)
+
+
 @dataclass
 class Gateway:
     """Everything the routes share (owned by the app's lifespan)."""
@@ -34,6 +63,7 @@ class Gateway:
     broker: Broker | None = None
     draining: bool = False
     active: collections.Counter[str | None] = field(default_factory=collections.Counter)
+    loop: LoopMonitor = field(default_factory=LoopMonitor)
 
     def __post_init__(self) -> None:
         self.hub = StreamHub(self.config.retention)
@@ -76,6 +106,11 @@ class Gateway:
         return served
 
     def _admit(self, key: str | None) -> None:
+        max_lag = getattr(self.config, "max_loop_lag", 0.5)  # declared in the settings table
+        if max_lag and self.loop.lag > max_lag:
+            raise APIError(503, f"The gateway is overloaded (event loop {self.loop.lag * 1000:.0f} ms behind; the "
+                                f"limit is {max_lag * 1000:.0f} ms); retry shortly.", type="server_error",
+                           code="overloaded", retry_after=1.0)
         total = sum(self.active.values())
         if total >= self.config.max_concurrent:
             raise APIError(429, f"Too many concurrent generations ({total}); the limit is "

@@ -149,7 +149,9 @@ class SlowConsumerPolicy:
       write, so every token keeps its own event and timing.
     - A subscriber is *lagging* when more than ``coalesce_after`` events were published while its
       last write was in progress (the client, not the producer, is the bottleneck); then its pending
-      content events are merged (:func:`coalesce`) so it catches up with fewer, larger events.
+      content events are merged (:func:`coalesce`) so it catches up with fewer, larger events. The same
+      merge applies when the stream has failed or was cancelled, so the notice is not stuck behind a
+      backlog (no text is lost: it arrives merged, then the notice).
     - A single write that does not complete within ``send_timeout`` seconds (the client stopped
       reading and the transport buffer is full) closes the subscriber with a ``slow_consumer``
       reason (SSE error event; WebSocket close 1013). It can resume from its last ``seq``.
@@ -162,10 +164,12 @@ class SlowConsumerPolicy:
     replay_batch: int = 64
     linger: float = 10.0  # after a cut, seconds the connection may still flush its ending before it is reset
 
-    def plan(self, pending: list[Event], lagging: bool) -> list[Event]:
-        if lagging and len(pending) > self.coalesce_after:
-            return coalesce(pending)
-        return pending[: self.replay_batch]
+    def plan(self, events: list[Event], cursor: int, lagging: bool, failing: bool = False) -> list[Event]:
+        """The next write for a reader at ``cursor``. ``failing``: the stream ended with an error or a
+        cancel, so its notice must not queue behind a backlog: everything pending is merged."""
+        if (lagging or failing) and len(events) - cursor > self.coalesce_after:
+            return coalesce(events[cursor:])
+        return events[cursor:cursor + self.replay_batch]
 
 
 class SlowConsumer(Exception):
@@ -338,7 +342,7 @@ async def follow(
         while True:
             sub.waiter.clear()
             if cursor < len(stream.events):
-                batch = policy.plan(stream.events[cursor:], lagging)
+                batch = policy.plan(stream.events, cursor, lagging, stream.state in ("error", "cancelled"))
                 cursor = batch[-1].seq + 1
                 head = len(stream.events)
                 await timed(write(batch))

@@ -5,6 +5,20 @@ The reader routes every incoming message by request id into that request's own
 ``heartbeat_interval``; the engine is *healthy* while a ``Heartbeat`` arrived within
 ``heartbeat_timeout``. When it stops answering, every in-flight request fails with
 ``engine_unavailable`` at once, so clients get an explicit error instead of a silent stall.
+
+Engine identity: each engine instance names itself by the ``engine_id`` in its heartbeats. A request
+lives only as long as the link that carried it, because the engine routes replies by the connection's
+ZeroMQ identity, which is new after every reconnect. So in-flight requests fail with
+``engine_unavailable`` when
+
+* the connection drops (a socket-monitor ``DISCONNECTED`` event: a killed engine is noticed at once,
+  even when a supervisor restarts it faster than ``heartbeat_timeout``); the link then counts as down
+  until the next heartbeat, so no request is sent into the gap; or
+* a heartbeat carries a new ``engine_id`` (the backstop if the monitor missed the drop): every request
+  sent before the ping that heartbeat answers is failed and aborted; one sent after it reached the new
+  instance, which processes messages in order, and carries on.
+
+This layer raises and delivers :class:`gateway.errors.EngineError` only; mapping to HTTP is the edge's job.
 """
 
 from __future__ import annotations
@@ -12,53 +26,63 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from engine_worker import protocol as p
 from engine_worker.curve import connect_curve
-from gateway.errors import APIError, engine_unavailable
+from gateway.errors import APIError, EngineError
 
 log = logging.getLogger(__name__)
 
+# What a request can fail with: an EngineError from this layer, or whatever the gateway passes to
+# ``fail_all`` (e.g. its shutdown error), delivered unchanged.
+Failure = EngineError | APIError
+
+# Pings whose send position is remembered, to match a new instance's first heartbeat (~16 s at 4/s).
+_PINGS_KEPT = 64
+
 
 class RequestHandle:
-    """Events of one request: an ``Accepted`` first, then deltas, or an ``APIError``."""
+    """Events of one request: an ``Accepted`` first, then deltas, or a failure (:class:`EngineError`)."""
 
-    __slots__ = ("request_id", "trace_id", "_queue", "accepted", "done", "_client", "on_close")
+    __slots__ = ("_client", "_queue", "accepted", "done", "on_close", "request_id", "send_seq", "trace_id")
 
-    def __init__(self, client: EngineClient, request_id: str, trace_id: str) -> None:
+    def __init__(self, client: EngineClient, request_id: str, trace_id: str, send_seq: int = 0) -> None:
         self._client = client
         self.request_id = request_id
         self.trace_id = trace_id
-        self._queue: asyncio.Queue[p.Delta | APIError] = asyncio.Queue()
+        self.send_seq = send_seq  # position of its Submit among this link's submits (vs. the pings)
+        self._queue: asyncio.Queue[p.Delta | Failure] = asyncio.Queue()
         self.accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.done = False
         self.on_close: list[Callable[[], None]] = []
 
-    def _push(self, item: p.Delta | APIError) -> None:
+    def _push(self, item: p.Delta | Failure) -> None:
         self._queue.put_nowait(item)
 
-    def _fail(self, err: APIError) -> None:
+    def _fail(self, err: Failure) -> None:
         if not self.accepted.done():
             self.accepted.set_exception(err)
             self.accepted.exception()  # mark retrieved: the consumer may be gone
         self._queue.put_nowait(err)
 
     async def wait_accepted(self, timeout: float) -> int:
-        """Prompt token count once the engine accepted the request; raises APIError."""
+        """Prompt token count once the engine accepted the request; raises EngineError."""
         try:
             return await asyncio.wait_for(asyncio.shield(self.accepted), timeout)
         except TimeoutError as exc:
-            raise engine_unavailable(f"the engine did not accept the request within {timeout:.0f}s") from exc
+            raise EngineError.unavailable(f"the engine did not accept the request within {timeout:.0f}s") from exc
 
     async def deltas(self, idle: float | None = None) -> AsyncIterator[p.Delta | None]:
         """Deltas until the one with a finish reason; ``None`` after each ``idle`` seconds without one
-        (a keep-alive tick); raises APIError on failure."""
+        (a keep-alive tick); raises EngineError on failure."""
         while True:
             if idle is None:
                 item = await self._queue.get()
@@ -68,7 +92,7 @@ class RequestHandle:
                 except TimeoutError:
                     yield None
                     continue
-            if isinstance(item, APIError):
+            if isinstance(item, (EngineError, APIError)):
                 self.done = True
                 raise item
             yield item
@@ -94,14 +118,21 @@ class EngineClient:
     last_heartbeat: p.Heartbeat | None = None
     bad_frames: int = 0
     aborts_sent: int = 0
+    restarts: int = 0  # heartbeats that named a new engine instance after a first one
+    disconnects: int = 0  # dropped connections to the engine address
+    previous_engine_id: str | None = None
+    engine_changed_at: float | None = None  # epoch seconds of the last new engine_id
 
     def __post_init__(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._last_beat_at = 0.0
         self._was_healthy = False
         self._submitted_since_beat = 0
+        self._submit_seq = 0  # submits sent so far; each handle keeps its own position
+        self._pings: OrderedDict[int, int] = OrderedDict()  # ping sent_ns -> submits sent before it
 
     async def start(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
@@ -113,10 +144,12 @@ class EngineClient:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         if self.curve_dir is not None:
             connect_curve(sock, self.curve_dir)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.address)
         self._sock = sock
         self._tasks = [asyncio.create_task(self._reader(), name="engine-reader"),
-                       asyncio.create_task(self._pinger(), name="engine-pinger")]
+                       asyncio.create_task(self._pinger(), name="engine-pinger"),
+                       asyncio.create_task(self._watch_link(), name="engine-monitor")]
         log.info("attached to engine at %s", self.address)
 
     async def close(self) -> None:
@@ -126,7 +159,10 @@ class EngineClient:
         if self._handles:
             self._abort(list(self._handles))
         if self._sock is not None:
+            self._sock.disable_monitor()
             self._sock.close(linger=0)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
         self._ctx.term()
 
     # -- health ----------------------------------------------------------------------------
@@ -134,6 +170,10 @@ class EngineClient:
     @property
     def healthy(self) -> bool:
         return time.monotonic() - self._last_beat_at < self.heartbeat_timeout
+
+    @property
+    def engine_id(self) -> str | None:
+        return self.last_heartbeat.engine_id if self.last_heartbeat else None
 
     @property
     def model(self) -> str | None:
@@ -152,39 +192,74 @@ class EngineClient:
         running, waiting = self.load()
         return running + waiting + self._submitted_since_beat
 
+    def status(self) -> dict[str, object]:
+        """This link for ``/health``: the current instance, how often it changed, what is in flight."""
+        hb = self.last_heartbeat
+        return {"address": self.address, "healthy": self.healthy, "engine_id": hb.engine_id if hb else None,
+                "running": hb.running if hb else None, "waiting": hb.waiting if hb else None,
+                "in_flight": self.in_flight, "restarts": self.restarts, "disconnects": self.disconnects,
+                "previous_engine_id": self.previous_engine_id, "engine_changed_at": self.engine_changed_at}
+
     async def _pinger(self) -> None:
         while True:
-            self._send(p.Ping(sent_ns=p.now_ns()))
+            sent_ns = p.now_ns()
+            self._pings[sent_ns] = self._submit_seq
+            while len(self._pings) > _PINGS_KEPT:
+                self._pings.popitem(last=False)
+            self._send(p.Ping(sent_ns=sent_ns))
             await asyncio.sleep(self.heartbeat_interval)
             healthy = self.healthy
             if self._was_healthy and not healthy:
                 log.error("engine at %s missed heartbeats for %.1fs: failing %d in-flight requests",
                           self.address, self.heartbeat_timeout, len(self._handles))
-                err = engine_unavailable("the engine stopped answering (crashed or restarting)")
-                for h in list(self._handles.values()):
-                    h._fail(err)
-                self._handles.clear()
+                self._fail_handles(list(self._handles.values()),
+                                   EngineError.unavailable("the engine stopped answering (crashed or restarting)"),
+                                   abort=False)
             self._was_healthy = healthy
+
+    async def _watch_link(self) -> None:
+        """Fail every in-flight request as soon as the connection drops: the engine can never answer them
+        on a new connection (replies are routed by connection identity)."""
+        assert self._monitor is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            self.disconnects += 1
+            self._last_beat_at = 0.0  # down until the next heartbeat: nothing is sent into the gap
+            self._was_healthy = False
+            if self._handles:
+                log.error("connection to engine %s at %s dropped: failing %d in-flight requests",
+                          self.engine_id, self.address, len(self._handles))
+                self._fail_handles(list(self._handles.values()),
+                                   EngineError.unavailable("the connection to the engine dropped (crashed or "
+                                                           "restarting)"), abort=False)
+            else:
+                log.warning("connection to engine %s at %s dropped", self.engine_id, self.address)
 
     # -- requests --------------------------------------------------------------------------
 
     def submit(self, submit: p.Submit) -> RequestHandle:
-        """Send a request to the engine; raises APIError(503) if the engine is down."""
+        """Send a request to the engine; raises EngineError ``engine_unavailable`` if the engine is down."""
         if not self.healthy:
-            raise engine_unavailable()
-        handle = RequestHandle(self, submit.request_id, submit.trace_id)
+            raise EngineError.unavailable()
+        handle = RequestHandle(self, submit.request_id, submit.trace_id, self._submit_seq)
         self._handles[submit.request_id] = handle
-        self._submitted_since_beat += 1
         if not self._send(submit):
             del self._handles[submit.request_id]
-            raise engine_unavailable("the engine socket is not connected")
+            raise EngineError.unavailable("the engine socket is not connected")
+        self._submit_seq += 1
+        self._submitted_since_beat += 1
         return handle
 
-    def fail_all(self, err: APIError) -> int:
+    def fail_all(self, err: Failure) -> int:
         """Fail every in-flight request with ``err`` and abort them in the engine; returns how many."""
-        handles = list(self._handles.values())
-        self._handles.clear()
-        if handles:
+        return self._fail_handles(list(self._handles.values()), err, abort=True)
+
+    def _fail_handles(self, handles: list[RequestHandle], err: Failure, abort: bool) -> int:
+        for h in handles:
+            self._handles.pop(h.request_id, None)
+        if handles and abort:
             self._abort([h.request_id for h in handles])
         for h in handles:
             h.done = True
@@ -243,24 +318,43 @@ class EngineClient:
             elif isinstance(msg, p.Error):
                 self._on_error(msg)
             elif isinstance(msg, p.Heartbeat):
-                if self.last_heartbeat is None or self.last_heartbeat.engine_id != msg.engine_id:
-                    log.info("engine %s up: %s model=%s", msg.engine_id, msg.backend, msg.model)
-                self.last_heartbeat = msg
-                self._submitted_since_beat = 0
-                self._last_beat_at = time.monotonic()
+                self._on_heartbeat(msg)
             else:
                 self.bad_frames += 1
                 log.warning("unexpected %s from engine", type(msg).__name__)
 
+    def _on_heartbeat(self, msg: p.Heartbeat) -> None:
+        previous = self.last_heartbeat
+        self.last_heartbeat = msg
+        self._submitted_since_beat = 0
+        self._last_beat_at = time.monotonic()
+        if previous is None:
+            log.info("engine %s up: %s model=%s", msg.engine_id, msg.backend, msg.model)
+            return
+        if previous.engine_id == msg.engine_id:
+            return
+        self.restarts += 1
+        self.previous_engine_id = previous.engine_id
+        self.engine_changed_at = time.time()
+        # A submit sent before the ping this heartbeat answers may have gone to the old instance and be
+        # lost; one sent after it can only have reached the new one (a link delivers in order). The
+        # earlier ones fail, and are aborted in case the new instance got some of them.
+        before = self._pings.get(msg.ping_sent_ns, self._submit_seq)
+        stale = [h for h in self._handles.values() if h.send_seq < before]
+        log.error("engine at %s restarted: %s -> %s (%s model=%s); failing %d requests of the old instance",
+                  self.address, previous.engine_id, msg.engine_id, msg.backend, msg.model, len(stale))
+        if stale:
+            self._fail_handles(stale, EngineError.unavailable(
+                f"the engine restarted (instance {previous.engine_id} replaced by {msg.engine_id})"), abort=True)
+
     def _on_error(self, msg: p.Error) -> None:
-        err = APIError.from_engine(msg.code, msg.message, msg.param)
         if not msg.request_id:
             log.error("engine error: %s", msg.message)
             return
         h = self._handles.pop(msg.request_id, None)
         if h is not None:
             h.done = True
-            h._fail(err)
+            h._fail(EngineError(msg.code, msg.message, msg.param))
 
 
 def _log_send_failure(fut: asyncio.Future[object]) -> None:

@@ -4,7 +4,8 @@ Each engine has its own :class:`EngineClient` (own DEALER socket, own heartbeats
 to the healthy engine with the smallest load, where load = the engine's last reported running +
 waiting requests + this gateway's requests submitted since that heartbeat (so a burst between two
 heartbeats still spreads). A request's handle belongs to the client that submitted it, so aborts
-always reach the right engine. With one engine this is a thin pass-through.
+always reach the right engine. With one engine this is a thin pass-through. Failures are
+:class:`gateway.errors.EngineError`; each link tracks its engine instance (see ``gateway.engine_client``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import logging
 from pathlib import Path
 
 from engine_worker import protocol as p
-from gateway.engine_client import EngineClient, RequestHandle
-from gateway.errors import APIError, engine_unavailable
+from gateway.engine_client import EngineClient, Failure, RequestHandle
+from gateway.errors import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -61,28 +62,23 @@ class EnginePool:
         return sum(r for r, _ in loads), sum(w for _, w in loads)
 
     def submit(self, submit: p.Submit) -> RequestHandle:
-        """Submit to the least-loaded healthy engine; try the next one if a send fails."""
+        """Submit to the least-loaded healthy engine; try the next one if a send fails. Raises EngineError."""
         candidates = sorted(self._healthy(), key=lambda c: c.routing_load())
         if not candidates:
-            raise engine_unavailable()
-        last: APIError | None = None
+            raise EngineError.unavailable()
+        last: EngineError | None = None
         for client in candidates:
             try:
                 return client.submit(submit)
-            except APIError as exc:
+            except EngineError as exc:
                 last = exc
                 log.warning("engine %s refused a submit (%s); trying the next", client.address, exc.message)
         assert last is not None
         raise last
 
-    def fail_all(self, err: APIError) -> int:
+    def fail_all(self, err: Failure) -> int:
         return sum(c.fail_all(err) for c in self.clients)
 
     def status(self) -> list[dict[str, object]]:
-        out = []
-        for c in self.clients:
-            hb = c.last_heartbeat
-            out.append({"address": c.address, "healthy": c.healthy, "engine_id": hb.engine_id if hb else None,
-                        "running": hb.running if hb else None, "waiting": hb.waiting if hb else None,
-                        "in_flight": c.in_flight})
-        return out
+        """One entry per engine link: current ``engine_id``, ``restarts``, ``engine_changed_at``, load."""
+        return [c.status() for c in self.clients]

@@ -25,6 +25,7 @@ ENGINE_CODES: dict[str, tuple[int, str]] = {
     "engine_unavailable": (503, "server_error"),
     "engine_error": (500, "server_error"),
     "aborted": (499, "server_error"),
+    "server_shutdown": (503, "server_error"),
 }
 
 
@@ -36,6 +37,14 @@ class EngineError(Exception):
         self.code = code
         self.message = message
         self.param = param
+
+    @classmethod
+    def unavailable(cls, detail: str = "the engine is not answering heartbeats") -> EngineError:
+        """The engine link is down or the instance that held the request is gone (maps to 503)."""
+        return cls("engine_unavailable", f"Service unavailable: {detail}; retry shortly.")
+
+    def __repr__(self) -> str:
+        return f"EngineError({self.code!r}, {self.message!r}, {self.param!r})"
 
 
 class APIError(Exception):

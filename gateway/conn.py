@@ -19,7 +19,11 @@ import asyncio
 import contextlib
 import logging
 import struct
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.streams import DirectWrite, Event
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,28 @@ class HttpConn:
                 await self.send({"type": "http.response.body", "body": data or b"", "more_body": False})
         self.closed = True
 
+    def direct(self, name: str, frame: Callable[[Event], bytes]) -> DirectWrite | None:
+        """A synchronous writer for the publisher's one pass (uvicorn, chunked HTTP/1.1 only): the
+        event's frame, chunk-framed once per event for every reader, straight into the transport while
+        the server's flow control says it is writable; otherwise None/False and the reader's loop sends."""
+        cycle = _server_side(self.send)
+        flow = getattr(cycle, "flow", None)
+        if cycle is None or flow is None or not (getattr(cycle, "chunked_encoding", False) or _h11_chunked(cycle)):
+            return None
+        transport = cycle.transport
+        key = name + "/chunked"
+
+        def write(ev: Event) -> bool:
+            if flow.write_paused or transport.is_closing():
+                return False
+            data = ev.frames.get(key)
+            if data is None:
+                data = ev.frames[key] = chunked(frame(ev))
+            transport.write(data)
+            return True
+
+        return write
+
     async def cut(self, data: bytes | None) -> None:
         """End now: ``data`` goes after whatever the peer has not read yet, then the connection closes."""
         self.closed = True
@@ -105,6 +131,11 @@ class HttpConn:
         _linger_then_abort(transport, self.linger)
 
 
+def _h11_chunked(cycle: Any) -> bool:
+    writer = getattr(getattr(cycle, "conn", None), "_writer", None)
+    return type(writer).__name__ == "ChunkedWriter"
+
+
 class WsConn:
     """An accepted WebSocket."""
 
@@ -126,6 +157,29 @@ class WsConn:
                     await self.send({"type": "websocket.send", "text": text})
                 await self.send({"type": "websocket.close", "code": code, "reason": reason})
         self.closed = True
+
+    def direct(self, name: str, frame: Callable[[Event], str]) -> DirectWrite | None:
+        """A synchronous writer for the publisher's one pass (uvicorn's sans-I/O WebSocket, no
+        compression only): one pre-built frame per event for every reader, straight into the transport
+        while it is writable."""
+        proto = _server_side(self.send)
+        writable = getattr(proto, "writable", None)
+        if proto is None or writable is None or not hasattr(proto, "close_sent") \
+                or getattr(getattr(proto, "conn", None), "extensions", None):
+            return None
+        transport = proto.transport
+        key = name + "/frame"
+
+        def write(ev: Event) -> bool:
+            if not writable.is_set() or proto.close_sent or transport.is_closing():
+                return False
+            data = ev.frames.get(key)
+            if data is None:
+                data = ev.frames[key] = ws_frame(0x1, frame(ev).encode())
+            transport.write(data)
+            return True
+
+        return write
 
     async def cut(self, code: int, reason: str, text: str | None = None) -> None:
         """Close with ``code`` now, without waiting for the stalled peer."""

@@ -29,7 +29,7 @@ from gateway.errors import APIError, EngineError, error_class, to_api_error
 from gateway.framing import Ending, Framing
 from gateway.generation import ChunkEvent, chunk_events
 from gateway.openai_api import ParsedRequest
-from gateway.streams import Event, SlowConsumer, Stream, follow
+from gateway.streams import DirectWrite, Event, SlowConsumer, Stream, follow
 
 if TYPE_CHECKING:
     from gateway.engine_client import RequestHandle
@@ -160,6 +160,43 @@ class ReaderMeter:
         self._chunks.inc(len(batch))
 
 
+def _first_token_observer(direct: DirectWrite, meter: ReaderMeter) -> DirectWrite:
+    """The reader's TTFT when its first content goes out in the publisher's pass."""
+
+    def write(ev: Event) -> bool:
+        if not direct(ev):
+            return False
+        if meter._last is None and ev.text:
+            meter.wrote([ev])
+        return True
+
+    return write
+
+
+def _pass_meter(gw: Gateway) -> Callable[[str, Event, int], None]:
+    """Metrics of the publisher's one-pass writes, observed once per event and transport (every reader
+    written in that pass shares its timing): chunks written, delivery latency, gap since the last pass."""
+    m = gw.metrics
+    chunks = {t: m.chunks.labels(t) for t in ("sse", "ws")}
+    delivery = {t: m.delivery.labels(t) for t in ("sse", "ws")}
+    itl = {t: m.itl.labels(t) for t in ("sse", "ws")}
+    last: dict[str, float] = {}
+
+    def observe(transport: str, ev: Event, n: int) -> None:
+        chunks[transport].inc(n)
+        emit_ns = ev.timing.get("emit_ns")
+        if emit_ns:
+            delivery[transport].observe(max(0, time.time_ns() - emit_ns) / 1e9)
+        if ev.text:
+            now = time.monotonic()
+            prev = last.get(transport)
+            if prev is not None:
+                itl[transport].observe(now - prev)
+            last[transport] = now
+
+    return observe
+
+
 @dataclass(slots=True)
 class Outcome:
     """How a reader ended: the ending to write, whether it was cut, the last seq it sent."""
@@ -188,10 +225,16 @@ async def read(gw: Gateway, stream: Stream, framing: Framing, after: int, conn: 
             await conn_write(f)  # type: ignore[arg-type]
         meter.wrote(batch)
 
+    direct = None if delay else conn.direct(framing.name, framing.frame)  # type: ignore[arg-type]
+    if direct is not None:
+        if stream.on_direct is None:
+            stream.on_direct = _pass_meter(gw)
+        direct = _first_token_observer(direct, meter)
     active.inc()
     last = after
     try:
-        last = await follow(stream, framing.transport, after, write, gw.policy, gw.watchdog, idle=idle)
+        last = await follow(stream, framing.transport, after, write, gw.policy, gw.watchdog, idle=idle,
+                            direct=direct)
     except SlowConsumer:
         m.errors.labels("network").inc()
         log.info("reader of %s cut: a write was blocked for more than %gs", stream.id, gw.policy.send_timeout)

@@ -138,6 +138,7 @@ class MuxWs(Framing):
     transport: Transport = "ws"
 
     def __init__(self, cid: str) -> None:
+        self.name = "mux_ws:" + cid  # frames differ per request id
         self.cid = cid
         self._id = orjson.dumps(cid).decode()
 

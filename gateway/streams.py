@@ -196,6 +196,8 @@ class Stream:
     def __post_init__(self) -> None:
         # dicts as insertion-ordered sets: the rotation in _wake needs a stable order
         self._waiters: dict[Transport, dict[Subscription, None]] = {"sse": {}, "ws": {}}
+        # (transport, event, readers written directly) after each one-pass write, for metrics
+        self.on_direct: Callable[[Transport, Event, int], None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -216,7 +218,7 @@ class Stream:
             raise ValueError(f"stream {self.id}: event seq {event.seq}, expected {len(self.events)}")
         self.events.append(event)
         self.size += event.size
-        self._wake(event.seq)
+        self._wake(event.seq, event)
         return event
 
     def finish(self, state: State, error: APIError | None = None) -> None:
@@ -227,15 +229,28 @@ class Stream:
         self.finished_at = time.monotonic()
         self._wake(len(self.events))
 
-    def _wake(self, seq: int) -> None:
+    def _wake(self, seq: int, event: Event | None = None) -> None:
+        """One pass over the readers for a new event (or the end): a caught-up reader with a direct
+        writer gets the event written here and now; any other reader's loop is woken."""
         order = TRANSPORTS if seq % 2 == 0 else TRANSPORTS[::-1]
         for transport in order:
             subs = list(self._waiters[transport])
             if not subs:
                 continue
             k = seq % len(subs)
+            written = 0
             for sub in subs[k:] + subs[:k]:
-                sub.waiter.set()
+                if event is not None and sub.parked and sub.cursor == seq and sub.direct is not None \
+                        and sub.direct(event):
+                    sub.cursor = seq + 1
+                    if not written:
+                        now = time.monotonic()
+                    sub.last_write = now
+                    written += 1
+                else:
+                    sub.waiter.set()
+            if written and self.on_direct is not None:
+                self.on_direct(transport, event, written)  # type: ignore[arg-type]
 
     def _register(self, sub: Subscription) -> None:
         self._waiters[sub.transport][sub] = None
@@ -247,6 +262,9 @@ class Stream:
 # Writers: the transport-specific half of a subscriber.
 WriteEvents = Callable[[list[Event]], Awaitable[None]]
 WriteIdle = Callable[[], Awaitable[None]]
+# A synchronous write of one event that never blocks: True if written, False if the connection cannot
+# take it now (its buffer is above the high-water mark) and the reader's own loop must send it.
+DirectWrite = Callable[[Event], bool]
 
 
 @dataclass(eq=False, slots=True)
@@ -256,6 +274,9 @@ class Subscription:
     transport: Transport
     task: asyncio.Task[Any] | None
     waiter: asyncio.Event = field(default_factory=asyncio.Event)
+    cursor: int = 0  # the next seq this reader sends
+    parked: bool = False  # its loop waits, caught up: the publisher may write for it (``direct``)
+    direct: DirectWrite | None = None
     busy_since: float | None = None  # monotonic start of the write in progress
     last_write: float = field(default_factory=time.monotonic)
     ping_due: bool = False
@@ -308,20 +329,21 @@ class Watchdog:
 
 async def follow(
     stream: Stream, transport: Transport, after: int, write: WriteEvents, policy: SlowConsumerPolicy,
-    watchdog: Watchdog, *, idle: WriteIdle | None = None,
+    watchdog: Watchdog, *, idle: WriteIdle | None = None, direct: DirectWrite | None = None,
 ) -> int:
     """Send every event with ``seq > after`` and then the live tail until the stream ends.
 
     Returns the last ``seq`` sent (``after`` if none). Raises :class:`SlowConsumer` when the
     watchdog finds a write blocked past the send timeout. ``idle`` (if given) is called when the
-    watchdog asks for a keep-alive. The caller writes the stream's ending.
+    watchdog asks for a keep-alive. With ``direct``, a caught-up reader's live events are written by
+    the publisher in its one pass over the readers (:meth:`Stream._wake`); this loop only wakes for
+    what that could not write (replay, a full buffer, the end). The caller writes the stream's ending.
     """
-    cursor = after + 1
     # Lagging = more than coalesce_after events were published while our last write was in progress:
     # the client is the bottleneck, so merge. Events that were already there when a write started
     # (a late joiner's replay, a burst from the broker) are history, sent event by event.
     lagging = False
-    sub = Subscription(transport, asyncio.current_task())
+    sub = Subscription(transport, asyncio.current_task(), cursor=after + 1, direct=direct)
     stream._register(sub)
     watchdog.add(sub)
 
@@ -341,16 +363,16 @@ async def follow(
     try:
         while True:
             sub.waiter.clear()
-            if cursor < len(stream.events):
-                batch = policy.plan(stream.events, cursor, lagging, stream.state in ("error", "cancelled"))
-                cursor = batch[-1].seq + 1
+            if sub.cursor < len(stream.events):
+                batch = policy.plan(stream.events, sub.cursor, lagging, stream.state in ("error", "cancelled"))
+                sub.cursor = batch[-1].seq + 1
                 head = len(stream.events)
                 await timed(write(batch))
                 lagging = len(stream.events) - head > policy.coalesce_after
                 continue
             lagging = False
             if stream.finished:
-                return cursor - 1
+                return sub.cursor - 1
             if sub.ping_due:
                 sub.ping_due = False
                 if idle is not None:
@@ -358,7 +380,11 @@ async def follow(
                 else:
                     sub.last_write = time.monotonic()
                 continue
-            await sub.waiter.wait()
+            sub.parked = True
+            try:
+                await sub.waiter.wait()
+            finally:
+                sub.parked = False
     finally:
         stream._unregister(sub)
         watchdog.remove(sub)

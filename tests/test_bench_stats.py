@@ -1,10 +1,16 @@
-"""The bench's pure parts: SSE decoding, chunk sampling, metrics and bootstrap statistics."""
+"""The bench's pure parts: the fast client's parsers (HTTP/1.1 chunked, SSE, WebSocket frames,
+HTTP/2), chunk sampling, metrics and bootstrap statistics."""
 
 from __future__ import annotations
 
+import h2.config
+import h2.connection
 import numpy as np
+import orjson
 import pytest
 
+from tokenfan_bench.h2wire import PING, SETTINGS, FrameReader, H2Client
+from tokenfan_bench.http1 import HttpError, ResponseParser, request
 from tokenfan_bench.stats import (
     ArmSamples,
     arm_metrics,
@@ -15,7 +21,17 @@ from tokenfan_bench.stats import (
     saturation_point,
     summary_ms,
 )
-from tokenfan_bench.wire import SseDecoder, chunk_sample
+from tokenfan_bench.wire import (
+    OP_CLOSE,
+    OP_TEXT,
+    SseDecoder,
+    WsDecoder,
+    chunk_sample,
+    decode_ws,
+    sample_sse,
+    ws_close_payload,
+    ws_frame,
+)
 
 MS = 1_000_000
 
@@ -165,3 +181,141 @@ def test_unpaired_difference_of_medians_recovers_a_shift():
 def test_saturation_point_is_the_lowest_concurrency_past_the_threshold():
     assert saturation_point([1000, 10, 100], [80.0, 2.0, 60.0]) == 100
     assert saturation_point([1, 10], [1.0, None]) is None
+
+
+# -- the fast client's parsers: HTTP/1.1, SSE, WebSocket frames, HTTP/2 ----------------------------
+
+SSE_BODY = [b": tokenfan stream x\n\nretry: 1000\n\n", b'id: 0\ndata: {"a":1}\n\n',
+            b'id: 1\ndata: {"a":', b'2}\n\nevent: end\ndata: {"reason":"cancelled"}\n\n', b"data: [DONE]\n\n"]
+SSE_EVENTS = [("message", "0", b'{"a":1}'), ("message", "1", b'{"a":2}'), ("end", None, b'{"reason":"cancelled"}'),
+              ("message", None, b"[DONE]")]
+
+
+def chunked_response(parts: list[bytes]) -> bytes:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return head + b"".join(b"%x;ext=1\r\n%b\r\n" % (len(p), p) if i == 1 else b"%x\r\n%b\r\n" % (len(p), p)
+                           for i, p in enumerate(parts)) + b"0\r\nx-trailer: 1\r\n\r\n"
+
+
+def decode_sse_response(pieces: list[bytes]) -> tuple[ResponseParser, list[tuple[str, str | None, bytes]]]:
+    parser, dec, events = ResponseParser(), SseDecoder(), []
+    for piece in pieces:
+        events += [(e.event, e.id, e.data) for e in dec.feed(parser.feed(piece))]
+    return parser, events
+
+
+def test_sse_over_chunked_http1_gives_the_same_events_split_at_every_byte_offset():
+    raw = chunked_response(SSE_BODY)
+    for i in range(len(raw) + 1):
+        parser, events = decode_sse_response([raw[:i], raw[i:]])
+        assert events == SSE_EVENTS, i
+        assert parser.complete and parser.head == (200, {"content-type": "text/event-stream",
+                                                         "transfer-encoding": "chunked"})
+
+
+def test_sse_over_chunked_http1_byte_by_byte_and_with_a_following_response():
+    raw = chunked_response(SSE_BODY)
+    parser, events = decode_sse_response([raw[i:i + 1] for i in range(len(raw))] + [b"HTTP/1.1 204"])
+    assert events == SSE_EVENTS and parser.complete and parser.leftover == b"HTTP/1.1 204"
+
+
+def test_http1_body_by_content_length_and_until_close():
+    raw = b"HTTP/1.1 201 Created\r\nContent-Length: 5\r\n\r\nhello"
+    for i in range(len(raw) + 1):
+        p = ResponseParser()
+        assert p.feed(raw[:i]) + p.feed(raw[i:]) == b"hello" and p.complete and p.head.status == 201
+    p = ResponseParser()
+    assert p.feed(b"HTTP/1.1 200 OK\r\n\r\nab") + p.feed(b"c") == b"abc" and not p.complete
+    p.eof()
+    assert p.complete
+    assert ResponseParser().feed(b"HTTP/1.1 204 No Content\r\n\r\n") == b""
+
+
+@pytest.mark.parametrize("raw", [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+                                 b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabcXY",
+                                 b"SSH-2.0-OpenSSH\r\n\r\n", b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n"])
+def test_http1_parser_refuses_malformed_responses(raw: bytes):
+    with pytest.raises(HttpError):
+        ResponseParser().feed(raw)
+
+
+def test_http1_cut_response_is_an_error_at_eof():
+    p = ResponseParser()
+    p.feed(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nab")
+    with pytest.raises(HttpError):
+        p.eof()
+
+
+def test_http1_request_bytes():
+    assert request("POST", "/v1/streams", "h:1", {"content-type": "application/json"}, b"{}") == (
+        b"POST /v1/streams HTTP/1.1\r\nhost: h:1\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+
+
+def test_websocket_frames_masked_or_not_split_at_every_byte_offset():
+    mask = b"\x01\x02\x03\x04"
+    frames = [ws_frame(OP_TEXT, b'{"type":"chunk"}'), ws_frame(OP_TEXT, b"x" * 300, mask),
+              ws_frame(OP_TEXT, b"y" * 70_000), ws_frame(OP_CLOSE, ws_close_payload(1000, "done"), mask)]
+    raw = b"".join(frames)
+    for i in list(range(400)) + [len(raw) - 3, len(raw)]:
+        dec = WsDecoder()
+        got = dec.feed(raw[:i]) + dec.feed(raw[i:])
+        assert [(f.opcode, f.fin, f.payload) for f in got] == [
+            (OP_TEXT, True, b'{"type":"chunk"}'), (OP_TEXT, True, b"x" * 300), (OP_TEXT, True, b"y" * 70_000),
+            (OP_CLOSE, True, b"\x03\xe8done")], i
+
+
+def test_chunk_samples_from_bytes_match_the_decoded_dict_path():
+    for c in (chunk(7, 9, " hi", coalesced=3, finish="length"), chunk(2, 1, " hi", chat=False), chunk(0, 5, "")):
+        raw = orjson.dumps(c)
+        assert sample_sse(raw) == chunk_sample(c)
+        msg, sample = decode_ws(orjson.dumps({"type": "chunk", "seq": 1, "data": c}))
+        assert msg.type == "chunk" and sample == chunk_sample(c)
+    msg, sample = decode_ws(b'{"type":"done","reason":"cancelled"}')
+    assert sample is None and msg.reason == "cancelled"
+    with pytest.raises(ValueError):
+        sample_sse(b'{"choices":[]}')  # no tokenfan stamps: not a fan-out chunk
+
+
+def _h2_server_bytes() -> tuple[bytes, int]:
+    """What an HTTP/2 server (the ``h2`` library) answers to our client's request: SSE on stream 1."""
+    client = H2Client()
+    sid = client.open([(":method", "GET"), (":scheme", "http"), (":authority", "x"), (":path", "/e")], True)
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    server.initiate_connection()
+    events = server.receive_data(client.data_to_send())
+    assert [type(e).__name__ for e in events] == ["RemoteSettingsChanged", "WindowUpdated", "RequestReceived",
+                                                  "StreamEnded"]
+    assert events[2].headers[3] == (b":path", b"/e")
+    server.send_headers(sid, [(":status", "200"), ("content-type", "text/event-stream")])
+    for part in SSE_BODY:
+        server.send_data(sid, part, pad_length=3 if part == SSE_BODY[1] else None)
+    server.ping(b"12345678")
+    server.end_stream(sid)
+    return server.data_to_send(), sid
+
+
+def test_h2_client_reads_a_real_h2_servers_answer_split_at_every_byte_offset():
+    raw, sid = _h2_server_bytes()
+    for i in range(len(raw) + 1):
+        client = H2Client()
+        client.open([(":method", "GET"), (":scheme", "http"), (":authority", "x"), (":path", "/e")], True)
+        client.data_to_send()
+        evs = client.receive(raw[:i]) + client.receive(raw[i:])
+        heads = [e for e in evs if e[0] == "headers"]
+        assert heads == [("headers", sid, [(":status", "200"), ("content-type", "text/event-stream")], False)]
+        dec = SseDecoder()
+        got = [(e.event, e.id, e.data) for k, s, v, _ in evs if k == "data" for e in dec.feed(v)]
+        assert got == SSE_EVENTS, i
+        assert [e for e in evs if e[0] == "data"][-1][3] is True  # END_STREAM on the last DATA frame
+        acks = FrameReader().feed(client.data_to_send())
+        assert [(f.type, f.flags) for f in acks] == [(SETTINGS, 1), (PING, 1)]
+
+
+def test_h2_client_opens_odd_streams_and_the_server_sees_its_settings():
+    client = H2Client()
+    get = [(":method", "GET"), (":scheme", "https"), (":authority", "x"), (":path", "/")]
+    assert [client.open(get, True) for _ in range(3)] == [1, 3, 5]
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    server.receive_data(client.data_to_send())
+    assert server.remote_settings.initial_window_size == 2**31 - 1 and server.remote_settings.enable_push == 0
+    assert server.outbound_flow_control_window == 2**31 - 1

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenfan_bench import procs, report
-from tokenfan_bench.clients import Plan
+from tokenfan_bench.clients import CLIENTS, TRANSPORTS, Plan
 from tokenfan_bench.runner import Run, run_clients
 from tokenfan_bench.stats import saturation_point
 
@@ -39,11 +39,11 @@ def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x.strip()]
 
 
-def _arms(s: str) -> tuple[str, str]:
+def _arms(s: str) -> tuple[str, ...]:
     parts = tuple(x.strip() for x in s.split(","))
-    if len(parts) != 2 or any(p not in ("sse", "ws") for p in parts):
-        raise argparse.ArgumentTypeError(f"--arms wants two of sse|ws, e.g. sse,ws; got {s!r}")
-    return parts  # type: ignore[return-value]
+    if not 2 <= len(parts) <= 6 or any(p not in TRANSPORTS for p in parts):
+        raise argparse.ArgumentTypeError(f"--arms wants 2 to 6 of {'|'.join(TRANSPORTS)}, e.g. sse,ws; got {s!r}")
+    return parts
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,7 +51,16 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--url", help="gateway base URL, e.g. http://127.0.0.1:8000 (or use --spawn)")
-    ap.add_argument("--arms", type=_arms, default=("sse", "ws"), help="arm A,B transports (default sse,ws)")
+    ap.add_argument("--arms", type=_arms, default=("sse", "ws"),
+                    help="one transport per arm A,B(,C…): sse (HTTP/1.1), ws, sse-h2, ws-h2 (RFC 8441); default sse,ws")
+    ap.add_argument("--client", choices=CLIENTS, default="fast",
+                    help="fast: asyncio protocols + picows + a minimal HTTP/2 client (default); "
+                         "python: httpx + websockets")
+    ap.add_argument("--cafile", default=None,
+                    help="CA file to verify https/wss (default: TLS is not verified, e.g. `tokenfan certs`)")
+    ap.add_argument("--h2-streams-per-connection", type=int, default=1, metavar="K",
+                    help="HTTP/2 arms: subscribers multiplexed on one connection (default 1: one connection each, "
+                         "like the other arms; a browser puts all of a page's streams on one)")
     ap.add_argument("--streams", type=int, default=10, help="concurrent streams (default 10)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (default 64)")
     ap.add_argument("--duration", type=float, default=None,
@@ -70,7 +79,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of start offsets, arm order and bootstrap")
     ap.add_argument("--endpoint", choices=["chat.completions", "completions"], default="chat.completions")
     ap.add_argument("--workers", type=int, default=None,
-                    help="client processes (default: one per 1000 subscribers, at most CPUs/2)")
+                    help="client processes (default: one per 5000 subscribers with the fast client, "
+                         "per 1000 with the python one, at most CPUs/2)")
     ap.add_argument("--ramp", type=float, default=1.0, help="seconds over which stream starts are spread")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds one subscription may take")
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
@@ -90,12 +100,15 @@ class Bench:
         ns = self.ns
         return Plan(url=url.rstrip("/"), transports=ns.arms, streams=streams, max_tokens=ns.max_tokens,
                     duration=ns.duration, separate=ns.separate_streams, endpoint=ns.endpoint, ramp=ns.ramp,
-                    seed=ns.seed, timeout=ns.timeout)
+                    seed=ns.seed, timeout=ns.timeout, client=ns.client, cafile=ns.cafile,
+                    h2_streams_per_connection=ns.h2_streams_per_connection)
 
     def workers(self, streams: int) -> int:
         if self.ns.workers:
             return self.ns.workers
-        return max(1, min((os.cpu_count() or 2) // 2, (2 * streams + 999) // 1000))
+        per_worker = 1000 if self.ns.client == "python" else 5000  # subscribers one client process keeps up with
+        subscribers = len(self.ns.arms) * streams
+        return max(1, min((os.cpu_count() or 2) // 2, -(-subscribers // per_worker)))
 
     def measure(self, url: str, streams: int, desc: str) -> tuple[Run, dict[str, Any]]:
         run = run_clients(self.plan(url, streams), self.workers(streams), desc, not self.ns.no_progress)
@@ -167,6 +180,10 @@ def _brief(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["vs-vllm"]:  # tokenfan serve against vllm serve (tokenfan_bench/vs_vllm.py)
+        from tokenfan_bench.vs_vllm import main as vs_vllm_main
+
+        return vs_vllm_main(argv[1:])
     ap = parser()
     ns = ap.parse_args(argv)
     if not ns.spawn and not ns.url:

@@ -74,7 +74,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float,
             if p.poll() is not None:
                 raise RuntimeError(f"{p.args!r} exited with {p.returncode}; see {log}")
         try:
-            if httpx.get(url + "/health", timeout=1.0, trust_env=False).status_code == 200:
+            if httpx.get(url + "/health", timeout=1.0, trust_env=False, verify=False).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -89,7 +89,8 @@ def spawn_synthetic(tokens_per_s: float, ttft_ms: float, log_dir: Path, gateway_
     address = f"ipc://{tmp.name}/engine.sock"
     port = free_port()
     tag = f"{tokens_per_s:g}tps-{port}"
-    spawned = Spawned(f"http://127.0.0.1:{port}", tmpdir=tmp)
+    scheme = "https" if any(a.split("=")[0] == "--ssl-certfile" for a in gateway_args) else "http"
+    spawned = Spawned(f"{scheme}://127.0.0.1:{port}", tmpdir=tmp)
     try:
         spawned.procs.append(_popen(["-m", "engine_worker", "--engine", "synthetic", "--address", address,
                                      "--synthetic-tokens-per-s", str(tokens_per_s),
@@ -107,11 +108,11 @@ def spawn_synthetic(tokens_per_s: float, ttft_ms: float, log_dir: Path, gateway_
 
 
 def spawn_raw(tokens_per_s: float, ttft_ms: float, log_dir: Path) -> Spawned:
-    port, ws_port = free_port(), free_port()
+    port = free_port()
     log = log_dir / f"raw-{tokens_per_s:g}tps-{port}.log"
     spawned = Spawned(f"http://127.0.0.1:{port}")
     try:
-        spawned.procs.append(_popen(["-m", "tokenfan_bench.raw_server", "--port", str(port), "--ws-port", str(ws_port),
+        spawned.procs.append(_popen(["-m", "tokenfan_bench.raw_server", "--port", str(port),
                                      "--tokens-per-s", str(tokens_per_s), "--ttft-ms", str(ttft_ms)], log))
         wait_healthy(spawned.url, spawned.procs, 30.0, log)
     except BaseException:

@@ -1,21 +1,28 @@
-"""The floor: a minimal fan-out server that writes pre-encoded SSE and WebSocket frames.
+"""The floor: one process writing pre-framed events to N connections in a tight loop.
 
-It speaks just enough of the gateway's fan-out API for the bench clients (``POST /v1/streams``,
-``GET events_url`` as SSE, ``ws_url`` as WebSocket, ``/health``, ``/metrics`` with
-``process_cpu_seconds_total``) and paces every stream like the synthetic engine (TTFT, then one
-token every ``1/tokens_per_s``). Each stream has one ticker; on every token it formats the chunk
-once (a byte template with the numbers spliced in) and writes the same frame to each subscriber:
-``transport.write`` for SSE (HTTP/1.1 chunked, keep-alive), ``websockets`` server for WS.
-No engine, no ZeroMQ, no ASGI, no per-subscriber tasks: what is left is the cost of the sockets.
+It speaks just enough of the gateway's fan-out API for the bench clients, on one port:
+``POST /v1/streams``, ``GET events_url`` (SSE over HTTP/1.1, chunked, keep-alive), ``ws_url``
+(WebSocket upgrade on the same port), ``/health`` and ``/metrics`` (``process_cpu_seconds_total``),
+and paces every stream like the synthetic engine (TTFT, then one token every ``1/tokens_per_s``).
 
-Run: ``python -m tokenfan_bench.raw_server --port P --ws-port Q --tokens-per-s 20 --ttft-ms 20``.
+One timer heap drives every stream. When tokens are due, each is formatted once (a byte template
+with the numbers spliced in), framed once per wire format (an HTTP chunk holding the SSE event, a
+WebSocket text frame), and the same bytes go to every subscriber with ``transport.write`` in one
+loop: no engine, no ZeroMQ, no ASGI, no task and no await per connection or per stream, no
+per-subscriber state but the socket. What is left is the cost of the sockets.
+
+Run: ``python -m tokenfan_bench.raw_server --port P --tokens-per-s 20 --ttft-ms 20``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
+import hashlib
+import heapq
+import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,32 +30,25 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.exceptions import ConnectionClosed, InvalidState
+
+from tokenfan_bench.wire import (
+    OP_CLOSE,
+    OP_PING,
+    OP_PONG,
+    OP_TEXT,
+    WS_GUID,
+    WsDecoder,
+    ws_close_payload,
+    ws_frame,
+)
 
 WORDS = [b" The", b" gateway", b" writes", b" every", b" token", b" to", b" each", b" subscriber", b"."]
 CHUNK = (b'{"id":"%s","object":"chat.completion.chunk","created":%d,"model":"raw","system_fingerprint":null,'
          b'"choices":[{"index":0,"delta":{%s},"logprobs":null,"finish_reason":%s}],'
          b'"tokenfan":{"seq":%d,"emit_ns":%d,"sent_ns":%d}}')
-
-
-@dataclass(eq=False)
-class RawStream:
-    id: str
-    max_tokens: int
-    frames: list[tuple[bytes, str]] = field(default_factory=list)  # (SSE chunk frame, WS text)
-    sse: set[asyncio.StreamWriter] = field(default_factory=set)
-    ws: set[ServerConnection] = field(default_factory=set)
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-def ws_write(s: RawStream, ws: ServerConnection, payload: bytes) -> None:
-    """Frame and write without awaiting (no lock, no drain): the floor, not a robust server."""
-    try:
-        ws.protocol.send_text(payload)
-        ws.send_data()
-    except (InvalidState, ConnectionClosed):
-        s.ws.discard(ws)
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+MAX_HEAD = 64 * 1024
 
 
 def http_chunk(payload: bytes) -> bytes:
@@ -56,158 +56,238 @@ def http_chunk(payload: bytes) -> bytes:
 
 
 SSE_DONE = http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+WS_DONE = ws_frame(OP_TEXT, b'{"type":"done"}') + ws_frame(OP_CLOSE, ws_close_payload(1000, "done"))
+
+
+@dataclass(eq=False)
+class RawStream:
+    id: str
+    max_tokens: int
+    next_seq: int = 0
+    sse_frames: list[bytes] = field(default_factory=list)  # for late joiners
+    ws_frames: list[bytes] = field(default_factory=list)
+    sse: list[asyncio.Transport] = field(default_factory=list)
+    ws: list[asyncio.Transport] = field(default_factory=list)
+    finished: bool = False
+
+
+def respond(transport: asyncio.Transport, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
+    reason = {200: b"OK", 201: b"Created", 400: b"Bad Request", 404: b"Not Found"}.get(status, b"")
+    transport.write(b"HTTP/1.1 %d %b\r\ncontent-type: %b\r\ncontent-length: %d\r\n\r\n%b"
+                    % (status, reason, ctype, len(body), body))
 
 
 class RawServer:
-    def __init__(self, tokens_per_s: float, ttft_ms: float, host: str, port: int, ws_port: int) -> None:
+    def __init__(self, tokens_per_s: float, ttft_ms: float, host: str, port: int) -> None:
         self.interval = 1.0 / tokens_per_s
         self.ttft = ttft_ms / 1000.0
-        self.host, self.port, self.ws_port = host, port, ws_port
+        self.host, self.port = host, port
         self.streams: dict[str, RawStream] = {}
         self.sent = {"sse": 0, "ws": 0}
+        self._due: list[tuple[float, int, RawStream]] = []  # (time, tie-breaker, stream)
+        self._tie = itertools.count()
+        self._wake: asyncio.Event | None = None
 
     # -- generation ---------------------------------------------------------------------------
 
-    def publish(self, s: RawStream, seq: int, delta: bytes, finish: bytes) -> None:
+    def publish(self, s: RawStream) -> None:
+        seq = s.next_seq
+        s.next_seq += 1
         now = time.time_ns()
+        if seq == 0:
+            delta, finish = b'"role":"assistant","content":""', b"null"
+        else:
+            delta = b'"content":"%b"' % WORDS[(seq - 1) % len(WORDS)]
+            finish = b'"length"' if seq == s.max_tokens else b"null"
         data = CHUNK % (s.id.encode(), now // 1_000_000_000, delta, finish, seq, now, now)
-        frame = http_chunk(b"id: %d\ndata: %b\n\n" % (seq, data))
-        text = f'{{"type":"chunk","seq":{seq},"data":{data.decode()}}}'
-        s.frames.append((frame, text))
-        for w in list(s.sse):
-            if w.is_closing():
-                s.sse.discard(w)
-            else:
-                w.write(frame)
+        sse = http_chunk(b"id: %d\ndata: %b\n\n" % (seq, data))
+        ws = ws_frame(OP_TEXT, b'{"type":"chunk","seq":%d,"data":%b}' % (seq, data))
+        s.sse_frames.append(sse)
+        s.ws_frames.append(ws)
+        for t in s.sse:
+            t.write(sse)
+        for t in s.ws:
+            t.write(ws)
         self.sent["sse"] += len(s.sse)
-        payload = text.encode()
-        for ws in list(s.ws):
-            ws_write(s, ws, payload)
         self.sent["ws"] += len(s.ws)
+        if seq == s.max_tokens:
+            s.finished = True
+            for t in s.sse:
+                t.write(SSE_DONE)
+            for t in s.ws:
+                t.write(WS_DONE)
+            s.sse.clear()
+            s.ws.clear()
 
-    async def tick(self, s: RawStream) -> None:
+    def schedule(self, s: RawStream, at: float) -> None:
+        heapq.heappush(self._due, (at, next(self._tie), s))
+        if self._wake is not None:
+            self._wake.set()
+
+    async def ticker(self) -> None:
+        """The one loop that writes every event: sleeps until the next token is due, then publishes
+        every due token."""
         loop = asyncio.get_running_loop()
-        self.publish(s, 0, b'"role":"assistant","content":""', b"null")
-        start = loop.time() + self.ttft
-        for k in range(s.max_tokens):
-            delay = start + k * self.interval - loop.time()
+        self._wake = asyncio.Event()
+        due = self._due
+        while True:
+            if not due:
+                await self._wake.wait()
+                self._wake.clear()
+                continue
+            delay = due[0][0] - loop.time()
             if delay > 0:
-                await asyncio.sleep(delay)
-            word = WORDS[k % len(WORDS)]
-            finish = b'"length"' if k == s.max_tokens - 1 else b"null"
-            self.publish(s, k + 1, b'"content":"%b"' % word, finish)
-        s.finished.set()
-        for w in s.sse:
-            w.write(SSE_DONE)
-        for ws in list(s.ws):
-            ws_write(s, ws, b'{"type":"done"}')
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._wake.wait()  # a new stream may be due earlier
+                self._wake.clear()
+                continue
+            now = loop.time()
+            while due and due[0][0] <= now:
+                at, _, s = heapq.heappop(due)
+                self.publish(s)
+                if not s.finished:
+                    heapq.heappush(due, (at + self.interval, next(self._tie), s))
 
-    # -- HTTP -----------------------------------------------------------------------------------
+    # -- requests -------------------------------------------------------------------------------
 
-    async def handle_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, target, _ = lines[0].split(" ", 2)
-                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
-                body = await reader.readexactly(int(headers.get("content-length", "0")))
-                path = urlsplit(target).path
-                if method == "POST" and path == "/v1/streams":
-                    self.create(body, writer)
-                elif method == "GET" and path.startswith("/v1/streams/") and path.endswith("/events"):
-                    await self.events(path.split("/")[3], writer)
-                elif path == "/health":
-                    respond(writer, 200, b'{"status":"ok"}')
-                elif path == "/metrics":
-                    respond(writer, 200, self.metrics(), b"text/plain; version=0.0.4")
-                else:
-                    respond(writer, 404, b'{"error":"not found"}')
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
-            pass
-        finally:
-            writer.close()
-
-    def create(self, body: bytes, writer: asyncio.StreamWriter) -> None:
+    def create(self, body: bytes, transport: asyncio.Transport) -> None:
         req = orjson.loads(body or b"{}")
         s = RawStream(id="raw-" + uuid.uuid4().hex, max_tokens=int(req.get("max_tokens", 16)))
         self.streams[s.id] = s
-        asyncio.get_running_loop().create_task(self.tick(s))
-        host = f"{self.host}"
-        respond(writer, 201, orjson.dumps({
+        now = asyncio.get_running_loop().time()
+        self.publish(s)  # the role chunk at once, as the gateway does
+        self.schedule(s, now + self.ttft)
+        respond(transport, 201, orjson.dumps({
             "id": s.id, "object": "tokenfan.stream",
-            "events_url": f"http://{host}:{self.port}/v1/streams/{s.id}/events",
-            "ws_url": f"ws://{host}:{self.ws_port}/v1/streams/{s.id}/ws"}))
+            "events_url": f"http://{self.host}:{self.port}/v1/streams/{s.id}/events",
+            "ws_url": f"ws://{self.host}:{self.port}/v1/streams/{s.id}/ws"}))
 
-    async def events(self, sid: str, writer: asyncio.StreamWriter) -> None:
-        s = self.streams.get(sid)
-        if s is None:
-            respond(writer, 404, b'{"error":"no such stream"}')
-            return
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n")
-        writer.write(b"".join(f for f, _ in s.frames))
-        if s.finished.is_set():
-            writer.write(SSE_DONE)
-            return
-        s.sse.add(writer)
-        try:
-            await s.finished.wait()
-        finally:
-            s.sse.discard(writer)
+    def subscribe_sse(self, s: RawStream, transport: asyncio.Transport) -> None:
+        transport.write(SSE_HEAD + b"".join(s.sse_frames) + (SSE_DONE if s.finished else b""))
+        if not s.finished:
+            s.sse.append(transport)
 
-    async def handle_ws(self, ws: ServerConnection) -> None:
-        sid = ws.request.path.split("/")[3] if ws.request is not None else ""
-        s = self.streams.get(sid)
-        if s is None:
-            await ws.close(1008, "no such stream")
-            return
-        for _, text in s.frames:
-            ws.protocol.send_text(text.encode())
-        ws.send_data()
-        if not s.finished.is_set():
-            s.ws.add(ws)
-            try:
-                await s.finished.wait()
-            finally:
-                s.ws.discard(ws)
-        else:
-            ws.protocol.send_text(b'{"type":"done"}')
-            ws.send_data()
-        try:
-            await ws.close(1000, "done")
-        except ConnectionClosed:
-            pass
+    def subscribe_ws(self, s: RawStream, transport: asyncio.Transport, key: str) -> None:
+        accept = base64.b64encode(hashlib.sha1(key.encode() + WS_GUID).digest())
+        transport.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+                        b"sec-websocket-accept: %b\r\n\r\n" % accept + b"".join(s.ws_frames)
+                        + (WS_DONE if s.finished else b""))
+        if not s.finished:
+            s.ws.append(transport)
+
+    def drop(self, transport: asyncio.Transport, sid: str | None) -> None:
+        s = self.streams.get(sid or "")
+        if s is not None:
+            for subs in (s.sse, s.ws):
+                with contextlib.suppress(ValueError):
+                    subs.remove(transport)
 
     def metrics(self) -> bytes:
-        cpu = time.process_time()
-        return (b"process_cpu_seconds_total %f\n" % cpu
+        return (b"process_cpu_seconds_total %f\n" % time.process_time()
                 + b"".join(b'tokenfan_chunks_sent_total{transport="%s"} %d\n' % (t.encode(), n)
                            for t, n in self.sent.items()))
 
     async def serve(self) -> None:
-        http = await asyncio.start_server(self.handle_http, self.host, self.port, backlog=4096)
-        async with http, serve(self.handle_ws, self.host, self.ws_port, compression=None, ping_interval=None,
-                               max_size=None, backlog=4096):
-            await asyncio.Future()
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: RawConnection(self), self.host, self.port, backlog=4096)
+        async with server:
+            await self.ticker()
 
 
-def respond(writer: asyncio.StreamWriter, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
-    reason = {200: b"OK", 201: b"Created", 404: b"Not Found"}.get(status, b"")
-    writer.write(b"HTTP/1.1 %d %b\r\ncontent-type: %b\r\ncontent-length: %d\r\n\r\n%b"
-                 % (status, reason, ctype, len(body), body))
+class RawConnection(asyncio.Protocol):
+    """HTTP/1.1 requests one at a time; after a WebSocket upgrade, client frames (close, ping)."""
+
+    def __init__(self, server: RawServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.ws: WsDecoder | None = None
+        self.sid: str | None = None  # the stream this connection is subscribed to
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is not None:
+            self.server.drop(self.transport, self.sid)
+
+    def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
+        if self.ws is not None:
+            self.ws_received(data)
+            return
+        self.buf += data
+        while not self.transport.is_closing():
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buf) > MAX_HEAD:
+                    self.transport.close()
+                return
+            lines = self.buf[:end].decode("latin-1").split("\r\n")
+            headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+            length = int(headers.get("content-length", "0"))
+            if len(self.buf) < end + 4 + length:
+                return
+            body, self.buf = self.buf[end + 4:end + 4 + length], self.buf[end + 4 + length:]
+            try:
+                method, target, _ = lines[0].split(" ", 2)
+            except ValueError:
+                respond(self.transport, 400, b'{"error":"bad request line"}')
+                self.transport.close()
+                return
+            self.route(method, urlsplit(target).path, headers, body)
+            if self.ws is not None:
+                return
+
+    def route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> None:
+        srv, t = self.server, self.transport
+        assert t is not None
+        parts = path.split("/")  # "", "v1", "streams", id, "events" | "ws"
+        if method == "POST" and path == "/v1/streams":
+            srv.create(body, t)
+        elif method == "GET" and len(parts) == 5 and parts[2] == "streams" and parts[4] in ("events", "ws"):
+            s = srv.streams.get(parts[3])
+            if s is None:
+                respond(t, 404, b'{"error":"no such stream"}')
+            elif parts[4] == "events":
+                self.sid = s.id
+                srv.subscribe_sse(s, t)
+            elif "sec-websocket-key" in headers:
+                self.sid, self.ws = s.id, WsDecoder()
+                srv.subscribe_ws(s, t, headers["sec-websocket-key"])
+            else:
+                respond(t, 400, b'{"error":"not a WebSocket upgrade"}')
+        elif path == "/health":
+            respond(t, 200, b'{"status":"ok"}')
+        elif path == "/metrics":
+            respond(t, 200, srv.metrics(), b"text/plain; version=0.0.4")
+        else:
+            respond(t, 404, b'{"error":"not found"}')
+
+    def ws_received(self, data: bytes) -> None:
+        assert self.ws is not None and self.transport is not None
+        try:
+            frames = self.ws.feed(data)
+        except ValueError:
+            self.transport.close()
+            return
+        for f in frames:
+            if f.opcode == OP_CLOSE:  # the client's answer to our close (or its own): the TCP side ends here
+                self.transport.close()
+                return
+            if f.opcode == OP_PING:
+                self.transport.write(ws_frame(OP_PONG, f.payload))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tokenfan_bench.raw_server", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, required=True, help="HTTP (SSE) port")
-    ap.add_argument("--ws-port", type=int, required=True, help="WebSocket port")
+    ap.add_argument("--port", type=int, required=True, help="HTTP port (SSE and WebSocket)")
     ap.add_argument("--tokens-per-s", type=float, default=20.0)
     ap.add_argument("--ttft-ms", type=float, default=20.0)
     ns = ap.parse_args(argv)
-    server = RawServer(ns.tokens_per_s, ns.ttft_ms, ns.host, ns.port, ns.ws_port)
+    server = RawServer(ns.tokens_per_s, ns.ttft_ms, ns.host, ns.port)
     try:
         import uvloop
 

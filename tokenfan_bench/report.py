@@ -24,9 +24,13 @@ STATS = ("mean", "p50", "p90", "p99", "p99.9")
 
 
 def run_result(run: Run, *, n_boot: int, seed: int) -> dict[str, Any]:
-    """Metrics of both arms, the B - A difference, and the server's CPU cost of one run."""
-    a, b = run.arms["A"], run.arms["B"]
+    """Metrics of every arm, the differences to arm A (``diff_ms`` is B - A), and the CPU cost of
+    one run on both sides (server from ``/metrics``, client from the workers' process time)."""
+    a = run.arms["A"]
     arms = {k: arm_metrics(v, run.wall_s) for k, v in run.arms.items()}
+    paired = not run.plan.separate
+    diffs = {f"{k}-A": median_difference(a, v, paired=paired, n_boot=n_boot, seed=seed)
+             for k, v in run.arms.items() if k != "A"}
     delivered = sum(m["deltas_delivered"] for m in arms.values())
     events = sum(m["content_events"] for m in arms.values())
     server: dict[str, Any] = {"url": run.plan.url, "cpu_s": run.cpu_s, "chunks_sent": run.sent,
@@ -35,14 +39,19 @@ def run_result(run: Run, *, n_boot: int, seed: int) -> dict[str, Any]:
         server["cpu_util"] = run.cpu_s / run.wall_s
         # Both arms share the server process: its CPU is divided by what both arms received.
         server["cpu_us_per_token"] = run.cpu_s / delivered * 1e6 if delivered else None
+        server["cpu_us_per_event"] = run.cpu_s / events * 1e6 if events else None
         server["deliveries_per_cpu_s"] = events / run.cpu_s if run.cpu_s > 0 else None
+    received = sum(m["events"] for m in arms.values())
     return {
         "streams": run.plan.streams, "max_tokens": run.plan.max_tokens, "duration_s": run.plan.duration,
         "separate_streams": run.plan.separate, "workers": run.workers, "wall_s": run.wall_s,
-        "arms": arms, "diff_ms": median_difference(a, b, paired=not run.plan.separate, n_boot=n_boot, seed=seed),
+        "arms": arms, "diff_ms": diffs["B-A"], "diffs_ms": diffs,
         "server": server,
-        "client": {"workers": run.workers, "cpu_s": run.client_cpu_s,
-                   "cpu_util_per_worker": run.client_cpu_s / run.wall_s / run.workers},
+        "client": {"kind": run.plan.client, "workers": run.workers, "cpu_s": run.client_cpu_s,
+                   "events": received,
+                   "cpu_us_per_event": run.client_cpu_s / received * 1e6 if received else None,
+                   "cpu_util_per_worker": run.client_cpu_s / run.wall_s / run.workers,
+                   "h2_streams_per_connection": run.plan.h2_streams_per_connection},
     }
 
 
@@ -59,7 +68,8 @@ def baseline_result(gw: dict[str, Any], raw: dict[str, Any], rate: float) -> dic
 
 def meta(argv: list[str], seed: int) -> dict[str, Any]:
     versions: dict[str, str | None] = {"python": sys.version.split()[0]}
-    for pkg in ("tokenfan", "httpx", "websockets", "numpy", "uvicorn", "starlette", "uvloop", "orjson"):
+    for pkg in ("tokenfan", "httpx", "websockets", "picows", "aiofastnet", "h2", "hpack", "numpy", "uvicorn",
+                "starlette", "uvloop", "orjson"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -67,6 +77,7 @@ def meta(argv: list[str], seed: int) -> dict[str, Any]:
     return {"command": ["tokenfan", "bench", *argv], "versions": versions, "seed": seed,
             "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(),
                         "cpu_model": _cpu_model(), "hostname": platform.node()},
+            "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),  # 1/5/15-min load when the run started
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -102,9 +113,10 @@ def arm_table(result: dict[str, Any]) -> str:
 
 
 def diff_line(result: dict[str, Any]) -> str:
-    d = result["diff_ms"]
-    return (f"median delivery latency B - A = {d['median']:+.3f} ms, 95% CI [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}] "
-            f"({d['method']}; {d['n']} samples, {d['streams']} streams)")
+    diffs = result.get("diffs_ms") or {"B-A": result["diff_ms"]}
+    return "\n".join(
+        f"median delivery latency {k.replace('-', ' - ')} = {d['median']:+.3f} ms, 95% CI [{d['ci95'][0]:+.3f}, "
+        f"{d['ci95'][1]:+.3f}] ({d['method']}; {d['n']} samples, {d['streams']} streams)" for k, d in diffs.items())
 
 
 def server_line(result: dict[str, Any]) -> str:
@@ -113,21 +125,26 @@ def server_line(result: dict[str, Any]) -> str:
     if s.get("cpu_s") is not None:
         parts.append(f"CPU {s['cpu_s']:.2f} s ({100 * s['cpu_util']:.0f}% of a core)")
         if s.get("cpu_us_per_token") is not None:
-            parts.append(f"{s['cpu_us_per_token']:.1f} µs CPU per delivered token (both arms)")
+            parts.append(f"{s['cpu_us_per_token']:.1f} µs CPU per delivered token (all arms)")
     c = result.get("client")
     if c:
-        parts.append(f"client {c['workers']} process(es) at {100 * c['cpu_util_per_worker']:.0f}% CPU each"
+        per_event = f", {c['cpu_us_per_event']:.1f} µs CPU per received event" if c.get("cpu_us_per_event") else ""
+        parts.append(f"{c.get('kind', 'python')} client: {c['workers']} process(es) at "
+                     f"{100 * c['cpu_util_per_worker']:.0f}% CPU each{per_event}"
                      + (" (client-bound: add --workers)" if c["cpu_util_per_worker"] > 0.8 else ""))
     return ", ".join(parts)
 
 
 def summary_md(results: dict[str, Any]) -> str:
     m = results["meta"]
+    arms = ", ".join(f"{k} = {v['transport']}" for k, v in results["arms"].items())
+    client = results.get("client", {}).get("kind")
+    load = f" · load {m['load']}" if m.get("load") else ""
     out = ["# tokenfan bench", "", f"`{' '.join(m['command'])}`", "",
-           f"{m['time']} · {m['machine']['cpu_model']} × {m['machine']['cpus']} · Python {m['versions']['python']}",
-           "", f"Arms: A = {results['arms']['A']['transport']}, B = {results['arms']['B']['transport']}; "
-           f"{results['streams']} streams × {results['max_tokens']} tokens"
-           + (" (separate streams per arm)" if results["separate_streams"] else " (both arms on every stream)"),
+           f"{m['time']} · {m['machine']['cpu_model']} × {m['machine']['cpus']} · Python {m['versions']['python']}"
+           + load, "", f"Arms: {arms}; {results['streams']} streams × {results['max_tokens']} tokens"
+           + (" (separate streams per arm)" if results["separate_streams"] else " (every arm on every stream)")
+           + (f"; client: {client}" if client else ""),
            "", arm_table(results), "", diff_line(results), "", server_line(results), ""]
     if "baseline" in results:
         b = results["baseline"]

@@ -207,7 +207,7 @@ def order_balanced_differences(a: ArmSamples, b: ArmSamples) -> tuple[np.ndarray
     the gateway writes those two in opposite orders, so the write-order effect cancels."""
     d, s, keys = _paired(a, b)
     pair = keys // 2  # keys = stream << 24 | seq: same stream, seq // 2
-    uniq, first, counts = np.unique(pair, return_index=True, return_counts=True)
+    _, first, counts = np.unique(pair, return_index=True, return_counts=True)
     full = counts == 2
     idx = first[full]
     return (d[idx] + d[idx + 1]) / 2.0, s[idx]

@@ -6,13 +6,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from tests.procs import free_port, spawn, start_engine, start_gateway
 from tokenfan_bench.cli import main as bench_main
-from tests.procs import start_engine, start_gateway
 
 RUN = ["--streams", "24", "--max-tokens", "40", "--ramp", "0.5", "--no-progress"]
 
@@ -88,3 +91,106 @@ def test_bench_spawned_sweep_with_raw_baseline_writes_results_summary_and_plots(
     assert "## Raw floor" in (tmp_path / "summary.md").read_text()
     for png in ("latency_cdf.png", "latency_cdf_raw.png", "p99_vs_concurrency.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+# -- HTTP/2 arms against a third-party HTTP/2 server (Hypercorn speaks RFC 8441; the gateway's TLS
+# server, Granian, does not) --------------------------------------------------------------------
+
+
+async def h2_app(scope, receive, send):  # noqa: ANN001, ANN201 - a bare ASGI app, run by Hypercorn
+    """Just enough of the fan-out API: streams of ``max_tokens`` chunks, 20 ms apart, over SSE and
+    WebSocket, stamped like the gateway's."""
+    import asyncio
+    import time
+
+    def chunk(seq: int, last: bool) -> bytes:
+        now = time.time_ns()
+        delta = {"content": " tok"} if seq else {"role": "assistant", "content": ""}
+        return json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": "length" if last else None}],
+                           "tokenfan": {"seq": seq, "emit_ns": now, "sent_ns": now}}).encode()
+
+    if scope["type"] == "lifespan":
+        while (msg := await receive())["type"] != "lifespan.shutdown":
+            await send({"type": msg["type"] + ".complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    path = scope["path"]
+    tokens = int(path.split("/")[3]) if path.startswith("/v1/streams/") else 0
+    if scope["type"] == "websocket":
+        await receive()
+        await send({"type": "websocket.accept"})
+        for seq in range(tokens + 1):
+            await asyncio.sleep(0.02)
+            await send({"type": "websocket.send",
+                        "text": f'{{"type":"chunk","seq":{seq},"data":{chunk(seq, seq == tokens).decode()}}}'})
+        await send({"type": "websocket.send", "text": '{"type":"done"}'})
+        await send({"type": "websocket.close", "code": 1000})
+        return
+    if path == "/v1/streams":
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        host = dict(scope["headers"])[b"host"].decode()
+        sid = json.loads(body)["max_tokens"]
+        out = json.dumps({"id": str(sid), "events_url": f"https://{host}/v1/streams/{sid}/events",
+                          "ws_url": f"wss://{host}/v1/streams/{sid}/ws"}).encode()
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": out})
+        return
+    if path.endswith("/events"):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for seq in range(tokens + 1):
+            await asyncio.sleep(0.02)
+            await send({"type": "http.response.body", "body": b"id: %d\ndata: %b\n\n" % (seq, chunk(seq, seq == tokens)),
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        return
+    await send({"type": "http.response.start", "status": 200 if path == "/health" else 404, "headers": []})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
+@pytest.fixture(scope="module")
+def hypercorn_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    certs = tmp_path_factory.mktemp("h2-certs")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(certs / "key.pem"), "-out", str(certs / "cert.pem"), "-days", "1",
+                    "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    port = free_port()
+    proc = spawn(["-m", "hypercorn", "--bind", f"127.0.0.1:{port}", "--certfile", str(certs / "cert.pem"),
+                  "--keyfile", str(certs / "key.pem"), "tests.e2e.test_bench:h2_app"], "hypercorn-bench")
+    try:
+        url = f"https://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url + "/health", verify=False, timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline or proc.popen.poll() is not None:
+                    raise RuntimeError(proc.log()[-3000:]) from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.stop()
+
+
+def test_bench_http2_arms_side_by_side_with_http1_and_websocket(hypercorn_url: str, tmp_path: Path):
+    r = bench(tmp_path, "--url", hypercorn_url, "--arms", "sse,sse-h2,ws,ws-h2", "--streams", "4", "--max-tokens", "8",
+              "--ramp", "0.2", "--no-progress", "--bootstrap", "200")
+    assert [a["transport"] for a in r["arms"].values()] == ["sse", "sse-h2", "ws", "ws-h2"]
+    for arm in r["arms"].values():
+        assert arm["errors"] == 0 and arm["content_events"] == 4 * 8, arm
+        assert arm["delivery_ms"]["n"] > 0
+    assert set(r["diffs_ms"]) == {"B-A", "C-A", "D-A"} and r["diff_ms"] == r["diffs_ms"]["B-A"]
+    assert r["client"]["kind"] == "fast" and r["client"]["cpu_us_per_event"] > 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "B = sse-h2" in summary and "D = ws-h2" in summary and "client: fast" in summary
+
+
+def test_bench_http2_multiplexed_subscribers_share_connections(hypercorn_url: str, tmp_path: Path):
+    r = bench(tmp_path, "--url", hypercorn_url, "--arms", "sse-h2,ws-h2", "--streams", "6", "--max-tokens", "4",
+              "--h2-streams-per-connection", "8", "--ramp", "0", "--no-progress", "--bootstrap", "200")
+    assert all(a["errors"] == 0 and a["content_events"] == 6 * 4 for a in r["arms"].values()), r["arms"]

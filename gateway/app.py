@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
-from gateway import fanout, routes_openai, service, ws_mux
+from gateway import fanout, routes_openai, routes_responses, service, ws_mux
 from gateway.access_log import AccessLogMiddleware
 from gateway.auth import Auth, AuthMiddleware
 from gateway.config import GatewayConfig
@@ -86,6 +86,10 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
         Route("/v1/streams/{id}", fanout.delete_stream, methods=["DELETE"]),
         Route("/v1/streams/{id}/events", fanout.stream_events, methods=["GET"]),
         WebSocketRoute("/v1/streams/{id}/ws", fanout.stream_ws),
+        Route("/v1/responses", routes_responses.create_response, methods=["POST"]),
+        Route("/v1/responses/{id}", routes_responses.retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{id}", routes_responses.delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{id}/cancel", routes_responses.cancel_response, methods=["POST"]),
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics, methods=["GET"]),
         Route("/v1/time", service.server_time, methods=["GET"]),

@@ -11,8 +11,9 @@
   :mod:`gateway.framing` frames to a :mod:`gateway.conn` connection and records the per-transport
   metrics. A write blocked longer than ``--send-timeout`` ends the reader with the framing's cut
   (SSE ``event: error`` slow_consumer, WebSocket close 1013), never with a normal end.
-- When a reader ends, :func:`release` aborts the generation if nobody else can read it: always for an
-  unlisted stream, and for a listed one whose last reader was cut as too slow.
+- When a reader ends, :func:`release` aborts the generation if nobody else reads it: always, unless the
+  generation is *detached* (fan-out streams, background responses), which only a cut of its last reader
+  (or an explicit cancel) aborts.
 """
 
 from __future__ import annotations
@@ -51,16 +52,21 @@ async def _chunks(handle: RequestHandle, builder: ChunkBuilder) -> AsyncIterator
 
 
 async def start_generation(
-    gw: Gateway, parsed: ParsedRequest, scope: Any, *, listed: bool, source: Source = _chunks,
-    finalizer: Finalizer | None = None, stream_id: str | None = None,
+    gw: Gateway, parsed: ParsedRequest, scope: Any, *, listed: bool, detached: bool | None = None,
+    source: Source = _chunks, finalizer: Finalizer | None = None, stream_id: str | None = None,
+    endpoint: str | None = None,
 ) -> Stream:
     """Admit, submit and wait for the engine's accept; then the stream exists and its pump runs.
 
-    Raises :class:`APIError` (admission, validation, broker) or :class:`EngineError`."""
+    ``listed``: findable by id and retained after it ends; ``detached`` (default: ``listed``): the
+    generation outlives its readers. Raises :class:`APIError` (admission, validation, broker) or
+    :class:`EngineError`."""
     if listed:
         gw.hub.check_capacity()
     handle, builder = await gw.open(parsed, scope)
-    stream = gw.hub.create(parsed.endpoint, builder.model, stream_id=stream_id or handle.request_id, listed=listed)
+    stream = gw.hub.create(endpoint or parsed.endpoint, builder.model, stream_id=stream_id or handle.request_id,
+                           listed=listed)
+    stream.detached = listed if detached is None else detached
     if listed and gw.broker is not None:
         try:
             await gw.broker.created(stream)  # announced before its id is handed out
@@ -124,7 +130,7 @@ def release(stream: Stream, cut: bool) -> None:
     """A reader left: abort the generation if nobody can read it any more."""
     if stream.finished or stream.subscriber_count():
         return
-    if not stream.listed or (cut and not stream.mirrored):
+    if not stream.detached or (cut and not stream.mirrored):
         cancel(stream)
 
 

@@ -18,7 +18,7 @@ from gateway.errors import APIError, EngineError, error_class, to_api_error
 
 log = logging.getLogger(__name__)
 
-_ID_SEGMENT = re.compile(r"/(?:str|chatcmpl|cmpl|resp)-[0-9a-zA-Z]+")
+_ID_SEGMENT = re.compile(r"/(?:str|chatcmpl|cmpl|resp)[-_][0-9a-zA-Z]+")
 
 
 def route_label(path: str) -> str:

@@ -192,6 +192,10 @@ class Stream:
     # Listed streams are found by id (fan-out, background responses) and retained after they end;
     # an unlisted stream is the private log of one POST SSE response or one /v1/ws request.
     listed: bool = True
+    # A detached generation outlives its readers (fan-out streams, background responses): it is
+    # aborted only when its last reader is cut as too slow, or on an explicit cancel.
+    detached: bool = True
+    meta: dict[str, Any] = field(default_factory=dict)  # per-API extras (e.g. a response's transcript)
 
     def __post_init__(self) -> None:
         # dicts as insertion-ordered sets: the rotation in _wake needs a stable order
@@ -425,6 +429,13 @@ class StreamHub:
         if listed:
             self.streams[stream.id] = stream
         return stream
+
+    def drop(self, stream_id: str) -> None:
+        """Delete a stream now (a finished one is remembered as gone: 410)."""
+        if stream_id in self._finished:
+            self._drop(stream_id)
+        elif self.streams.pop(stream_id, None) is not None:
+            self._gone[stream_id] = None
 
     def forget(self, stream: Stream) -> None:
         """Remove a stream that never started (its announcement failed)."""

@@ -1,0 +1,196 @@
+"""The OpenAI Responses API over HTTP: ``POST /v1/responses``, ``GET /v1/responses/{id}``,
+``POST /v1/responses/{id}/cancel``, ``DELETE /v1/responses/{id}``.
+
+A response *is* a stream of the delivery core: its events (``response.created`` … ``response.completed``)
+are the stream's log, ``sequence_number`` is the log's ``seq``, and ``starting_after=N`` resumes after
+``seq`` N, so resume, retention (TTL, byte budget, 404 versus 410), slow readers and the broker are the
+fan-out streams' own. Stored responses (``store`` true, the default) are listed and retained; a
+``store: false`` response is an unlisted stream, gone when it ends. A background response is detached:
+it runs on when its client leaves; any other response is aborted when its last reader leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine_worker import protocol as p
+from gateway import sse
+from gateway.delivery import Finalizer, Source, SseResponse, cancel, start_generation
+from gateway.edge import gateway_of, read_body
+from gateway.errors import APIError
+from gateway.framing import RESPONSES_SSE
+from gateway.generation import ChunkEvent
+from gateway.responses_api import (
+    ResponseEvents,
+    ResponsesRequest,
+    build_request,
+    decode_create,
+    new_response_id,
+    previous_response_not_found,
+    response_from_events,
+    response_not_found,
+)
+from gateway.state import Gateway
+from gateway.streams import Stream
+
+ENDPOINT = "responses"
+
+
+def history(gw: Gateway, previous_response_id: str | None) -> list[p.ChatMessage]:
+    """The transcript a ``previous_response_id`` continues, while that response is retained here."""
+    if not previous_response_id:
+        return []
+    s = gw.hub.streams.get(previous_response_id)
+    transcript = s.meta.get("transcript") if s is not None and s.endpoint == ENDPOINT else None
+    if transcript is None:
+        raise previous_response_not_found(previous_response_id)
+    return list(transcript)
+
+
+def response_source(events: ResponseEvents) -> Source:
+    """Engine deltas -> Responses events: the lifecycle events, one ``output_text.delta`` per delta, the end."""
+
+    async def source(handle: Any, _builder: Any) -> AsyncIterator[ChunkEvent]:
+        now = p.now_ns()
+        for pl in events.start():
+            yield ChunkEvent(pl, now, "", 0)
+        finish: str | None = None
+        usage: p.Usage | None = None
+        async for d in handle.deltas():
+            if d is None:
+                continue
+            for pl in events.delta(d.text):
+                yield ChunkEvent(pl, d.emit_ns, d.text, d.token_count)
+            if d.finish_reason is not None:
+                finish, usage = d.finish_reason, d.usage
+        for pl in events.finish(finish, usage):
+            yield ChunkEvent(pl, p.now_ns(), "", 0, finish, usage)
+
+    return source
+
+
+def response_finalizer(events: ResponseEvents) -> Finalizer:
+    """The closing events of a failed (``response.failed``) or cancelled response."""
+
+    def close(stream: Stream, err: APIError | None) -> list[ChunkEvent]:
+        if events.done:
+            return []
+        if not events.started and err is None:
+            pass  # cancelled before any output: still closed below with the cancel event
+        payloads = events.fail(err) if err is not None else events.cancel()
+        return [ChunkEvent(pl, p.now_ns(), "", 0) for pl in payloads]
+
+    return close
+
+
+async def start_response(gw: Gateway, rr: ResponsesRequest, scope: Any, *, lane: str | None = None) -> tuple[
+        Stream, ResponseEvents]:
+    """Submit a parsed create request; the response's stream exists and runs when this returns."""
+    rid = new_response_id()
+    model = gw.check_model(rr.chat.model)
+    events = ResponseEvents(rid, model, request=rr)
+    stream = await start_generation(gw, rr.chat, scope, listed=rr.store, detached=rr.background,
+                                    source=response_source(events), finalizer=response_finalizer(events),
+                                    stream_id=rid, endpoint=ENDPOINT)
+    stream.meta["events"] = events
+    if stream.task is not None:
+        stream.task.add_done_callback(lambda _t: stream.meta.__setitem__("transcript", rr.transcript(events.text)))
+    return stream, events
+
+
+async def create_response(request: Request) -> Any:
+    t0 = time.monotonic()
+    gw: Gateway = gateway_of(request)
+    body = await read_body(request, gw.config.max_body_bytes)
+    req = decode_create(body)
+    rr = build_request(req, gw.config.limits, history(gw, req.previous_response_id))
+    if rr.background and not rr.store:
+        raise APIError(400, "background responses must be stored: remove store=false or background.",
+                       param="store", code="invalid_value")
+    stream, events = await start_response(gw, rr, request.scope)
+    gw.metrics.requests.labels("/v1/responses", "200").inc()
+    if rr.stream:
+        return SseResponse(gw, stream, RESPONSES_SSE, -1, t0=t0)
+    if rr.background:
+        return JSONResponse(events.response())
+    assert stream.task is not None
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.shield(stream.task)
+    return JSONResponse(response_from_events(e.payload for e in stream.events))
+
+
+async def _find(gw: Gateway, response_id: str) -> Stream:
+    try:
+        s = gw.hub.get(response_id)
+    except APIError as exc:
+        if exc.status == 410:
+            raise APIError(410, f"Response '{response_id}' is no longer retained.", param="response_id",
+                           code="response_expired") from exc
+        if gw.broker is None:
+            raise response_not_found(response_id) from exc
+        try:
+            s = await gw.broker.mirror(response_id)
+        except APIError as mexc:
+            if mexc.status == 404:
+                raise response_not_found(response_id) from mexc
+            raise
+    if s.endpoint != ENDPOINT:
+        raise response_not_found(response_id)
+    return s
+
+
+def _after(raw: str | None) -> int:
+    try:
+        value = sse.parse_last_event_id(raw)
+    except ValueError as exc:
+        raise APIError(400, f"starting_after must be a non-negative integer sequence number, got {raw!r}.",
+                       param="starting_after", code="invalid_value") from exc
+    return -1 if value is None else value
+
+
+async def retrieve_response(request: Request) -> Any:
+    gw: Gateway = gateway_of(request)
+    s = await _find(gw, request.path_params["id"])
+    if request.query_params.get("stream") in ("true", "1"):
+        after = _after(request.query_params.get("starting_after") or request.headers.get("last-event-id"))
+        return SseResponse(gw, s, RESPONSES_SSE, after)
+    if not s.events:
+        raise response_not_found(s.id)
+    return JSONResponse(response_from_events(e.payload for e in s.events))
+
+
+async def cancel_response(request: Request) -> Response:
+    gw: Gateway = gateway_of(request)
+    s = await _find(gw, request.path_params["id"])
+    if not s.detached:
+        raise APIError(400, "Only background responses can be cancelled.", param="response_id",
+                       code="invalid_value")
+    if s.mirrored and not s.finished:
+        assert gw.broker is not None and s.task is not None
+        if await gw.broker.cancel_remote(s.id):
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(s.task), 5.0)
+    elif cancel(s):
+        assert s.task is not None
+        with contextlib.suppress(asyncio.CancelledError):
+            await s.task
+    return JSONResponse(response_from_events(e.payload for e in s.events))
+
+
+async def delete_response(request: Request) -> Response:
+    gw: Gateway = gateway_of(request)
+    s = await _find(gw, request.path_params["id"])
+    if not s.finished:
+        cancel(s)
+        if s.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await s.task
+    gw.hub.drop(s.id)
+    return JSONResponse({"id": s.id, "object": "response.deleted", "deleted": True})

@@ -133,6 +133,26 @@ def response_not_found(response_id: str) -> APIError:
     return APIError(404, f"No response found with id '{response_id}'.", param="response_id", code="not_found")
 
 
+def response_expired(response_id: str) -> APIError:
+    """A response that existed but is no longer retained (TTL or byte budget), as 410 for streams."""
+    return APIError(410, f"Response '{response_id}' is no longer retained.", param="response_id",
+                    code="response_expired")
+
+
+def starting_after(raw: str | None) -> int:
+    """``GET /v1/responses/{id}?stream=true&starting_after=N``: the last sequence number the client has
+    (events with a larger one are sent); absent = -1, everything from ``response.created``."""
+    if raw is None or raw == "":
+        return -1
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -2
+    if value < -1:
+        raise invalid("starting_after", f"starting_after must be an integer >= -1, got {raw!r}.")
+    return value
+
+
 def decode_create(body: bytes | dict[str, Any]) -> CreateRequest:
     """A request body (bytes, or an already decoded object) -> :class:`CreateRequest`, or a 400."""
     try:

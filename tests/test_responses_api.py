@@ -34,7 +34,10 @@ from gateway.responses_api import (
     error_event,
     parse_create,
     previous_response_not_found,
+    response_expired,
     response_from_events,
+    response_not_found,
+    starting_after,
 )
 
 EVENT = TypeAdapter(ResponseStreamEvent)
@@ -205,6 +208,15 @@ def test_previous_response_not_found_is_the_documented_error() -> None:
     err = previous_response_not_found("resp_x")
     assert (err.status, err.param, err.code) == (400, "previous_response_id", "previous_response_not_found")
     assert "resp_x" in err.message
+
+
+def test_retrieval_errors_and_starting_after() -> None:
+    assert (response_not_found("r").status, response_expired("r").status) == (404, 410)
+    assert [starting_after(v) for v in (None, "", "-1", "0", "17")] == [-1, -1, -1, 0, 17]
+    for bad in ("x", "-2", "1.5"):
+        with pytest.raises(APIError) as e:
+            starting_after(bad)
+        assert (e.value.status, e.value.param) == (400, "starting_after")
 
 
 # -- events ----------------------------------------------------------------------------------------

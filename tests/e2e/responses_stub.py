@@ -34,6 +34,7 @@ from gateway.responses_api import (
     new_response_id,
     previous_response_not_found,
     response_not_found,
+    starting_after,
 )
 from gateway.responses_ws import (
     Lanes,
@@ -140,10 +141,11 @@ class Stub:
     async def retrieve(self, request: Request) -> Response:
         try:
             e = self._entry(request)
+            after = starting_after(request.query_params.get("starting_after"))
         except APIError as err:
             return err.response()
         if request.query_params.get("stream") == "true":
-            return self._sse(e, int(request.query_params.get("starting_after", -1)))
+            return self._sse(e, after)
         return JSONResponse(e.builder.response())
 
     async def cancel_route(self, request: Request) -> Response:

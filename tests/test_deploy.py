@@ -247,7 +247,7 @@ def test_pod_runs_engine_and_gateway_on_one_ipc_socket_as_one_uid() -> None:
     assert pod["securityContext"]["runAsUser"] not in (None, 0)
     assert pod["securityContext"]["runAsNonRoot"] is True
     engine_addr = flag_value(c["engine"]["args"], "--address")
-    assert engine_addr == flag_value(c["gateway"]["args"], "--engine")
+    assert engine_addr == flag_value(c["gateway"]["args"], "--engine-address")
     # The engine requires the socket's directory to be its own (0700); an emptyDir root is root's.
     socket_dir = Path(engine_addr.removeprefix("ipc://")).parent
     assert socket_dir.parent == Path(IPC_MOUNT), "socket must sit in a subdirectory the engine creates"
@@ -378,7 +378,7 @@ def test_compose_engine_and_gateway_share_the_ipc_volume_as_one_uid() -> None:
     assert engine["user"].split(":")[0] not in ("0", "root")
     assert engine["command"][:1] == ["engine"] and gateway["command"][:1] == ["gateway"]
     address = flag_value(engine["command"], "--address")
-    assert address == flag_value(gateway["command"], "--engine") == f"ipc://{IPC_MOUNT}/engine.sock"
+    assert address == flag_value(gateway["command"], "--engine-address") == f"ipc://{IPC_MOUNT}/engine.sock"
     assert flag_value(gateway["command"], "--host") == "0.0.0.0"
     assert any(v.endswith(":/var/cache/tokenfan") for v in engine["volumes"]), "model cache volume"
 

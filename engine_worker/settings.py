@@ -1,0 +1,429 @@
+"""Every tokenfan setting, declared once: :data:`SETTINGS`.
+
+One row gives a setting's name, kind, default, help, flag, environment variable (``TOKENFAN_<NAME>``) and
+the commands that take it (``serve``, ``gateway``, ``engine``). From the table come the argparse
+arguments (:func:`add_arguments`), the values of a command line with environment fallbacks
+(:func:`resolve`: the flag wins, then the environment, then the default), the config dataclasses
+(:func:`build`, and the defaults of their fields via :func:`declared`), the argv that reproduces a
+config (:func:`to_argv`, what ``tokenfan serve`` passes to its engine) and the README table
+(``python -m engine_worker.settings --markdown``).
+
+It lives in the engine package because the gateway imports the engine package and never the reverse;
+the engine reads only its own rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+
+COMMANDS = ("serve", "gateway", "engine")
+T = TypeVar("T")
+
+
+class SettingError(ValueError):
+    """A flag or environment value that does not parse or is out of range (the message names it)."""
+
+
+# -- defaults that depend on the machine -------------------------------------------------------
+
+def default_runtime_dir() -> Path:
+    """A per-user directory for IPC sockets: ``$XDG_RUNTIME_DIR/tokenfan`` or ``/tmp/tokenfan-<uid>``."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(base) / "tokenfan" if base else Path(f"/tmp/tokenfan-{os.getuid()}")
+
+
+def default_engine_address() -> str:
+    return f"ipc://{default_runtime_dir() / 'engine.sock'}"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tokenfan"
+
+
+# -- kinds -------------------------------------------------------------------------------------
+
+def parse_bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(raw)
+
+
+def parse_transport_delay(raw: str) -> tuple[str, float]:
+    """``"sse:1"`` -> ``("sse", 0.001)``: a transport and a delay in seconds."""
+    transport, _, ms = raw.partition(":")
+    if transport not in ("sse", "ws") or not ms:
+        raise ValueError(raw)
+    return transport, float(ms) / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """How one raw string (a flag value, an environment value, one list item) becomes a value and back."""
+
+    name: str  # shown in the README
+    metavar: str  # shown in --help
+    parse: Callable[[str], Any]
+    format: Callable[[Any], str] = str
+
+
+STR = Kind("str", "TEXT", str)
+INT = Kind("int", "N", int)
+FLOAT = Kind("float", "X", float)
+PATH = Kind("path", "PATH", Path)
+BOOL = Kind("bool", "BOOL", parse_bool, lambda v: "true" if v else "false")
+TRANSPORT_DELAY = Kind("TRANSPORT:MS", "TRANSPORT:MS", parse_transport_delay, lambda kv: f"{kv[0]}:{kv[1] * 1000:g}")
+
+
+# -- the declaration ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    name: str  # the config field, the argparse dest, and TOKENFAN_<NAME>
+    kind: Kind
+    help: str
+    commands: frozenset[str]
+    default: Any = None
+    default_factory: Callable[[], Any] | None = None  # a default that depends on the machine
+    doc_default: str = ""  # how the README shows a machine-dependent default
+    flag: str = ""  # default: --<name-with-dashes>
+    env: str = ""  # default: TOKENFAN_<NAME>
+    aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # command -> flags
+    deprecated: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # ditto, warned
+    field: str = ""  # dotted path in the config dataclass, default: name
+    repeat: bool = False  # a list: repeatable flag, every value comma-separated; collect() makes the value
+    collect: Callable[[Iterable[Any]], Any] = tuple
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+
+    @property
+    def option(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def env_var(self) -> str:
+        return self.env or "TOKENFAN_" + self.name.upper()
+
+    @property
+    def path(self) -> str:
+        return self.field or self.name
+
+    def default_value(self) -> Any:
+        return self.default_factory() if self.default_factory else self.default
+
+    def parse(self, raws: list[str], source: str) -> Any:
+        """The value of one or more raw strings (several only for a repeatable setting)."""
+        try:
+            if self.repeat:
+                return self.collect(self.kind.parse(x.strip()) for raw in raws for x in raw.split(",")
+                                    if x.strip())
+            value = self.kind.parse(raws[-1])
+        except ValueError:
+            raise SettingError(f"{source}: invalid {self.kind.name} value {','.join(raws)!r}") from None
+        if self.choices and value not in self.choices:
+            raise SettingError(f"{source}: {value!r} is not one of {', '.join(self.choices)}")
+        if self.minimum is not None and value < self.minimum:
+            raise SettingError(f"{source}: {value} is below the minimum {self.minimum:g}")
+        return value
+
+    def raw(self, value: Any) -> list[str]:
+        """The flag values that parse back to ``value`` ([] for none)."""
+        if value is None:
+            return []
+        if not self.repeat:
+            return [self.kind.format(value)]
+        items = value.items() if isinstance(value, dict) else [value] if isinstance(value, str) else value
+        return [self.kind.format(x) for x in items if x != ""]
+
+
+SERVE_GATEWAY = frozenset({"serve", "gateway"})
+SERVE_ENGINE = frozenset({"serve", "engine"})
+EVERY = frozenset(COMMANDS)
+
+
+def _gw(name: str, kind: Kind, default: Any, help: str, **kw: Any) -> Setting:
+    return Setting(name, kind, help, SERVE_GATEWAY, default, **kw)
+
+
+def _en(name: str, kind: Kind, default: Any, help: str, **kw: Any) -> Setting:
+    return Setting(name, kind, help, SERVE_ENGINE, default, **kw)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # both sides of the engine link
+    Setting("engine_address", STR, "ZeroMQ address of the engine, ipc://PATH or tcp://HOST:PORT: `engine` binds "
+            "it, `gateway` connects to it (several engines: comma-separated or repeated, new requests go to the "
+            "least-loaded healthy one), `serve` does both", EVERY,
+            default_factory=default_engine_address, repeat=True, collect=",".join,
+            doc_default="`ipc://$XDG_RUNTIME_DIR/tokenfan/engine.sock` (without XDG_RUNTIME_DIR: "
+                        "`ipc:///tmp/tokenfan-<uid>/engine.sock`); serve: a private socket per port",
+            aliases={"engine": ("--address",)}, deprecated={"gateway": ("--engine",)}),
+    Setting("curve_dir", PATH, "CURVE keys (from `tokenfan keys DIR`) for tcp:// engine links: encrypted, and "
+            "the engine admits only authorized gateways", EVERY),
+    Setting("log_level", STR, "logging level (debug, info, warning, error)", EVERY, "INFO"),
+    # gateway
+    _gw("host", STR, "127.0.0.1", "bind address"),
+    _gw("port", INT, 8000, "HTTP port", minimum=0),
+    _gw("workers", INT, 1, "gateway processes sharing the port", minimum=1),
+    _gw("ssl_certfile", PATH, None, "TLS certificate chain (PEM); with --ssl-keyfile the gateway serves HTTPS"),
+    _gw("ssl_keyfile", PATH, None, "TLS private key (PEM) for --ssl-certfile"),
+    _gw("http_header_timeout", FLOAT, 10.0, "seconds a client may take to send its request headers"),
+    _gw("http_body_timeout", FLOAT, 30.0, "seconds a client may take to send a request body"),
+    _gw("served_model_name", STR, None,
+        "model id shown in /v1/models and accepted in requests (default: the engine's)"),
+    _gw("heartbeat_interval", FLOAT, 0.25, "seconds between engine pings"),
+    _gw("heartbeat_timeout", FLOAT, 1.0, "engine presumed down after this many seconds without a heartbeat"),
+    _gw("accept_timeout", FLOAT, 30.0, "max seconds for the engine to accept a request"),
+    _gw("keepalive_interval", FLOAT, 15.0, "SSE comment / WebSocket ping interval on idle streams"),
+    _gw("max_body_bytes", INT, 1 << 20, "request body size limit (413 above)"),
+    _gw("ws_max_message_bytes", INT, 1 << 20, "WebSocket incoming message size limit (close 1009 above)"),
+    _gw("ws_per_message_deflate", BOOL, False,
+        "enable WebSocket permessage-deflate (off: it biases latency comparisons)"),
+    _gw("default_max_tokens", INT, 256, "max_tokens when a request gives none", field="limits.default_max_tokens"),
+    _gw("max_tokens_cap", INT, 4096, "largest max_tokens a request may ask for", field="limits.max_tokens_cap"),
+    _gw("stream_ttl", FLOAT, 300.0, "seconds a finished fan-out stream stays resumable",
+        field="retention.finished_ttl"),
+    _gw("stream_max_bytes", INT, 256 << 20, "bytes all retained streams may hold; oldest finished go first",
+        field="retention.max_bytes"),
+    _gw("max_streams", INT, 10_000, "running + retained fan-out streams (429 above)",
+        field="retention.max_streams"),
+    _gw("max_subscribers", INT, 10_000, "subscribers per stream (429 above)", field="retention.max_subscribers"),
+    _gw("coalesce_after", INT, 8, "pending events beyond which a lagging subscriber gets them merged",
+        field="policy.coalesce_after"),
+    _gw("send_timeout", FLOAT, 10.0, "a write blocked this long closes the subscriber as too slow",
+        field="policy.send_timeout"),
+    _gw("sse_retry_ms", INT, 1000, "SSE retry: hint sent to EventSource"),
+    _gw("shutdown_grace", FLOAT, 10.0, "seconds in-flight streams get to finish on SIGTERM"),
+    _gw("inject_delay", TRANSPORT_DELAY, None, "DIAGNOSTIC: delay every write of a transport (sse|ws) by MS ms, "
+        "for bench calibration; off by default", default_factory=dict, repeat=True, collect=dict),
+    _gw("max_concurrent", INT, 4096, "generations in flight in this gateway (429 above)"),
+    _gw("max_concurrent_per_key", INT, 0, "generations in flight per API key, 0 = no per-key limit"),
+    _gw("max_prompt_tokens", INT, 0, "prompt length limit in tokens, 0 = only the model's context"),
+    _gw("api_keys", STR, (), "require `Authorization: Bearer KEY` on /v1/* (repeatable or comma-separated)",
+        flag="--api-key", repeat=True),
+    _gw("token_secret", STR, None, "HMAC secret for stream tokens (default: random per process; set it when "
+        "several gateway replicas must accept each other's tokens)"),
+    _gw("stream_token_ttl", FLOAT, 3600.0, "lifetime in seconds of the stream tokens in events_url/ws_url"),
+    _gw("allowed_origins", STR, (), "Origins allowed to open WebSockets besides the gateway's own host "
+        "(repeatable or comma-separated); * allows any", repeat=True),
+    _gw("cors_origins", STR, (), "Origins allowed by CORS on HTTP routes (repeatable or comma-separated); "
+        "* allows any", repeat=True),
+    _gw("broker_url", STR, None, "Redis URL (redis://host:6379/0): share fan-out streams across gateway "
+        "replicas through Redis Streams", flag="--broker", env="TOKENFAN_BROKER"),
+    _gw("broker_idle_timeout", FLOAT, 60.0,
+        "a mirrored stream with no new entry for this long ends with owner_lost"),
+    # engine
+    _en("backend", STR, "vllm", "engine backend", flag="--engine", env="TOKENFAN_ENGINE",
+        aliases={"serve": ("--backend",), "engine": ("--backend",)}, choices=("vllm", "synthetic")),
+    _en("model", STR, None, "local Hugging Face model directory (default: Gemma 3 270M, prepared once)"),
+    _en("cache_dir", PATH, None, "where the default model is prepared", default_factory=default_cache_dir,
+        doc_default="`$XDG_CACHE_HOME/tokenfan` (else `~/.cache/tokenfan`)"),
+    _en("max_model_len", INT, 2048, "context length (prompt + output tokens)"),
+    _en("dtype", STR, "auto", "vLLM dtype"),
+    _en("kv_cache_gib", INT, 1, "CPU KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)"),
+    _en("tensor_parallel_size", INT, 1, "vLLM tensor parallelism (GPUs per engine)", minimum=1),
+    _en("pipeline_parallel_size", INT, 1, "vLLM pipeline parallelism", minimum=1),
+    _en("enforce_eager", BOOL, True, "disable CUDA graphs / torch.compile"),
+    _en("gpu_memory_utilization", FLOAT, 0.9, "vLLM GPU memory fraction"),
+    _en("chat_template", STR, None, "Jinja chat template file overriding the tokenizer's"),
+    _en("stream_interval", INT, 1, "deliver every N tokens per event (like vLLM's --stream-interval)",
+        minimum=1),
+    _en("synthetic_ttft_ms", FLOAT, 20.0, "synthetic engine: time to first token"),
+    _en("synthetic_tokens_per_s", FLOAT, 50.0, "synthetic engine: tokens per second per stream"),
+    _en("synthetic_token_chars", INT, 0, "synthetic engine: stretch every token to this many characters "
+        "(payload-size knob); 0 = natural words"),
+    _en("max_queue", INT, 1024, "requests in the engine (running + waiting) beyond which new ones get 503 "
+        "engine_overloaded"),
+    _en("allow_remote_engine", BOOL, False, "allow binding tcp:// to a non-loopback address"),
+)
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def for_command(command: str) -> Iterator[Setting]:
+    return (s for s in SETTINGS if command in s.commands)
+
+
+def declared(name: str) -> Any:
+    """A dataclass field whose default is the table's: ``port: int = declared("port")``."""
+    s = BY_NAME[name]
+    if s.default_factory is not None:
+        return dataclasses.field(default_factory=s.default_factory)
+    if isinstance(s.default, list | dict | set):
+        raise TypeError(f"{name}: a mutable default needs a default_factory")
+    return dataclasses.field(default=s.default)
+
+
+# -- argparse ----------------------------------------------------------------------------------
+
+def _deprecated_dest(s: Setting, flag: str) -> str:
+    return f"deprecated_{s.name}_{flag.lstrip('-').replace('-', '_')}"
+
+
+def _shown_default(s: Setting) -> str:
+    if s.doc_default:
+        return s.doc_default
+    return ",".join(s.raw(s.default_value()))
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """The flags of ``command``. Values stay raw strings (None when absent) until :func:`resolve`."""
+    groups: dict[str, Any] = {}
+    for s in for_command(command):
+        title = "common" if {"gateway", "engine"} <= s.commands else "gateway" if "gateway" in s.commands \
+            else "engine"
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        group = groups[title]
+        default = _shown_default(s).replace("`", "")
+        help_ = (s.help + (f" (default: {default})" if default else "")).replace("%", "%%")
+        kw: dict[str, Any] = {"default": None, "metavar": s.kind.metavar}
+        if s.repeat:
+            kw["action"] = "append"
+        elif s.kind is BOOL:
+            kw.update(nargs="?", const="true")
+        if s.choices:
+            kw.update(choices=s.choices, metavar=None)
+        group.add_argument(s.option, *s.aliases.get(command, ()), dest=s.name, help=f"{help_} [{s.env_var}]", **kw)
+        for flag in s.deprecated.get(command, ()):
+            group.add_argument(flag, dest=_deprecated_dest(s, flag), help=argparse.SUPPRESS, **kw)
+
+
+def given(ns: argparse.Namespace, command: str, environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """Names of the settings of ``command`` set by a flag or the environment (not left to the default)."""
+    environ = os.environ if environ is None else environ
+    return frozenset(s.name for s in for_command(command) if _flag_raws(ns, s, command) or s.env_var in environ)
+
+
+def _flag_raws(ns: argparse.Namespace, s: Setting, command: str) -> list[str]:
+    raw = getattr(ns, s.name, None)
+    raws = [] if raw is None else list(raw) if isinstance(raw, list) else [raw]
+    for flag in s.deprecated.get(command, ()):
+        old = getattr(ns, _deprecated_dest(s, flag), None)
+        if old is not None:
+            raws += old if isinstance(old, list) else [old]
+    return raws
+
+
+def resolve(ns: argparse.Namespace, command: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The value of every setting of ``command``: its flag, else ``TOKENFAN_<NAME>``, else the default.
+
+    Raises :class:`SettingError` for a value that does not parse or is out of range.
+    """
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for s in for_command(command):
+        for flag in s.deprecated.get(command, ()):
+            if getattr(ns, _deprecated_dest(s, flag), None) is not None:
+                log.warning("`tokenfan %s %s` is deprecated: use %s", command, flag, s.option)
+        raws = _flag_raws(ns, s, command)
+        if raws:
+            values[s.name] = s.parse(raws, s.option)
+        elif s.env_var in environ:
+            values[s.name] = s.parse([environ[s.env_var]], s.env_var)
+        else:
+            values[s.name] = s.default_value()
+    return values
+
+
+# -- configs -----------------------------------------------------------------------------------
+
+def build(cls: type[T], values: Mapping[str, Any], command: str) -> T:
+    """A ``cls()`` (a config dataclass) with every setting of ``command`` found in ``values`` at its field.
+
+    A dotted field (``limits.max_tokens_cap``) replaces that attribute of the nested dataclass.
+    """
+    base = cls()
+    top: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for s in for_command(command):
+        if s.name in values:
+            head, _, rest = s.path.partition(".")
+            if rest:
+                nested.setdefault(head, {})[rest] = values[s.name]
+            else:
+                top[head] = values[s.name]
+    for head, sub in nested.items():
+        top[head] = dataclasses.replace(getattr(base, head), **sub)
+    return dataclasses.replace(base, **top)  # type: ignore[type-var]
+
+
+def read(config: Any, s: Setting) -> Any:
+    for part in s.path.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def to_argv(config: Any, command: str) -> list[str]:
+    """The flags that make ``command`` rebuild ``config`` (for ``tokenfan serve``'s engine child)."""
+    argv: list[str] = []
+    for s in for_command(command):
+        for raw in s.raw(read(config, s)):
+            argv += [s.option, raw]
+    return argv
+
+
+# -- documentation -----------------------------------------------------------------------------
+
+README_START, README_END = "<!-- flags:start -->", "<!-- flags:end -->"
+
+
+def _flag_cell(s: Setting) -> str:
+    where: dict[str, list[str]] = {}  # alias -> the commands that take it
+    for table, note in ((s.aliases, ""), (s.deprecated, ", deprecated")):
+        for command, flags in table.items():
+            for flag in flags:
+                where.setdefault(f"`{flag}`", []).append(command + note)
+    return ", ".join([f"`{s.option}`", *(f"{flag} ({', '.join(cs)})" for flag, cs in where.items())])
+
+
+def markdown() -> str:
+    """The README configuration table."""
+    rows = ["| flag | environment | type | default | commands | meaning |", "|---|---|---|---|---|---|"]
+    for s in SETTINGS:
+        kind = " \\| ".join(f"`{c}`" for c in s.choices) if s.choices else s.kind.name + (" list" if s.repeat
+                                                                                         else "")
+        default = _shown_default(s)
+        default = default if s.doc_default or not default else f"`{default}`"
+        commands = ", ".join(c for c in COMMANDS if c in s.commands)
+        rows.append(f"| {_flag_cell(s)} | `{s.env_var}` | {kind} | {default} | {commands} | "
+                    f"{s.help.replace('|', chr(92) + '|')} |")
+    return "\n".join(rows)
+
+
+def replace_readme_table(text: str) -> str:
+    head, start, rest = text.partition(README_START)
+    _, end, tail = rest.partition(README_END)
+    if not (start and end):
+        raise ValueError(f"the README has no {README_START} ... {README_END} block")
+    return f"{head}{README_START}\n{markdown()}\n{README_END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine_worker.settings",
+                                     description="Print or update the README configuration table.")
+    parser.add_argument("--markdown", action="store_true", help="print the table")
+    parser.add_argument("--write", type=Path, metavar="README", help="replace the table in this file")
+    ns = parser.parse_args(argv)
+    if ns.write:
+        ns.write.write_text(replace_readme_table(ns.write.read_text()))
+    if ns.markdown or not ns.write:
+        print(markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

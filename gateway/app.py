@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
-from gateway import fanout, routes_openai, routes_responses, service, ws_mux
+from gateway import fanout, responses_ws_route, routes_openai, routes_responses, service, ws_mux
 from gateway.access_log import AccessLogMiddleware
 from gateway.auth import Auth, AuthMiddleware
 from gateway.config import GatewayConfig
@@ -90,6 +90,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
         Route("/v1/responses/{id}", routes_responses.retrieve_response, methods=["GET"]),
         Route("/v1/responses/{id}", routes_responses.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{id}/cancel", routes_responses.cancel_response, methods=["POST"]),
+        WebSocketRoute("/v1/responses", responses_ws_route.responses_ws_endpoint),
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics, methods=["GET"]),
         Route("/v1/time", service.server_time, methods=["GET"]),

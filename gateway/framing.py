@@ -171,19 +171,34 @@ class ResponsesSse(Framing):
 
 
 class ResponsesWs(Framing):
-    """Responses API WebSocket mode: each event is one JSON text message; the socket stays open."""
+    """Responses API WebSocket mode: each event one JSON text message (with the lane's ``stream_id``
+    on a named lane, and errors in the WebSocket error shape); the socket stays open."""
 
     name = "responses_ws"
     transport: Transport = "ws"
-    resumable = True
+    resumable = False
+
+    def __init__(self, stream_id: str | None = None) -> None:
+        self.stream_id = stream_id
+        if stream_id is not None:
+            self.name = "responses_ws:" + stream_id
 
     def build(self, ev: Event) -> str:
-        return ev.json.decode()
+        return self.build_payload(ev.payload)
+
+    def build_payload(self, payload: dict[str, object]) -> str:
+        from gateway.responses_ws import ws_event, ws_text
+
+        if payload.get("type") == "error":
+            return orjson.dumps(ws_event(payload, self.stream_id)).decode()
+        return ws_text(orjson.dumps(payload), self.stream_id)
 
     def ending(self, stream: Stream) -> Ending:
+        from gateway.responses_ws import ws_error
+
         if stream.state == "error" and stream.error is not None and not _has_terminal(stream):
-            return Ending(orjson.dumps({"type": "error", **_error_fields(stream.error),
-                                        "sequence_number": len(stream.events)}).decode(), last=False)
+            return Ending(orjson.dumps(ws_error(stream.error, self.stream_id, len(stream.events))).decode(),
+                          last=False)
         return Ending(None, last=False)
 
 
@@ -201,4 +216,3 @@ OPENAI_SSE = OpenAISse()
 FANOUT_SSE = FanoutSse()
 FANOUT_WS = FanoutWs()
 RESPONSES_SSE = ResponsesSse()
-RESPONSES_WS = ResponsesWs()

@@ -1,0 +1,144 @@
+"""Responses API WebSocket mode on ``/v1/responses`` (the protocol is in :mod:`gateway.responses_ws`).
+
+Each ``response.create`` runs as a response stream of the delivery core, read by this socket through
+:class:`gateway.framing.ResponsesWs`; lanes (``stream_id``) run concurrently, FIFO within a lane
+(:class:`gateway.responses_ws.Lanes`). A write blocked past ``--send-timeout`` cuts the socket with close
+1013 and aborts every response on it, as on every other path; a client that leaves aborts its
+responses too (WebSocket-mode responses are never background).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import orjson
+from starlette.websockets import WebSocket
+
+from engine_worker import protocol as p
+from gateway.conn import WsConn
+from gateway.delivery import read, release
+from gateway.edge import gateway_of
+from gateway.errors import APIError, EngineError, error_class, to_api_error
+from gateway.framing import ResponsesWs
+from gateway.responses_api import ResponseEvents, build_request, new_response_id, previous_response_not_found
+from gateway.responses_ws import Lanes, TranscriptCache, WsClientError, WsCreate, parse_client_message, ws_error
+from gateway.routes_responses import ENDPOINT, start_response
+from gateway.state import Gateway
+
+log = logging.getLogger(__name__)
+
+
+class ResponsesSession:
+    """One WebSocket-mode connection."""
+
+    def __init__(self, gw: Gateway, ws: WebSocket) -> None:
+        self.gw = gw
+        self.ws = ws
+        self.conn = WsConn(ws.scope, ws._send, gw.policy.linger)
+        self.lanes: Lanes[WsCreate] = Lanes()
+        self.cache = TranscriptCache()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.cut = asyncio.Event()
+
+    async def run(self) -> None:
+        cut_wait = asyncio.ensure_future(self.cut.wait())
+        try:
+            while True:
+                recv = asyncio.ensure_future(self.ws.receive())
+                await asyncio.wait({recv, cut_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if not recv.done():
+                    recv.cancel()
+                    break
+                msg = recv.result()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                self.on_message(msg.get("text") or msg.get("bytes") or b"")
+        finally:
+            cut_wait.cancel()
+            for t in self.tasks:
+                t.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def on_message(self, raw: str | bytes) -> None:
+        try:
+            create = parse_client_message(raw)
+            started = self.lanes.submit(create.stream_id, create)
+        except WsClientError as exc:
+            self.send_event(exc.event(), exc.error)
+            return
+        self._start(started)
+
+    def _start(self, started: list[tuple[str | None, WsCreate]]) -> None:
+        for lane, create in started:
+            task = asyncio.create_task(self.respond(lane, create), name=f"responses-ws-{lane}")
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    def send_event(self, event: dict[str, Any], err: APIError | None = None) -> None:
+        if err is not None:
+            self.gw.metrics.errors.labels(error_class(err)).inc()
+        task = asyncio.ensure_future(self._send(orjson.dumps(event).decode()))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _send(self, text: str) -> None:
+        if not self.conn.closed:
+            with contextlib.suppress(Exception):
+                await self.conn.write(text)
+
+    def _history(self, previous: str | None) -> list[p.ChatMessage]:
+        if not previous:
+            return []
+        cached = self.cache.get(previous)
+        if cached is not None:
+            return list(cached)
+        s = self.gw.hub.streams.get(previous)
+        transcript = s.meta.get("transcript") if s is not None and s.endpoint == ENDPOINT else None
+        if transcript is None:
+            raise previous_response_not_found(previous)
+        return list(transcript)
+
+    async def respond(self, lane: str | None, create: WsCreate) -> None:
+        gw = self.gw
+        stream = None
+        cut = False
+        try:
+            rr = build_request(create.request, gw.config.limits, self._history(create.request.previous_response_id))
+            if not create.generate:  # warmup: state for a later previous_response_id, no output
+                events = ResponseEvents(new_response_id(), gw.check_model(rr.chat.model), request=rr)
+                framing = ResponsesWs(lane)
+                for pl in events.created() + events.in_progress(item=False) + events.finish("stop", None):
+                    await self._send(framing.build_payload(pl))
+                self.cache.put(events.id, rr.transcript(None))
+                return
+            stream, events = await start_response(gw, rr, self.ws.scope, lane=lane)
+            outcome = await read(gw, stream, ResponsesWs(lane), -1, self.conn)
+            cut = outcome.cut
+            if cut:
+                self.cut.set()
+                await self.conn.cut(outcome.ending.close_code, outcome.ending.reason)
+                return
+            if isinstance(outcome.ending.frame, str):
+                await self._send(outcome.ending.frame)
+            if events.status in ("completed", "incomplete"):
+                self.cache.put(events.id, rr.transcript(events.text))
+            elif create.request.previous_response_id:
+                self.cache.evict(create.request.previous_response_id)
+        except (APIError, EngineError) as exc:
+            err = to_api_error(exc)
+            self.send_event(ws_error(err, lane), err)
+        finally:
+            if stream is not None:
+                release(stream, cut)
+            if not self.cut.is_set():
+                with contextlib.suppress(RuntimeError):
+                    self._start(self.lanes.finished(lane))
+
+
+async def responses_ws_endpoint(ws: WebSocket) -> None:
+    gw: Gateway = gateway_of(ws)
+    await ws.accept()
+    gw.metrics.requests.labels("/v1/responses (ws)", "101").inc()
+    await ResponsesSession(gw, ws).run()

@@ -203,8 +203,15 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("max_subscribers", INT, 10_000, "subscribers per stream (429 above)", field="retention.max_subscribers"),
     _gw("coalesce_after", INT, 8, "pending events beyond which a lagging subscriber gets them merged",
         field="policy.coalesce_after"),
-    _gw("send_timeout", FLOAT, 10.0, "a write blocked this long closes the subscriber as too slow",
-        field="policy.send_timeout"),
+    _gw("send_timeout", FLOAT, 10.0, "a write blocked this long cuts the reader as too slow (every path: "
+        "SSE `event: error` slow_consumer, WebSocket close 1013); its generation is aborted if it was the "
+        "only reader", field="policy.send_timeout"),
+    _gw("cut_linger", FLOAT, 10.0, "seconds a cut connection may still flush its ending to a peer that "
+        "reads again before it is reset", field="policy.linger"),
+    _gw("max_loop_lag", FLOAT, 0.5, "new work gets 503 `overloaded` while the gateway's event loop runs "
+        "this many seconds late (0 = off)"),
+    _gw("direct_write", BOOL, True, "the publisher writes each event straight to every caught-up reader "
+        "(uvicorn, HTTP/1.1); off = every reader writes from its own task (for A/B measurement)"),
     _gw("sse_retry_ms", INT, 1000, "SSE retry: hint sent to EventSource"),
     _gw("shutdown_grace", FLOAT, 10.0, "seconds in-flight streams get to finish on SIGTERM"),
     _gw("inject_delay", TRANSPORT_DELAY, None, "DIAGNOSTIC: delay every write of a transport (sse|ws) by MS ms, "

@@ -51,6 +51,8 @@ class GatewayConfig:
     curve_dir: Path | None = declared("curve_dir")
     broker_url: str | None = declared("broker_url")
     broker_idle_timeout: float = declared("broker_idle_timeout")
+    max_loop_lag: float = declared("max_loop_lag")
+    direct_write: bool = declared("direct_write")
     log_level: str = declared("log_level")
 
 

@@ -106,7 +106,7 @@ class Gateway:
         return served
 
     def _admit(self, key: str | None) -> None:
-        max_lag = getattr(self.config, "max_loop_lag", 0.5)  # declared in the settings table
+        max_lag = self.config.max_loop_lag
         if max_lag and self.loop.lag > max_lag:
             raise APIError(503, f"The gateway is overloaded (event loop {self.loop.lag * 1000:.0f} ms behind; the "
                                 f"limit is {max_lag * 1000:.0f} ms); retry shortly.", type="server_error",

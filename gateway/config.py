@@ -32,7 +32,6 @@ class GatewayConfig:
     max_body_bytes: int = declared("max_body_bytes")
     ws_max_message_bytes: int = declared("ws_max_message_bytes")
     ws_per_message_deflate: bool = declared("ws_per_message_deflate")
-    ws_send_queue: int = 1024  # not a setting: internal to the /v1/ws writer
     # the table fills these three through dotted fields (limits.max_tokens_cap, ...)
     limits: Limits = field(default_factory=Limits)
     retention: Retention = field(default_factory=Retention)

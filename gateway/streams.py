@@ -37,6 +37,17 @@ TRANSPORTS: tuple[Transport, Transport] = ("sse", "ws")
 State = Literal["running", "done", "error", "cancelled"]
 
 
+class _NoCache(dict):  # type: ignore[type-arg]
+    """``Event.frames`` of an unlisted stream: its one reader writes each frame once, so keeping the
+    frames would only double the memory its log holds."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
+NO_CACHE: dict[str, Any] = _NoCache()
+
+
 @dataclass(slots=True, eq=False)
 class Event:
     """One published payload (an OpenAI chunk or a Responses event) and its frames, built lazily.
@@ -214,7 +225,7 @@ class Stream:
         """Append the next payload, stamped with its ``seq`` and timing, and wake the readers."""
         seq = len(self.events)
         return self.append(Event(seq, ev.chunk, {"seq": seq, "emit_ns": ev.emit_ns, "sent_ns": p.now_ns()},
-                                 ev.text, ev.finish_reason))
+                                 ev.text, ev.finish_reason, {} if self.listed else NO_CACHE))
 
     def append(self, event: Event) -> Event:
         """Add an already built event (its ``seq`` must be the next one) and wake the readers."""

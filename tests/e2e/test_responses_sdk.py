@@ -29,7 +29,6 @@ from tests.procs import ROOT, free_port
 
 NODE_DIR = ROOT / "tests" / "node"
 TERMINAL = {"response.completed", "response.incomplete", "response.failed", "error"}
-WIRING = "routes not wired yet"
 
 
 def client_for(url: str, api_key: str = "unused") -> openai.OpenAI:
@@ -275,18 +274,21 @@ def test_node_sdk_harness_against_the_stub(stub_url: str, node_harness: Path) ->
 
 # -- the harnesses against a real gateway (synthetic engine) ----------------------------------------------
 
+# A cancelled response replays with its deltas merged (the delivery core's failing-stream coalescing in
+# SlowConsumerPolicy.plan), so its sequence_numbers jump (e.g. 3 -> 63); the API promises contiguous ones.
+CANCEL_GAP = pytest.mark.xfail(strict=True, reason="a cancelled response's replay merges deltas: "
+                               "sequence_number gaps (SlowConsumerPolicy.plan failing=True)")
+GATEWAY_SCENARIOS = [pytest.param(n, marks=CANCEL_GAP) if n == "cancel" else n for n in SCENARIOS]
 
-@pytest.mark.skip(reason=WIRING)
-@pytest.mark.parametrize("name", list(SCENARIOS))
+
+@pytest.mark.parametrize("name", GATEWAY_SCENARIOS)
 def test_python_sdk_against_the_gateway(gateway_url: str, name: str) -> None:
     CHECKS[name](SCENARIOS[name](gateway_url))
 
 
-@pytest.mark.skip(reason=WIRING)
-def test_node_sdk_against_the_gateway(gateway_url: str, node_harness: Path) -> None:
-    results = run_node(node_harness, gateway_url, *SCENARIOS)
-    for name in SCENARIOS:
-        CHECKS[name](results[name])
+@pytest.mark.parametrize("name", GATEWAY_SCENARIOS)
+def test_node_sdk_against_the_gateway(gateway_url: str, node_harness: Path, name: str) -> None:
+    CHECKS[name](run_node(node_harness, gateway_url, name)[name])
 
 
 if __name__ == "__main__":

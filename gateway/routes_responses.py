@@ -161,8 +161,11 @@ async def retrieve_response(request: Request) -> Any:
     if request.query_params.get("stream") in ("true", "1"):
         after = _after(request.query_params.get("starting_after") or request.headers.get("last-event-id"))
         return SseResponse(gw, s, RESPONSES_SSE, after)
-    if not s.events:
-        raise response_not_found(s.id)
+    if not s.events:  # its pump has not run yet: the builder knows the response as created
+        events = s.meta.get("events")
+        if events is None:
+            raise response_not_found(s.id)
+        return JSONResponse(events.response())
     return JSONResponse(response_from_events(e.payload for e in s.events))
 
 

@@ -358,6 +358,9 @@ async def follow(
     # the client is the bottleneck, so merge. Events that were already there when a write started
     # (a late joiner's replay, a burst from the broker) are history, sent event by event.
     lagging = False
+    # A reader that was following a running stream gets its backlog merged when the stream fails, so the
+    # notice is not stuck behind it; one that joins a finished stream replays it event by event.
+    live = not stream.finished
     sub = Subscription(transport, asyncio.current_task(), cursor=after + 1, direct=direct)
     stream._register(sub)
     watchdog.add(sub)
@@ -379,7 +382,8 @@ async def follow(
         while True:
             sub.waiter.clear()
             if sub.cursor < len(stream.events):
-                batch = policy.plan(stream.events, sub.cursor, lagging, stream.state in ("error", "cancelled"))
+                batch = policy.plan(stream.events, sub.cursor, lagging,
+                                    live and stream.state in ("error", "cancelled"))
                 sub.cursor = batch[-1].seq + 1
                 head = len(stream.events)
                 await timed(write(batch))

@@ -274,11 +274,7 @@ def test_node_sdk_harness_against_the_stub(stub_url: str, node_harness: Path) ->
 
 # -- the harnesses against a real gateway (synthetic engine) ----------------------------------------------
 
-# A cancelled response replays with its deltas merged (the delivery core's failing-stream coalescing in
-# SlowConsumerPolicy.plan), so its sequence_numbers jump (e.g. 3 -> 63); the API promises contiguous ones.
-CANCEL_GAP = pytest.mark.xfail(strict=True, reason="a cancelled response's replay merges deltas: "
-                               "sequence_number gaps (SlowConsumerPolicy.plan failing=True)")
-GATEWAY_SCENARIOS = [pytest.param(n, marks=CANCEL_GAP) if n == "cancel" else n for n in SCENARIOS]
+GATEWAY_SCENARIOS = list(SCENARIOS)
 
 
 @pytest.mark.parametrize("name", GATEWAY_SCENARIOS)

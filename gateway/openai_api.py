@@ -115,6 +115,13 @@ def _nests_deeper(data: bytes, limit: int) -> bool:
     return any(depth > limit for depth in accumulate(memoryview(steps).cast("b")))
 
 
+def check_json_depth(obj: object, max_depth: int = MAX_JSON_DEPTH, what: str = "Request body") -> None:
+    """:class:`APIError` 400 ``invalid_json`` if an already decoded value (e.g. from ``orjson.loads``, which
+    allows 1024 levels) nests deeper than ``max_depth``: check before ``msgspec.convert`` or ``orjson.dumps``."""
+    if _deeper_than(obj, max_depth):
+        raise APIError(400, _too_deep(what, max_depth), code="invalid_json")
+
+
 def _deeper_than(obj: object, limit: int) -> bool:
     """Whether an already decoded value nests more than ``limit`` levels (level by level: no recursion)."""
     level = [obj] if isinstance(obj, (dict, list)) else []
@@ -163,8 +170,7 @@ def parse_request(endpoint: Endpoint, body: bytes | dict[str, Any], limits: Limi
     kind: type[ChatRequest] | type[CompletionRequest] = ChatRequest if endpoint == "chat.completions" else CompletionRequest
     if isinstance(body, dict):
         obj = body
-        if _deeper_than(obj, limits.max_json_depth):
-            raise APIError(400, _too_deep("Request body", limits.max_json_depth), code="invalid_json")
+        check_json_depth(obj, limits.max_json_depth)
     else:
         obj = decode_json_object(body, limits.max_json_depth)
     try:

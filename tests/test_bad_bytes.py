@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from gateway.errors import APIError
-from gateway.openai_api import MAX_JSON_DEPTH, Limits, decode_json_object, parse_request
+from gateway.openai_api import MAX_JSON_DEPTH, Limits, check_json_depth, decode_json_object, parse_request
 
 DEEP = 100_000
 
@@ -111,6 +111,11 @@ def test_an_already_decoded_body_is_checked_too() -> None:
         parse_request("completions", {"prompt": "x", "zz": deep}, Limits())
     assert_invalid_json(info.value)
     assert parse_request("completions", {"prompt": "x"}, Limits()).submit_fields["prompt"] == "x"
+    with pytest.raises(APIError) as info:
+        check_json_depth({"input": deep}, what="WebSocket message")
+    assert_invalid_json(info.value)
+    assert info.value.message.startswith("WebSocket message")
+    check_json_depth({"input": [[{"a": [1]}]]})
 
 
 @pytest.mark.parametrize("raw,what", [(b"", "empty"), (b"  \n", "empty"), (b"[]", "an array"), (b"null", "null"),

@@ -28,10 +28,18 @@ REENCODED = pytest.mark.xfail(strict=True, reason="caller runs orjson.dumps on t
                                                   "parse_request (fanout.create_stream, ws_mux.Session.generate)")
 
 
+# responses_api.decode_create still decodes bytes with msgspec itself (UnicodeDecodeError, RecursionError).
+OWN_DECODER = pytest.mark.xfail(strict=True, reason="responses_api.decode_create decodes bytes with msgspec, "
+                                                    "not openai_api.decode_json_object")
+
+
 def case(transport: str, name: str, *values: str) -> object:
-    """A test case for ``name`` sent on ``transport``; xfail where the caller still re-encodes the body."""
-    reencoded = transport in ("/v1/streams", "ws") and name in ("nested 1,000 deep", "nested 300 deep")
-    return pytest.param(*values, marks=[REENCODED] if reencoded else [])
+    """A test case for ``name`` sent on ``transport``; xfail where the caller does not use the gate yet."""
+    if transport in ("/v1/streams", "ws") and name in ("nested 1,000 deep", "nested 300 deep"):
+        return pytest.param(*values, marks=REENCODED)
+    if transport == "/v1/responses" and name != "lone surrogate escape":
+        return pytest.param(*values, marks=OWN_DECODER)
+    return pytest.param(*values)
 
 
 def assert_invalid_json(status: int, body: dict, context: object) -> None:

@@ -206,6 +206,8 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("send_timeout", FLOAT, 10.0, "a write blocked this long cuts the reader as too slow (every path: "
         "SSE `event: error` slow_consumer, WebSocket close 1013); its generation is aborted if it was the "
         "only reader", field="policy.send_timeout"),
+    _gw("max_json_depth", INT, 64, "deepest JSON nesting of a request body or WebSocket message "
+        "(400 invalid_json above)", field="limits.max_json_depth"),
     _gw("cut_linger", FLOAT, 10.0, "seconds a cut connection may still flush its ending to a peer that "
         "reads again before it is reset", field="policy.linger"),
     _gw("max_loop_lag", FLOAT, 0.5, "new work gets 503 `overloaded` while the gateway's event loop runs "

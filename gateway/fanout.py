@@ -52,7 +52,7 @@ async def create_stream(request: Request) -> Response:
         raise APIError(400, '`endpoint` must be "chat.completions" or "completions".', param="endpoint",
                        code="invalid_value")
     obj["stream"] = True
-    parsed = parse_request(endpoint, orjson.dumps(obj), gw.config.limits)
+    parsed = parse_request(endpoint, obj, gw.config.limits)
     stream = await start_generation(gw, parsed, request.scope, listed=True)
     gw.metrics.requests.labels("/v1/streams", "201").inc()
     base = str(request.base_url).rstrip("/")

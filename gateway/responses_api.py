@@ -29,7 +29,7 @@ import msgspec
 
 from engine_worker import protocol as p
 from gateway.errors import APIError
-from gateway.openai_api import _PATH, Limits, ParsedRequest
+from gateway.openai_api import _PATH, Limits, ParsedRequest, check_json_depth, decode_json_object
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 TERMINAL_TYPES = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
@@ -157,11 +157,8 @@ def decode_create(body: bytes | dict[str, Any]) -> CreateRequest:
     """A request body (bytes, or an already decoded object) -> :class:`CreateRequest`, or a 400."""
     try:
         if isinstance(body, dict):
-            req = msgspec.convert(body, CreateRequest)
-        else:
-            if not body.strip():
-                raise APIError(400, "Request body is empty; expected a JSON object.", code="invalid_json")
-            req = msgspec.json.decode(body, type=CreateRequest)
+            check_json_depth(body)
+        req = msgspec.convert(body if isinstance(body, dict) else decode_json_object(body), CreateRequest)
     except msgspec.ValidationError as exc:
         m = _PATH.search(str(exc))
         param = m.group(1).split("[")[0].split(".")[0] if m and m.group(1) else None

@@ -150,7 +150,7 @@ class Session:
         stream = None
         cut = False
         try:
-            parsed = parse_request(req.endpoint, orjson.dumps(req.body), gw.config.limits)
+            parsed = parse_request(req.endpoint, req.body, gw.config.limits)
             stream = await start_generation(gw, parsed, self.ws.scope, listed=False)
             outcome = await read(gw, stream, framing, -1, self.conn)
             cut = outcome.cut

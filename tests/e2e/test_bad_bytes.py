@@ -22,23 +22,8 @@ BAD = {
 }
 POST_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/streams", "/v1/responses"]
 
-# The callers still re-encode the decoded object with orjson.dumps (limit 255 levels) before
-# parse_request, which raises TypeError: they should pass the dict to parse_request instead.
-REENCODED = pytest.mark.xfail(strict=True, reason="caller runs orjson.dumps on the decoded body before "
-                                                  "parse_request (fanout.create_stream, ws_mux.Session.generate)")
-
-
-# responses_api.decode_create still decodes bytes with msgspec itself (UnicodeDecodeError, RecursionError).
-OWN_DECODER = pytest.mark.xfail(strict=True, reason="responses_api.decode_create decodes bytes with msgspec, "
-                                                    "not openai_api.decode_json_object")
-
-
 def case(transport: str, name: str, *values: str) -> object:
-    """A test case for ``name`` sent on ``transport``; xfail where the caller does not use the gate yet."""
-    if transport in ("/v1/streams", "ws") and name in ("nested 1,000 deep", "nested 300 deep"):
-        return pytest.param(*values, marks=REENCODED)
-    if transport == "/v1/responses" and name != "lone surrogate escape":
-        return pytest.param(*values, marks=OWN_DECODER)
+    """A test case for ``name`` sent on ``transport``."""
     return pytest.param(*values)
 
 

@@ -7,6 +7,7 @@ time, pages). Every streamed token goes through :mod:`gateway.delivery`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
-from gateway import fanout, responses_ws_route, routes_openai, routes_responses, service, ws_mux
+from gateway import fanout, responses_ws_route, routes_openai, routes_responses, service, workers, ws_mux
 from gateway.access_log import AccessLogMiddleware
 from gateway.auth import Auth, AuthMiddleware
 from gateway.config import GatewayConfig
@@ -51,6 +52,12 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
                             heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout,
                             curve_dir=config.curve_dir)
         await engine.start()
+        # Accept connections once the engine answers (bounded: an engine that starts later is fine too),
+        # so a fresh gateway or worker does not answer its first requests with 503.
+        for _ in range(int(2.0 / 0.02)):
+            if engine.healthy:
+                break
+            await asyncio.sleep(0.02)
         gw = Gateway(config=config, engine=engine)
         app.state.gateway = gw
         gw.loop.start()
@@ -59,6 +66,10 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
 
             gw.broker = Broker(config.broker_url, gw.hub, idle_timeout=config.broker_idle_timeout,
                                local_cancel=gw.cancel_local_stream)
+        elif config.workers > 1:
+            gw.broker = workers.PeerBroker(gw.hub, port=config.port, workers=config.workers,
+                                           me=workers.worker_index(), local_cancel=gw.cancel_local_stream)
+        if gw.broker is not None:
             await gw.broker.start()
         for transport, delay in config.inject_delay.items():
             log.warning("DIAGNOSTIC --inject-delay: every %s write is delayed by %.3f ms (benchmark calibration "
@@ -96,6 +107,10 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
         Route("/v1/time", service.server_time, methods=["GET"]),
         *service.page_routes(),
     ]
+    if config.workers > 1:  # served only over each worker's private Unix socket (gateway.workers)
+        routes += [Route("/internal/streams/{id}", workers.internal_stream, methods=["GET"]),
+                   Route("/internal/streams/{id}", workers.internal_cancel, methods=["DELETE"]),
+                   Route("/internal/metrics", workers.internal_metrics, methods=["GET"])]
     auth = Auth(api_keys=frozenset(config.api_keys), token_ttl=config.stream_token_ttl,
                 allowed_origins=config.allowed_origins,
                 **({"secret": config.token_secret.encode()} if config.token_secret else {}))

@@ -240,7 +240,7 @@ async def read(gw: Gateway, stream: Stream, framing: Framing, after: int, conn: 
     last = after
     try:
         last = await follow(stream, framing.transport, after, write, gw.policy, gw.watchdog, idle=idle,
-                            direct=direct)
+                            direct=direct, merge=framing.mergeable)
     except SlowConsumer:
         m.errors.labels("network").inc()
         log.info("reader of %s cut: a write was blocked for more than %gs", stream.id, gw.policy.send_timeout)

@@ -53,6 +53,7 @@ class Framing:
     name = "base"
     transport: Transport = "sse"
     resumable = False
+    mergeable = True  # a lagging reader may get content events merged (False: every event on its own)
 
     def frame(self, ev: Event) -> bytes | str:
         cached = ev.frames.get(self.name)

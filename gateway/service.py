@@ -31,6 +31,14 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     gw: Gateway = gateway_of(request)
+    refresh_metrics(gw)
+    own = gw.metrics.render()
+    merge = getattr(gw.broker, "merged_metrics", None)  # --workers: every worker's metrics in one scrape
+    return Response(await merge(own) if merge is not None else own, media_type=gw.metrics.content_type)
+
+
+def refresh_metrics(gw: Gateway) -> None:
+    """Set the gauges that are read from the engine link at scrape time."""
     m = gw.metrics
     m.engine_up.set(1 if gw.engine.healthy else 0)
     running, waiting = gw.engine.load()
@@ -40,7 +48,6 @@ async def metrics(request: Request) -> Response:
     m.loop_lag.set(gw.loop.lag)
     if gw.engine.last_heartbeat is not None:
         m.engine_bad_frames.set(gw.engine.last_heartbeat.bad_frames)
-    return Response(m.render(), media_type=m.content_type)
 
 
 async def server_time(request: Request) -> Response:

@@ -17,6 +17,7 @@ from gateway.streams import SlowConsumerPolicy, StreamHub, Watchdog
 
 if TYPE_CHECKING:
     from gateway.broker import Broker
+    from gateway.workers import PeerBroker
     from gateway.engine_client import RequestHandle
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class Gateway:
     hub: StreamHub = field(init=False)
     policy: SlowConsumerPolicy = field(init=False)
     watchdog: Watchdog = field(init=False)
-    broker: Broker | None = None
+    broker: Broker | PeerBroker | None = None
     draining: bool = False
     active: collections.Counter[str | None] = field(default_factory=collections.Counter)
     loop: LoopMonitor = field(default_factory=LoopMonitor)

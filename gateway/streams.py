@@ -345,6 +345,7 @@ class Watchdog:
 async def follow(
     stream: Stream, transport: Transport, after: int, write: WriteEvents, policy: SlowConsumerPolicy,
     watchdog: Watchdog, *, idle: WriteIdle | None = None, direct: DirectWrite | None = None,
+    merge: bool = True,
 ) -> int:
     """Send every event with ``seq > after`` and then the live tail until the stream ends.
 
@@ -382,8 +383,8 @@ async def follow(
         while True:
             sub.waiter.clear()
             if sub.cursor < len(stream.events):
-                batch = policy.plan(stream.events, sub.cursor, lagging,
-                                    live and stream.state in ("error", "cancelled"))
+                batch = policy.plan(stream.events, sub.cursor, merge and lagging,
+                                    merge and live and stream.state in ("error", "cancelled"))
                 sub.cursor = batch[-1].seq + 1
                 head = len(stream.events)
                 await timed(write(batch))

@@ -1,0 +1,88 @@
+"""``--workers 2``: two gateway processes on one port; a reader on either worker follows any stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import websockets
+
+from tests.e2e.helpers import chunk_text, sse_events
+from tests.procs import Proc, start_gateway
+
+
+@pytest.fixture(scope="module")
+def two_workers(synthetic_engine: str) -> Iterator[tuple[Proc, str]]:
+    proc, url = start_gateway(synthetic_engine, "--workers", "2", name="gateway-workers")
+    # start_gateway saw one worker healthy; wait for both (fresh connections land on either).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as c:
+            if _metric(c.get(url + "/metrics").text, "tokenfan_workers") == 2 and \
+                    all(c.get(url + "/health").status_code == 200 for _ in range(20)):
+                break
+        time.sleep(0.2)
+    yield proc, url
+    proc.stop()
+
+
+def _metric(text: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def test_every_reader_on_either_worker_gets_the_whole_stream(two_workers: tuple[Proc, str]) -> None:
+    _, url = two_workers
+    created = [httpx.post(url + "/v1/streams", json={"endpoint": "completions", "prompt": "x", "max_tokens": 40,
+                                                     "ignore_eos": True}).json() for _ in range(6)]
+
+    async def sse(info: dict) -> str:
+        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+            r = await c.get(info["events_url"])
+        return "".join(chunk_text(json.loads(e["data"])) for e in sse_events(r.text) if "id" in e)
+
+    async def ws(info: dict) -> str:
+        text = ""
+        async with websockets.connect(info["ws_url"] + "?after=-1") as sock:
+            async for raw in sock:
+                msg = json.loads(raw)
+                if msg["type"] == "chunk":
+                    text += chunk_text(msg["data"])
+        return text
+
+    async def main() -> list[list[str]]:
+        # Each reader opens its own connection, so the kernel spreads them over both workers.
+        return [await asyncio.gather(*(sse(i) for _ in range(4)), *(ws(i) for _ in range(4))) for i in created]
+
+    for texts in asyncio.run(main()):
+        assert len(set(texts)) == 1 and len(texts[0]) > 0
+    # Both workers served, and one scrape merges them.
+    metrics = httpx.get(url + "/metrics").text
+    assert _metric(metrics, "tokenfan_workers") == 2
+    assert _metric(metrics, "tokenfan_chunks_sent_total") >= 6 * 8 * 40
+
+
+def test_a_delete_on_either_worker_cancels_the_generation(two_workers: tuple[Proc, str]) -> None:
+    _, url = two_workers
+    for _ in range(4):  # whichever worker each request lands on
+        info = httpx.post(url + "/v1/streams", json={"endpoint": "completions", "prompt": "x", "max_tokens": 2000,
+                                                     "ignore_eos": True}).json()
+        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as c:
+            r = c.delete(f"{url}/v1/streams/{info['id']}")
+            assert r.status_code == 200 and r.json()["deleted"] is True
+            state = c.get(f"{url}/v1/streams/{info['id']}").json()["state"]
+        assert state == "cancelled"
+
+
+def test_the_internal_routes_are_not_on_the_public_port(two_workers: tuple[Proc, str]) -> None:
+    _, url = two_workers
+    info = httpx.post(url + "/v1/streams", json={"endpoint": "completions", "prompt": "x", "max_tokens": 3}).json()
+    for _ in range(4):
+        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as c:
+            assert c.get(f"{url}/internal/streams/{info['id']}").status_code == 404
+            assert c.get(f"{url}/internal/metrics").status_code == 404

@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(generate(Path(argv[1])))
         return 0
+    if argv[:1] == ["certs"]:
+        from gateway.certs import main as certs_main
+
+        return certs_main(argv[1:])
     if argv[:1] == ["prepare-model"]:
         from engine_worker.models import main as models_main  # type: ignore[attr-defined]
 
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="A/B transport benchmark (see `tokenfan bench --help`)")
     sub.add_parser("prepare-model", help="prepare the default model into the cache")
     sub.add_parser("keys", help="create CURVE keys for tcp:// engine links: tokenfan keys DIR")
+    sub.add_parser("certs", help="create a self-signed TLS certificate for https: tokenfan certs DIR")
     ns = parser.parse_args(argv)
     try:
         values = resolve(ns, ns.command)

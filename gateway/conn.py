@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class HttpConn:
 
     transport = "sse"
 
-    def __init__(self, scope: dict[str, Any], send: Any, linger: float) -> None:
+    def __init__(self, scope: MutableMapping[str, Any], send: Any, linger: float) -> None:
         self.send = scope.get("tokenfan.raw_send", send)  # the response has started: skip the wrappers
         self._safe_send = send
         self.linger = linger
@@ -141,7 +141,7 @@ class WsConn:
 
     transport = "ws"
 
-    def __init__(self, scope: dict[str, Any], send: Any, linger: float) -> None:
+    def __init__(self, scope: MutableMapping[str, Any], send: Any, linger: float) -> None:
         self.send = scope.get("tokenfan.raw_send", send)  # accepted already: skip the wrappers
         self.linger = linger
         self.closed = False

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from gateway.conn import HttpConn, WsConn
 from gateway.errors import APIError, EngineError, error_class, to_api_error
@@ -282,7 +282,7 @@ class SseResponse:
         self.preamble = preamble
         self.t0 = t0
 
-    headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+    headers: ClassVar[list[tuple[bytes, bytes]]] = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -110,7 +110,7 @@ def _fanout_frames(ev: Event) -> tuple[bytes, str]:
     """Both fan-out frames from one serialization (readers of both transports are the common case)."""
     data = orjson.dumps(ev.chunk)
     sse_frame = ev.frames[FanoutSse.name] = b"id: %d\ndata: %b\n\n" % (ev.seq, data)
-    ws_frame = ev.frames[FanoutWs.name] = '{"type":"chunk","seq":%d,"data":%s}' % (ev.seq, data.decode())
+    ws_frame = ev.frames[FanoutWs.name] = f'{{"type":"chunk","seq":{ev.seq},"data":{data.decode()}}}'
     return sse_frame, ws_frame
 
 
@@ -144,7 +144,7 @@ class MuxWs(Framing):
         self._id = orjson.dumps(cid).decode()
 
     def frame(self, ev: Event) -> str:  # per-request (the id differs): not cached
-        return '{"type":"chunk","id":%s,"data":%s}' % (self._id, ev.json.decode())
+        return f'{{"type":"chunk","id":{self._id},"data":{ev.json.decode()}}}'
 
     def ending(self, stream: Stream) -> Ending:
         if stream.state == "error" and stream.error is not None:

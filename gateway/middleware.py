@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -72,7 +72,7 @@ class IsolationHeaders:
     """Cross-origin isolation for the pages (COOP + COEP): browsers then give ``performance.now()``
     ~5 µs resolution instead of 100 µs, which the A/B page's latency measurements need."""
 
-    HEADERS = [(b"cross-origin-opener-policy", b"same-origin"), (b"cross-origin-embedder-policy", b"require-corp")]
+    HEADERS: ClassVar[list[tuple[bytes, bytes]]] = [(b"cross-origin-opener-policy", b"same-origin"), (b"cross-origin-embedder-policy", b"require-corp")]
 
     def __init__(self, app: Any) -> None:
         self.app = app

@@ -131,9 +131,9 @@ def test_a_reader_that_stops_reading_is_cut_its_generation_aborted_and_told_why(
         wait_until(lambda: metric(url, "tokenfan_errors_total", '{class="network"}') > network_before,
                    timeout=25, what=f"{path}: the stalled reader is cut")
         # The only reader was cut: its generation(s) are aborted in the engine, not run to the end.
-        wait_until(lambda: metric(url, "tokenfan_requests_aborted_total") > aborted_before, timeout=3,
+        wait_until(lambda: metric(url, "tokenfan_requests_aborted_total") > aborted_before, timeout=10,
                    what=f"{path}: generation aborted")
-        wait_until(lambda: httpx.get(url + "/health").json()["engine"]["running"] == 0, timeout=5,
+        wait_until(lambda: httpx.get(url + "/health").json()["engine"]["running"] == 0, timeout=10,
                    what=f"{path}: engine idle")
         check(_drain(sock))
     finally:

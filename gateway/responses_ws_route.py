@@ -24,7 +24,14 @@ from gateway.edge import gateway_of
 from gateway.errors import APIError, EngineError, error_class, to_api_error
 from gateway.framing import ResponsesWs
 from gateway.responses_api import ResponseEvents, build_request, new_response_id, previous_response_not_found
-from gateway.responses_ws import Lanes, TranscriptCache, WsClientError, WsCreate, parse_client_message, ws_error
+from gateway.responses_ws import (
+    Lanes,
+    TranscriptCache,
+    WsClientError,
+    WsCreate,
+    parse_client_message,
+    ws_error,
+)
 from gateway.routes_responses import ENDPOINT, start_response
 from gateway.state import Gateway
 

@@ -17,8 +17,8 @@ from gateway.streams import SlowConsumerPolicy, StreamHub, Watchdog
 
 if TYPE_CHECKING:
     from gateway.broker import Broker
-    from gateway.workers import PeerBroker
     from gateway.engine_client import RequestHandle
+    from gateway.workers import PeerBroker
 
 log = logging.getLogger(__name__)
 

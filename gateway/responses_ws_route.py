@@ -9,7 +9,6 @@ responses too (WebSocket-mode responses are never background).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from typing import Any
@@ -18,10 +17,9 @@ import orjson
 from starlette.websockets import WebSocket
 
 from engine_worker import protocol as p
-from gateway.conn import WsConn
 from gateway.delivery import read, release
 from gateway.edge import gateway_of
-from gateway.errors import APIError, EngineError, error_class, to_api_error
+from gateway.errors import APIError, EngineError, to_api_error
 from gateway.framing import ResponsesWs
 from gateway.responses_api import ResponseEvents, build_request, new_response_id, previous_response_not_found
 from gateway.responses_ws import (
@@ -34,42 +32,21 @@ from gateway.responses_ws import (
 )
 from gateway.routes_responses import ENDPOINT, start_response
 from gateway.state import Gateway
+from gateway.ws_session import WsSession
 
 log = logging.getLogger(__name__)
 
 
-class ResponsesSession:
+class ResponsesSession(WsSession):
     """One WebSocket-mode connection."""
 
     def __init__(self, gw: Gateway, ws: WebSocket) -> None:
-        self.gw = gw
-        self.ws = ws
-        self.conn = WsConn(ws.scope, ws._send, gw.policy.linger)
+        super().__init__(gw, ws)
         self.lanes: Lanes[WsCreate] = Lanes()
         self.cache = TranscriptCache()
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.cut = asyncio.Event()
+        self._n = 0
 
-    async def run(self) -> None:
-        cut_wait = asyncio.ensure_future(self.cut.wait())
-        try:
-            while True:
-                recv = asyncio.ensure_future(self.ws.receive())
-                await asyncio.wait({recv, cut_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if not recv.done():
-                    recv.cancel()
-                    break
-                msg = recv.result()
-                if msg["type"] == "websocket.disconnect":
-                    break
-                self.on_message(msg.get("text") or msg.get("bytes") or b"")
-        finally:
-            cut_wait.cancel()
-            for t in self.tasks:
-                t.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-
-    def on_message(self, raw: str | bytes) -> None:
+    def on_message(self, raw: bytes) -> None:
         try:
             create = parse_client_message(raw)
             started = self.lanes.submit(create.stream_id, create)
@@ -80,20 +57,11 @@ class ResponsesSession:
 
     def _start(self, started: list[tuple[str | None, WsCreate]]) -> None:
         for lane, create in started:
-            task = asyncio.create_task(self.respond(lane, create), name=f"responses-ws-{lane}")
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            self._n += 1
+            self.spawn(self._n, self.respond(lane, create), f"responses-ws-{lane}")
 
     def send_event(self, event: dict[str, Any], err: APIError | None = None) -> None:
-        if err is not None:
-            self.gw.metrics.errors.labels(error_class(err)).inc()
-        task = asyncio.ensure_future(self._send(orjson.dumps(event).decode()))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-    async def _send(self, text: str) -> None:
-        if not self.conn.closed:
-            with contextlib.suppress(Exception):
-                await self.conn.write(text)
+        self.send_text(orjson.dumps(event).decode(), err)
 
     def _history(self, previous: str | None) -> list[p.ChatMessage]:
         if not previous:
@@ -117,18 +85,17 @@ class ResponsesSession:
                 events = ResponseEvents(new_response_id(), gw.check_model(rr.chat.model), request=rr)
                 framing = ResponsesWs(lane)
                 for pl in events.created() + events.in_progress(item=False) + events.finish("stop", None):
-                    await self._send(framing.build_payload(pl))
+                    await self.write(framing.build_payload(pl))
                 self.cache.put(events.id, rr.transcript(None))
                 return
             stream, events = await start_response(gw, rr, self.ws.scope, lane=lane)
             outcome = await read(gw, stream, ResponsesWs(lane), -1, self.conn)
             cut = outcome.cut
             if cut:
-                self.cut.set()
-                await self.conn.cut(outcome.ending.close_code, outcome.ending.reason)
+                await self.cut_now(outcome.ending.close_code, outcome.ending.reason)
                 return
             if isinstance(outcome.ending.frame, str):
-                await self._send(outcome.ending.frame)
+                await self.write(outcome.ending.frame)
             if events.status in ("completed", "incomplete"):
                 self.cache.put(events.id, rr.transcript(events.text))
             elif create.request.previous_response_id:

@@ -14,7 +14,6 @@ and aborts every generation on it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -22,13 +21,13 @@ from typing import Any
 import orjson
 from starlette.websockets import WebSocket
 
-from gateway.conn import WsConn
 from gateway.delivery import read, release, start_generation
 from gateway.edge import gateway_of
-from gateway.errors import APIError, EngineError, error_class, to_api_error
+from gateway.errors import APIError, EngineError, to_api_error
 from gateway.framing import MuxWs
 from gateway.openai_api import Endpoint, parse_request
 from gateway.state import Gateway
+from gateway.ws_session import WsSession
 
 log = logging.getLogger(__name__)
 
@@ -83,35 +82,8 @@ def parse_message(raw: bytes) -> Request | Cancel:
     return Request(cid, endpoint, body)
 
 
-class Session:
+class Session(WsSession):
     """One ``/v1/ws`` connection."""
-
-    def __init__(self, gw: Gateway, ws: WebSocket) -> None:
-        self.gw = gw
-        self.ws = ws
-        self.conn = WsConn(ws.scope, ws._send, gw.policy.linger)
-        self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.cut = asyncio.Event()
-
-    async def run(self) -> None:
-        cut_wait = asyncio.ensure_future(self.cut.wait())
-        try:
-            while True:
-                recv = asyncio.ensure_future(self.ws.receive())
-                await asyncio.wait({recv, cut_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if not recv.done():
-                    recv.cancel()
-                    break  # cut as too slow
-                msg = recv.result()
-                if msg["type"] == "websocket.disconnect":
-                    break
-                raw = msg.get("text") or msg.get("bytes") or b""
-                self.on_message(raw.encode() if isinstance(raw, str) else raw)
-        finally:
-            cut_wait.cancel()
-            for t in self.tasks.values():
-                t.cancel()
-            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
     def on_message(self, raw: bytes) -> None:
         try:
@@ -131,18 +103,10 @@ class Session:
             self.send_error(msg.id, APIError(400, f"Request id {msg.id!r} is already active.", param="id",
                                              code="invalid_value"))
             return
-        self.tasks[msg.id] = asyncio.create_task(self.generate(msg), name=f"ws-{msg.id}")
+        self.spawn(msg.id, self.generate(msg), f"ws-{msg.id}")
 
     def send_error(self, cid: str | None, err: APIError) -> None:
-        self.gw.metrics.errors.labels(error_class(err)).inc()
-        text = orjson.dumps({"type": "error", "id": cid, "error": err.body()["error"]}).decode()
-        task = asyncio.ensure_future(self._send(text))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-    async def _send(self, text: str) -> None:
-        if not self.conn.closed:
-            with contextlib.suppress(Exception):
-                await self.conn.write(text)
+        self.send_text(orjson.dumps({"type": "error", "id": cid, "error": err.body()["error"]}).decode(), err)
 
     async def generate(self, req: Request) -> None:
         gw = self.gw
@@ -155,20 +119,18 @@ class Session:
             outcome = await read(gw, stream, framing, -1, self.conn)
             cut = outcome.cut
             if cut:
-                self.cut.set()
-                await self.conn.cut(outcome.ending.close_code, outcome.ending.reason)
+                await self.cut_now(outcome.ending.close_code, outcome.ending.reason)
             elif isinstance(outcome.ending.frame, str):
-                await self._send(outcome.ending.frame)
+                await self.write(outcome.ending.frame)
         except (APIError, EngineError) as exc:
             self.send_error(req.id, to_api_error(exc))
         except asyncio.CancelledError:
             if stream is not None and not self.conn.closed and not self.cut.is_set():
-                await asyncio.shield(self._send(orjson.dumps({"type": "done", "id": req.id, "cancelled": True}).decode()))
+                await asyncio.shield(self.write(orjson.dumps({"type": "done", "id": req.id, "cancelled": True}).decode()))
             raise
         finally:
             if stream is not None:
                 release(stream, cut)
-            self.tasks.pop(req.id, None)
 
 
 async def ws_endpoint(ws: WebSocket) -> None:

@@ -8,16 +8,14 @@ its core dependencies only (no engine extras; the synthetic engine ships in the 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.procs import ROOT, free_port
+from tests.procs import ROOT, Proc, free_port, wait_healthy
 
 
 @pytest.mark.timeout(600)
@@ -29,20 +27,13 @@ def test_a_non_editable_install_serves_the_pages_from_any_directory(tmp_path: Pa
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    proc = subprocess.Popen([str(venv / "bin" / "tokenfan"), "serve", "--engine", "synthetic", "--host",
-                             "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-                            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = Proc(subprocess.Popen([str(venv / "bin" / "tokenfan"), "serve", "--engine", "synthetic", "--host",
+                                  "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+                                 cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
+                tmp_path / "serve.log")
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(url, proc, 60)
         for path, marker in (("/", "<html"), ("/ab", "<html"), ("/web/js/api.js", "")):
             r = httpx.get(url + path)
             assert r.status_code == 200, (path, r.status_code)
@@ -52,5 +43,4 @@ def test_a_non_editable_install_serves_the_pages_from_any_directory(tmp_path: Pa
                              cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
         assert str(venv) in out
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
+        proc.stop()

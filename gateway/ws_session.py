@@ -1,0 +1,72 @@
+"""What the two request/response WebSocket protocols share (``/v1/ws`` and the Responses API's
+WebSocket mode): one receive loop, many generations in flight, one connection that a cut ends."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from starlette.websockets import WebSocket
+
+from gateway.conn import WsConn
+from gateway.errors import APIError, error_class
+from gateway.state import Gateway
+
+
+class WsSession:
+    """Receive client messages until the client leaves or a reader cut the socket; then cancel every
+    generation task (each aborts its generation on the way out). Subclasses implement :meth:`on_message`."""
+
+    def __init__(self, gw: Gateway, ws: WebSocket) -> None:
+        self.gw = gw
+        self.ws = ws
+        self.conn = WsConn(ws.scope, ws._send, gw.policy.linger)
+        self.tasks: dict[Any, asyncio.Task[None]] = {}
+        self.cut = asyncio.Event()
+
+    async def run(self) -> None:
+        cut_wait = asyncio.ensure_future(self.cut.wait())
+        try:
+            while True:
+                recv = asyncio.ensure_future(self.ws.receive())
+                await asyncio.wait({recv, cut_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if not recv.done():
+                    recv.cancel()
+                    break  # a reader was cut as too slow: the socket is closed already
+                msg = recv.result()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                raw = msg.get("text") or msg.get("bytes") or b""
+                self.on_message(raw.encode() if isinstance(raw, str) else raw)
+        finally:
+            cut_wait.cancel()
+            tasks = list(self.tasks.values())
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def on_message(self, raw: bytes) -> None:
+        raise NotImplementedError
+
+    def spawn(self, key: Any, work: Any, name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self.tasks[key] = task
+        task.add_done_callback(lambda _t: self.tasks.pop(key, None) if self.tasks.get(key) is _t else None)
+
+    def send_text(self, text: str, err: APIError | None = None) -> None:
+        """Queue one message (errors are counted); never blocks the receive loop."""
+        if err is not None:
+            self.gw.metrics.errors.labels(error_class(err)).inc()
+        task = asyncio.ensure_future(self.write(text))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def write(self, text: str) -> None:
+        if not self.conn.closed:
+            with contextlib.suppress(Exception):
+                await self.conn.write(text)
+
+    async def cut_now(self, code: int, reason: str) -> None:
+        """A reader of this socket was cut: close it at once and end the session."""
+        self.cut.set()
+        await self.conn.cut(code, reason)

@@ -1,0 +1,81 @@
+"""`tokenfan bench vs-vllm`: server specs, process roles and the ratio table (pure parts)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from tokenfan_bench import vs_vllm as v
+
+
+def test_servers_default_to_their_kind_as_label_and_take_label_prefixes() -> None:
+    specs = v.parse_servers("tokenfan,fast:tokenfan,vllm")
+    assert [(s.label, s.kind) for s in specs] == [("tokenfan", "tokenfan"), ("fast", "tokenfan"), ("vllm", "vllm")]
+
+
+@pytest.mark.parametrize("bad", ["sglang", "a:tokenfan,a:vllm", ""])
+def test_unknown_kinds_duplicate_labels_and_empty_lists_are_refused(bad: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        v.parse_servers(bad)
+
+
+def test_env_and_arg_overrides_reach_only_the_named_server() -> None:
+    specs = v.parse_servers("a:tokenfan,vllm")
+    v.apply_overrides(specs, ["a:TOKENFAN_CPU_PLACEMENT=all"], ["vllm:--max-num-seqs=64"])
+    assert specs[0].env == {"TOKENFAN_CPU_PLACEMENT": "all"} and specs[0].args == []
+    assert specs[1].args == ["--max-num-seqs=64"] and specs[1].env == {}
+    with pytest.raises(SystemExit):
+        v.apply_overrides(specs, ["nope:X=1"], [])
+
+
+@pytest.mark.parametrize(("name", "cmdline", "root", "kind", "role"), [
+    ("python", "python -m gateway.cli serve", True, "tokenfan", "gateway"),
+    ("python", "python -m engine_worker --engine vllm", False, "tokenfan", "engine_worker"),
+    ("python", "python -m vllm.entrypoints.openai.api_server", True, "vllm", "api_server"),
+    ("VLLM::EngineCor", "VLLM::EngineCore", False, "vllm", "engine_core"),
+    ("VLLM::Worker", "VLLM::Worker", False, "tokenfan", "model_worker"),
+    ("python", "python -c from multiprocessing.resource_tracker import main", False, "vllm", "other"),
+])
+def test_processes_are_named_by_role(name: str, cmdline: str, root: bool, kind: str, role: str) -> None:
+    assert v.role_of(name, cmdline, is_root=root, kind=kind) == role
+
+
+def test_prompt_count_scales_with_concurrency_above_a_floor() -> None:
+    assert v.num_prompts(8, 4, 128) == 128
+    assert v.num_prompts(256, 4, 128) == 1024
+
+
+def _run(server: str, kind: str, c: int, rnd: int, tput: float, itl99: float, cpu: float) -> dict[str, Any]:
+    roles = {"gateway": cpu / 4, "engine_worker": cpu / 4} if kind == "tokenfan" else {"api_server": cpu / 2}
+    return {"server": server, "kind": kind, "concurrency": c, "round": rnd, "load_before": (1.0, 1.0, 1.0),
+            "client": {"output_throughput": tput, "p50_ttft_ms": 10.0, "p99_ttft_ms": 20.0, "p50_itl_ms": 5.0,
+                       "p99_itl_ms": itl99, "failed": 0},
+            "cpu_s": {**roles, "engine_core": cpu / 4, "model_worker": cpu / 4, "total": cpu},
+            "cpu_ms_per_token": cpu, "rss_mb": {"total_peak": 1000.0}}
+
+
+def _results(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"meta": {"model": "tiny", "command": ["tokenfan", "bench", "vs-vllm"], "machine": "2 CPUs",
+                     "load_start": "1 1 1", "rounds": 3, "concurrency": [8]},
+            "servers": [{"label": "tokenfan", "kind": "tokenfan"}, {"label": "vllm", "kind": "vllm"}],
+            "runs": runs}
+
+
+def test_aggregate_takes_the_median_over_rounds() -> None:
+    runs = [_run("tokenfan", "tokenfan", 8, r, t, 10.0, 4.0) for r, t in enumerate((100.0, 300.0, 200.0))]
+    agg = v.aggregate(runs)["tokenfan"][8]
+    assert agg["output_throughput"] == 200.0
+    assert agg["front_end_cpu_s"] == 2.0
+    assert agg["rounds"] == 3
+
+
+def test_summary_has_a_ratio_row_against_vllm() -> None:
+    md = v.summary_md(_results([_run("tokenfan", "tokenfan", 8, 0, 300.0, 30.0, 2.0),
+                                _run("vllm", "vllm", 8, 0, 200.0, 20.0, 4.0)]))
+    ratio = next(line for line in md.splitlines() if line.startswith("| tokenfan / vllm | 8 |"))
+    cells = [c.strip() for c in ratio.strip("|").split("|")]
+    assert cells[2] == "**1.50×**"  # output tok/s
+    assert cells[6] == "**1.50×**"  # ITL p99
+    assert cells[7] == "**0.50×**"  # CPU-s

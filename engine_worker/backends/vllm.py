@@ -13,17 +13,25 @@ Deliberate choices:
   on the first forward pass), else float32. bfloat16 halves weight and KV-cache memory; on a 2-vCPU AMX
   VM its decode speed for Gemma 3 270M was within measurement noise of float32's. float16 is never
   chosen: Gemma 3 overflows in it.
+* CPU placement (``--cpu-placement``, :func:`cpu_placement`): on hosts with up to 8 CPUs the engine
+  core and the model worker share all CPUs but the last (``split``). vLLM's engine core and worker
+  busy-wait for each other (``sched_yield`` spins); on one CPU each spin hands the CPU to the other,
+  and the last CPU stays free for the front end and the clients. Binding the OpenMP pool to every CPU
+  (the previous default, chosen on single-stream speed) doubled the engine's CPU time under load and
+  lost to ``vllm serve`` 0.45-0.5x; figures in the README ("tokenfan vs vllm serve").
 * ``load()`` counts requests itself: *waiting* from the start of :meth:`generate` until vLLM's first
   output, *running* after it. vLLM keeps scheduler counts only when stat logging is on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -44,9 +52,10 @@ log = logging.getLogger(__name__)
 _FINISH: dict[str, FinishReason] = {
     "stop": "stop", "length": "length", "abort": "abort", "error": "error", "repetition": "stop",
 }
-# CPU counts up to which every CPU of the process joins the OpenMP pool. vLLM's "auto" reserves a core
-# for its scheduler and skips SMT siblings: right for big hosts, but on a 2-vCPU box it halves decode speed.
-_BIND_ALL_CPUS_UP_TO = 8
+# CPU placement "auto" on small hosts (measured under load: README "tokenfan vs vllm serve").
+AUTO_PLACEMENT = "split"
+# Hosts with more CPUs than this (or with tensor/pipeline parallelism) always get vLLM's NUMA-aware "auto".
+SMALL_HOST_CPUS = 8
 PLUGIN_NAME = "tokenfan_cpu_amx"  # the vllm.general_plugins entry point in pyproject.toml
 
 
@@ -63,6 +72,7 @@ class VllmBackend:
         self._chat_stop: list[str] = []
         self._waiting: set[str] = set()
         self._running: set[str] = set()
+        self._placement = CpuPlacement("auto")
 
     @property
     def info(self) -> BackendInfo:
@@ -72,7 +82,7 @@ class VllmBackend:
 
     async def start(self) -> None:
         """Resolve (or prepare) the model and start vLLM. Blocks the event loop while the model loads."""
-        configure_runtime_env(self._config)
+        self._placement = configure_runtime_env(self._config)
         model_dir = resolve_model(self._config)
         self._load_serving_hints(model_dir)
         if self._config.chat_template:
@@ -94,11 +104,15 @@ class VllmBackend:
             pipeline_parallel_size=self._config.pipeline_parallel_size,
             gpu_memory_utilization=self._config.gpu_memory_utilization,
             disable_log_stats=True,
+            # vLLM then wakes this process once per N tokens of a request, not once per token; the
+            # engine server merges on the same rule, so the two never add up.
+            stream_interval=self._config.stream_interval,
         )
         started = time.monotonic()
         log.info("starting vLLM: model=%s dtype=%s max_model_len=%d platform=%s", model_dir, dtype,
                  self._config.max_model_len, "cpu" if on_cpu else current_platform.device_name)
-        self._engine = AsyncLLM.from_engine_args(args)
+        with _engine_affinity(self._placement.engine_cpus if on_cpu else None):
+            self._engine = AsyncLLM.from_engine_args(args)
         self._tokenizer = self._engine.get_tokenizer()
         max_len = self._engine.model_config.max_model_len
         self._info = BackendInfo(kind="vllm", model=self._info.model, max_model_len=max_len)
@@ -256,20 +270,70 @@ def _engine_input(ids: list[int]) -> Any:
     return tokens_input(ids)
 
 
-def configure_runtime_env(config: EngineConfig) -> None:
-    """Environment vLLM reads at start; values already set by the user win."""
+def configure_runtime_env(config: EngineConfig) -> CpuPlacement:
+    """Environment vLLM reads at start; values already set by the user win. Returns the CPU placement
+    (``VLLM_CPU_*`` variables are ignored by GPU builds; the engine affinity is applied on CPU only)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(config))
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # the user's own binding: keep it, pin nothing
+        return CpuPlacement(os.environ["VLLM_CPU_OMP_THREADS_BIND"])
+    placement = cpu_placement(config.cpu_placement, sorted(os.sched_getaffinity(0)),
+                              config.tensor_parallel_size * config.pipeline_parallel_size)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = placement.omp_threads_bind
+    log.info("CPU placement: VLLM_CPU_OMP_THREADS_BIND=%s, engine processes on CPUs %s",
+             placement.omp_threads_bind, sorted(placement.engine_cpus) if placement.engine_cpus else "any")
+    return placement
 
 
-def cpu_threads_bind(config: EngineConfig) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for this host: all of the process's CPUs on small hosts, else "auto"."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1 or len(cpus) > _BIND_ALL_CPUS_UP_TO:
-        return "auto"
-    return ",".join(str(c) for c in cpus)
+@dataclass(frozen=True, slots=True)
+class CpuPlacement:
+    """Where vLLM runs on a CPU host: its OpenMP binding and the CPUs of its engine processes."""
+
+    omp_threads_bind: str  # VLLM_CPU_OMP_THREADS_BIND: "auto", "nobind" or CPU lists ("0-3", "0,1|2,3")
+    engine_cpus: frozenset[int] | None = None  # affinity of the engine core and model worker (None: inherit)
+
+
+def cpu_placement(mode: str, cpus: list[int], parallel: int = 1) -> CpuPlacement:
+    """The placement for ``mode`` on a process allowed ``cpus``, with ``parallel`` model workers.
+
+    * ``all``: every CPU in the model worker's OpenMP pool.
+    * ``vllm``: vLLM's ``auto`` (one thread per physical core of a NUMA node, one core kept free).
+    * ``split``: the engine core and the model worker (one OpenMP thread per CPU) confined to all CPUs
+      but the last, so their busy-waits yield to each other; the front end is not pinned.
+    * ``auto``: the measured choice for small hosts (see README "tokenfan vs vllm serve"), else ``vllm``.
+    * anything else is vLLM's own ``VLLM_CPU_OMP_THREADS_BIND`` syntax, passed through.
+    """
+    if mode == "auto":
+        mode = AUTO_PLACEMENT if parallel == 1 and len(cpus) <= SMALL_HOST_CPUS else "vllm"
+    if mode == "vllm":
+        return CpuPlacement("auto")
+    if parallel > 1 and mode in ("all", "split"):
+        raise ValueError(f"CPU placement {mode!r} is for one model worker; with tensor/pipeline parallelism "
+                         "use 'vllm' or per-worker CPU lists ('0-3|4-7')")
+    if mode == "all":
+        return CpuPlacement(",".join(map(str, cpus)))
+    if mode == "split":
+        engine = cpus[:-1] or cpus
+        return CpuPlacement(",".join(map(str, engine)), frozenset(engine))
+    return CpuPlacement(mode)
+
+
+@contextlib.contextmanager
+def _engine_affinity(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Processes started inside inherit ``cpus``; afterwards every thread of this process gets its own
+    CPUs back (threads started inside, e.g. ZeroMQ's, inherited ``cpus`` too)."""
+    if not cpus:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(tid), own)
 
 
 def resolve_dtype(dtype: str, *, on_cpu: bool) -> str:

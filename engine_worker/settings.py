@@ -233,7 +233,8 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("broker_url", STR, None, "Redis URL (redis://host:6379/0): share fan-out streams across gateway "
         "replicas through Redis Streams", flag="--broker", env="TOKENFAN_BROKER"),
     _gw("broker_idle_timeout", FLOAT, 60.0,
-        "a mirrored stream with no new entry for this long ends with owner_lost"),
+        "a mirrored stream with no new entry for this long checks its owner: owner_lost if that gateway is "
+        "gone (its lease expired), broker_unavailable if Redis was unreachable all that time"),
     # engine
     _en("backend", STR, "vllm", "engine backend", flag="--engine", env="TOKENFAN_ENGINE",
         aliases={"serve": ("--backend",), "engine": ("--backend",)}, choices=("vllm", "synthetic")),

@@ -1,0 +1,167 @@
+"""The broker's Redis records, as pure functions: field dicts in, typed entries out (no I/O).
+
+Keys:
+  ``tokenfan:s:<id>``    the stream: a Redis stream of entries, always starting with its header
+  ``tokenfan:k:<id>``    "this id existed" marker, outlives the stream so an expired id answers 410
+  ``tokenfan:gw:<gid>``  a gateway's lease, refreshed while it runs (a mirror's owner is alive)
+  ``tokenfan:ack:<n>``   the replies to one forwarded cancel (a list; ``1`` = "I held it and cancelled")
+
+Entries of ``tokenfan:s:<id>`` (field names are bytes; values UTF-8):
+  header  ``created`` = model, ``endpoint``, ``owner`` = gateway id
+  event   ``seq``, ``data`` = the chunk JSON with its ``tokenfan`` object, ``text``, ``fin`` = finish reason or ""
+  end     ``end`` = done | error | cancelled, ``events`` = how many events the stream has,
+          ``error`` = {"status": n, "error": {message, type, param, code}} or ""
+
+A mirror places each event by ``seq`` (:func:`place`): a repeat is skipped (every write is
+idempotent, so the owner may re-send after a failure), a hole is an explicit loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from gateway.errors import APIError
+
+Fields = dict[bytes, bytes]
+EndState = Literal["done", "error", "cancelled"]
+END_STATES: tuple[EndState, ...] = ("done", "error", "cancelled")
+
+CANCEL_CHANNEL = "tokenfan:cancel"
+ACK_YES = b"1"
+ACK_NO = b"0"
+
+
+def stream_key(stream_id: str) -> str:
+    return f"tokenfan:s:{stream_id}"
+
+
+def known_key(stream_id: str) -> str:
+    return f"tokenfan:k:{stream_id}"
+
+
+def lease_key(gateway_id: str) -> str:
+    return f"tokenfan:gw:{gateway_id}"
+
+
+def ack_key(nonce: str) -> str:
+    return f"tokenfan:ack:{nonce}"
+
+
+class CodecError(ValueError):
+    """A Redis record that is not one this codec writes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    endpoint: str
+    model: str
+    owner: str  # gateway id of the replica running the generation ("" if unknown)
+
+
+@dataclass(frozen=True, slots=True)
+class EventEntry:
+    seq: int
+    chunk: dict[str, Any]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class EndEntry:
+    state: EndState
+    events: int | None  # None: the writer did not know the count
+    error: APIError | None
+
+
+Entry = Header | EventEntry | EndEntry
+
+
+def encode_header(endpoint: str, model: str, owner: str) -> Fields:
+    return {b"created": model.encode(), b"endpoint": endpoint.encode(), b"owner": owner.encode()}
+
+
+def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str | None) -> Fields:
+    return {b"seq": b"%d" % seq, b"data": orjson.dumps(chunk), b"text": text.encode(),
+            b"fin": (finish_reason or "").encode()}
+
+
+def encode_end(state: EndState, events: int | None, error: APIError | None) -> Fields:
+    """``events`` None: the writer does not know the count (an end written for a stream it lost)."""
+    err = orjson.dumps({"status": error.status, **error.body()}) if error is not None else b""
+    return {b"end": state.encode(), b"events": b"" if events is None else b"%d" % events, b"error": err}
+
+
+def decode(fields: Fields) -> Entry:
+    """The typed entry of one Redis stream record; :class:`CodecError` if it is not one of ours."""
+    try:
+        if b"seq" in fields:
+            return _decode_event(fields)
+        if b"end" in fields:
+            return _decode_end(fields)
+        if b"created" in fields:
+            return Header(fields.get(b"endpoint", b"").decode(), fields[b"created"].decode(),
+                          fields.get(b"owner", b"").decode())
+    except (KeyError, ValueError, TypeError) as exc:  # UnicodeDecodeError and orjson's error are ValueErrors
+        raise CodecError(f"malformed broker entry ({exc!r}): {sorted(fields)}") from exc
+    raise CodecError(f"unknown broker entry with fields {sorted(fields)}")
+
+
+def _decode_event(fields: Fields) -> EventEntry:
+    seq = int(fields[b"seq"])
+    if seq < 0:
+        raise ValueError(f"negative seq {seq}")
+    chunk = orjson.loads(fields[b"data"])
+    if not isinstance(chunk, dict):
+        raise TypeError("data is not a JSON object")
+    return EventEntry(seq, chunk, fields[b"text"].decode(), fields.get(b"fin", b"").decode() or None)
+
+
+def _decode_end(fields: Fields) -> EndEntry:
+    state = fields[b"end"].decode()
+    if state not in END_STATES:
+        raise ValueError(f"unknown end state {state!r}")
+    raw_events = fields.get(b"events")
+    events = int(raw_events) if raw_events else None
+    error = None
+    if fields.get(b"error"):
+        obj = orjson.loads(fields[b"error"])
+        e = obj["error"]
+        error = APIError(int(obj.get("status", 502)), e["message"], type=e["type"], param=e.get("param"),
+                         code=e.get("code"))
+    return EndEntry(state, events, error)
+
+
+Placement = Literal["append", "repeat", "hole"]
+
+
+def place(seq: int, have: int) -> Placement:
+    """Where an event with ``seq`` goes in a log that holds ``have`` events."""
+    if seq < have:
+        return "repeat"
+    return "append" if seq == have else "hole"
+
+
+def end_is_complete(end: EndEntry, have: int) -> bool:
+    """Whether a log of ``have`` events holds everything the owner's end says it published."""
+    return end.events is None or end.events == have
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequest:
+    stream_id: str
+    reply_to: str  # the list key each listening gateway pushes its ACK_YES / ACK_NO to
+
+
+def encode_cancel(req: CancelRequest) -> bytes:
+    return orjson.dumps({"id": req.stream_id, "reply": req.reply_to})
+
+
+def decode_cancel(data: bytes) -> CancelRequest:
+    try:
+        obj = orjson.loads(data)
+        return CancelRequest(str(obj["id"]), str(obj["reply"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CodecError(f"malformed cancel message: {data[:200]!r}") from exc

@@ -52,8 +52,14 @@ def run_gateway(config: GatewayConfig, extra_lifespan: Any = None) -> None:
     from gateway import workers
 
     procs = workers.spawn_workers(config) if config.workers > 1 and workers.worker_index() == 0 else []
+
+    def drain_the_others() -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+
     try:
-        run_uvicorn(app, config, on_shutdown=lambda: [p.terminate() for p in procs if p.poll() is None])
+        run_uvicorn(app, config, on_shutdown=drain_the_others)
     finally:
         workers.stop_workers(procs, config.shutdown_grace + 5.0)
 

@@ -5,7 +5,8 @@
 - TLS (``--ssl-certfile``/``--ssl-keyfile``): Granian (Rust, hyper). It negotiates HTTP/2 by ALPN and
   still offers HTTP/1.1 on the same port, where WebSockets upgrade (it does not speak RFC 8441);
   uvicorn has no HTTP/2 at all and Hypercorn costs more CPU per event. The measurements behind this
-  choice are in the README ("Choosing the ASGI server", ``tools/asgi_servers.py``).
+  choice are in the README ("Choosing the ASGI server", ``tools/asgi_servers.py``). What Granian lacks
+  is added here (:class:`WsMessageLimit`) or documented (no WebSocket pings).
 
 Both close slowloris connections: a request head must arrive within ``--http-header-timeout`` seconds
 (uvicorn: :class:`HeaderTimeoutProtocol`; Granian: its HTTP/1 header read timeout) and a body within
@@ -198,12 +199,41 @@ def run_uvicorn(app: Any, config: GatewayConfig, on_shutdown: Any = None) -> Non
 
 # ---------------------------------------------------------------------------------------------- Granian
 
+class WsMessageLimit:
+    """Granian has no WebSocket message size setting: an incoming message above ``limit`` bytes closes the
+    socket with 1009, as uvicorn's ``ws_max_size`` does (``--ws-max-message-bytes``). Wraps ``receive`` only,
+    so the per-event writes are untouched."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit, self.state = app, limit, app.state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "websocket":
+            return await self.app(scope, receive, send)
+        limit = self.limit
+
+        async def limited() -> Any:
+            message = await receive()
+            if message["type"] == "websocket.receive":
+                text, data = message.get("text"), message.get("bytes")
+                size = len(data) if data is not None else len(text or "")
+                if size > limit // 4 and text is not None:
+                    size = len(text.encode())
+                if size > limit:
+                    await send({"type": "websocket.close", "code": 1009, "reason": "message too big"})
+                    return {"type": "websocket.disconnect", "code": 1009}
+            return message
+
+        return await self.app(scope, limited, send)
+
+
 def run_granian(app: Any, config: GatewayConfig) -> None:
     import uvloop
     from granian.constants import HTTPModes, Interfaces, SSLProtocols
     from granian.http import HTTP1Settings
     from granian.server.embed import Server
 
+    app = WsMessageLimit(app, config.ws_max_message_bytes)
     server = Server(
         app, address=config.host, port=config.port, interface=Interfaces.ASGI, http=HTTPModes.auto,
         websockets=True, backlog=2048,  # uvicorn's default (Granian's embedded server has 128)

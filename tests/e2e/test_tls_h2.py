@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -16,6 +17,7 @@ import httpx
 import pytest
 from cryptography import x509
 from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed
 
 from tests.e2e.helpers import chunk_text, sse_events
 from tests.procs import Proc, free_port, spawn, start_engine
@@ -145,6 +147,20 @@ def test_fan_out_stream_over_http2_and_websocket_on_the_same_port(tls_gateway: s
     ws_got, mux = asyncio.run(ws_text())
     assert ws_got == text
     assert '"done"' in mux and '"error"' not in mux
+
+
+def test_a_websocket_message_above_the_limit_closes_1009_over_tls_too(tls_gateway: str) -> None:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+
+    async def run() -> int | None:
+        async with ws_connect(tls_gateway.replace("https", "wss") + "/v1/ws", ssl=ctx, max_size=None) as ws:
+            await ws.send("x" * ((1 << 20) + 1))  # --ws-max-message-bytes defaults to 1 MiB
+            with contextlib.suppress(ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 10)
+            return ws.close_code
+
+    assert asyncio.run(run()) == 1009
 
 
 def test_sigterm_after_a_clean_drain_exits_0_with_tls(ipc_dir: Path, certs: Path) -> None:

@@ -37,7 +37,7 @@ def generate(directory: Path, names: tuple[str, ...] = (), days: int = 365) -> t
     directory.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tokenfan local")])
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     alt = [_san(n) for n in dict.fromkeys(DEFAULT_NAMES + names)]
     cert = (x509.CertificateBuilder()
             .subject_name(subject).issuer_name(subject).public_key(key.public_key())

@@ -148,7 +148,7 @@ def test_sse_through_nginx_is_unbuffered_over_http2_and_resumes_with_last_event_
         text = _text(events)
         resumed = client.get(info["events_url"], headers={"Last-Event-ID": "19"})
         tail = sse_events(resumed.text)
-        assert [int(e["id"]) for e in tail if "id" in e][0] == 20
+        assert next(int(e["id"]) for e in tail if "id" in e) == 20
         assert text == _text([e for e in events if "id" in e and int(e["id"]) <= 19]) + _text(tail)
 
 

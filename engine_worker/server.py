@@ -5,6 +5,10 @@ frame that submitted a request is where that request's deltas go, so several gat
 share one engine and each sees only its own requests. Deltas produced in the same event-loop
 turn (one engine step) are sent to each gateway as one :class:`DeltaBatch`.
 
+``stream_interval`` N > 1 (like vLLM's ``--stream-interval``) merges the steps of one request into
+deltas of at least N tokens; the first and the finishing step are sent at once. A merged delta keeps
+the ``emit_ns`` of its oldest text, so delivery latencies measured from it stay honest.
+
 A malformed frame is dropped, logged (rate-limited) and counted; it never stops the loop.
 """
 
@@ -21,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from engine_worker import protocol as p
-from engine_worker.backends.base import Backend, RequestRejected
+from engine_worker.backends.base import Backend, RequestRejected, Step
 from engine_worker.curve import serve_curve
 from engine_worker.ipc import check_tcp_bind, prepare_ipc_dir, secure_ipc_socket
 
@@ -39,6 +43,36 @@ class _Request:
 
 
 @dataclass(slots=True)
+class IntervalMerger:
+    """Merges one request's steps into deltas of at least ``interval`` tokens (pure).
+
+    :meth:`push` returns the step to send now, or None while text is held back. The first step (the
+    time to first token) and a step with a ``finish_reason`` are never held.
+    """
+
+    interval: int
+    _texts: list[str] = field(default_factory=list)
+    _tokens: int = 0
+    _sent: bool = False
+
+    def push(self, step: Step) -> Step | None:
+        if self.interval <= 1:
+            return step
+        held = self._tokens + step.token_count
+        if self._sent and step.finish_reason is None and held < self.interval:
+            self._texts.append(step.text)
+            self._tokens = held
+            return None
+        self._sent = True
+        if self._texts:
+            self._texts.append(step.text)
+            step = Step(text="".join(self._texts), token_count=held, finish_reason=step.finish_reason)
+            self._texts.clear()
+            self._tokens = 0
+        return step
+
+
+@dataclass(slots=True)
 class ServerStats:
     bad_frames: int = 0
     submitted: int = 0
@@ -53,6 +87,7 @@ class EngineServer:
     max_queue: int = 1024
     allow_remote_tcp: bool = False
     curve_dir: Path | None = None
+    stream_interval: int = 1  # tokens per delta, like vLLM's --stream-interval
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     stats: ServerStats = field(default_factory=ServerStats)
 
@@ -64,6 +99,9 @@ class EngineServer:
         self._outbox_ready = asyncio.Event()
         self._last_ping: dict[bytes, float] = {}
         self._last_bad_log = 0.0
+        # Preparing (chat template, tokenizer) is synchronous CPU work: one at a time, one per loop turn,
+        # so a burst of submits never holds the loop for the whole burst (pings and deltas go between).
+        self._prepare_turn = asyncio.Lock()
         self.bound = asyncio.Event()
 
     async def serve(self, stop: asyncio.Event) -> None:
@@ -163,7 +201,9 @@ class EngineServer:
         rid = submit.request_id
         try:
             try:
-                prepared = await self.backend.prepare(submit)
+                async with self._prepare_turn:
+                    prepared = await self.backend.prepare(submit)
+                    await asyncio.sleep(0)  # keep the turn until the loop has polled its sockets once
             except RequestRejected as exc:
                 self._reply_error(identity, rid, exc.code, exc.message, exc.param)
                 return
@@ -171,17 +211,25 @@ class EngineServer:
             log.info("accepted %s trace=%s prompt_tokens=%d", rid, submit.trace_id, prepared.prompt_tokens)
             seq = 0
             completion = 0
+            emit_ns = 0  # when the oldest text held back by the merger left the backend
+            merger = IntervalMerger(self.stream_interval)
             gen = self.backend.generate(prepared)
             try:
-                async for step in gen:
-                    completion += step.token_count
+                async for raw in gen:
+                    completion += raw.token_count
+                    step = merger.push(raw)
+                    if step is None:
+                        if emit_ns == 0:
+                            emit_ns = p.now_ns()
+                        continue
                     usage = None
                     if step.finish_reason is not None:
                         usage = p.Usage(prompt_tokens=prepared.prompt_tokens, completion_tokens=completion)
                     self._queue(identity, p.Delta(
                         request_id=rid, seq=seq, text=step.text, token_count=step.token_count,
-                        emit_ns=p.now_ns(), finish_reason=step.finish_reason, usage=usage,
+                        emit_ns=emit_ns or p.now_ns(), finish_reason=step.finish_reason, usage=usage,
                     ))
+                    emit_ns = 0
                     seq += 1
                     if step.finish_reason is not None:
                         log.info("finished %s trace=%s reason=%s completion_tokens=%d", rid, submit.trace_id,

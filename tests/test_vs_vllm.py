@@ -78,4 +78,18 @@ def test_summary_has_a_ratio_row_against_vllm() -> None:
     cells = [c.strip() for c in ratio.strip("|").split("|")]
     assert cells[2] == "**1.50×**"  # output tok/s
     assert cells[6] == "**1.50×**"  # ITL p99
-    assert cells[7] == "**0.50×**"  # CPU-s
+    assert cells[7] == "–"  # TTFT¹ p99: no per-request figures in this run
+    assert cells[9] == "**0.50×**"  # CPU-s
+
+
+def test_events_per_request_counts_the_first_chunk_and_every_gap() -> None:
+    assert v.events_per_request([[1.0, 2.0, 3.0], [4.0]]) == 3.0
+    assert v.events_per_request([]) is None
+
+
+def test_content_latencies_skip_the_role_chunk_on_both_sides() -> None:
+    # request 1: role chunk at 0.1 s, first token 2.0 s later, then gaps of 0.01 s; request 2 likewise.
+    out = v.content_latencies([0.1, 0.2], [[2.0, 0.01, 0.01], [3.0, 0.01]])
+    assert out["p50_content_ttft_ms"] == pytest.approx(2650.0)
+    assert out["p99_content_itl_ms"] == pytest.approx(10.0)
+    assert v.content_latencies([0.1], [[]])["p50_content_ttft_ms"] is None

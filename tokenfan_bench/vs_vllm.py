@@ -52,7 +52,8 @@ KINDS = ("tokenfan", "vllm")
 DEFAULT_CONCURRENCY = (8, 64, 256)
 # Figures taken from the client's result JSON, in the order of the summary table.
 METRICS = (("output_throughput", "out tok/s"), ("p50_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99"),
-           ("p50_itl_ms", "ITL p50"), ("p99_itl_ms", "ITL p99"))
+           ("p50_itl_ms", "ITL p50"), ("p99_itl_ms", "ITL p99"),
+           ("p99_content_ttft_ms", "TTFT¹ p99"), ("p99_content_itl_ms", "ITL¹ p99"))
 ROLE_ORDER = ("gateway", "engine_worker", "api_server", "engine_core", "model_worker", "other")
 FRONT_END = {"gateway", "engine_worker", "api_server"}
 
@@ -130,6 +131,34 @@ def role_of(name: str, cmdline: str, *, is_root: bool, kind: str) -> str:
     return "other"
 
 
+def events_per_request(itls: list[list[float]]) -> float | None:
+    """Mean content events a client received per request (first chunk + one per inter-chunk gap): the
+    client's ITL is per event, so merged tokens (a stream interval, or coalescing) show up here."""
+    done = [gaps for gaps in itls if gaps is not None]
+    return sum(len(g) + 1 for g in done) / len(done) if done else None
+
+
+def content_latencies(ttfts: list[float], itls: list[list[float]]) -> dict[str, float | None]:
+    """TTFT and ITL from the first *content* chunk (marked ¹ in the summary).
+
+    The client takes TTFT at the first chunk with ``choices``. Both servers first send a chunk with
+    ``delta.role`` and empty content, but ``vllm serve`` sends it together with the first token, while
+    tokenfan's gateway sends it as soon as the engine accepted the request: the client's TTFT then
+    stops before the first token and the wait lands in the first ITL gap. Here the role chunk is
+    skipped on both sides: TTFT¹ = TTFT + first gap, ITL¹ = every gap after it (pooled, as the client
+    pools ITLs). Percentiles are numpy's linear ones, like the client's.
+    """
+    import numpy as np
+
+    firsts = [t + gaps[0] for t, gaps in zip(ttfts, itls, strict=False) if gaps]
+    rest = [g for gaps in itls if gaps for g in gaps[1:]]
+    out: dict[str, float | None] = {}
+    for name, values in (("content_ttft", firsts), ("content_itl", rest)):
+        for q in (50, 99):
+            out[f"p{q}_{name}_ms"] = float(np.percentile(values, q)) * 1000 if values else None
+    return out
+
+
 def _median(values: list[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return statistics.median(vals) if vals else None
@@ -152,6 +181,8 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]
                                   for role in ROLE_ORDER if any(role in r["cpu_s"] for r in rs)}
             agg["load1"] = _median([r["load_before"][0] for r in rs])
             agg["failed"] = sum(r["client"].get("failed", 0) for r in rs)
+            agg["events_per_request"] = _median([r["client"].get("events_per_request") for r in rs])
+            agg["p99_tpot_ms"] = _median([r["client"].get("p99_tpot_ms") for r in rs])
             agg["rounds"] = len(rs)
             out.setdefault(label, {})[c] = agg
     return out
@@ -175,7 +206,8 @@ def summary_md(results: dict[str, Any]) -> str:
     lines = [f"# tokenfan vs vllm serve — {meta['model']}", "", f"`{' '.join(meta['command'])}`", "",
              (f"{meta['machine']}; load (1/5/15 min) at start {meta['load_start']}, at end "
               f"{meta.get('load_end', '–')}; medians over {meta['rounds']} round(s). TTFT/ITL in ms; CPU-s: all "
-              "processes of the server tree during the client's timed run; RSS: peak sum."),
+              "processes of the server tree during the client's timed run; RSS: peak sum. ¹ from the first "
+              "content chunk (the role-only first chunk skipped on both sides: see content_latencies)."),
              "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for c in results["meta"]["concurrency"]:
         for s in servers:
@@ -194,15 +226,17 @@ def summary_md(results: dict[str, Any]) -> str:
                 f"{s['label']} / {ref}", str(c), *[_ratio(a[k], r[k]) for k, _ in METRICS],
                 _ratio(a["cpu_s"], r["cpu_s"]), _ratio(a["cpu_ms_per_token"], r["cpu_ms_per_token"]),
                 _ratio(a["rss_mb"], r["rss_mb"]), ""]) + " |")
-    lines += ["", "CPU seconds by process role (median):", "",
-              "| server | C | " + " | ".join(ROLE_ORDER) + " | failed |", "|" + "---|" * (len(ROLE_ORDER) + 3)]
+    lines += ["", ("CPU seconds by process role (median), events per request (the client's ITL is per event), "
+                   "TPOT p99 (ms per token) and failed requests:"), "",
+              "| server | C | " + " | ".join(ROLE_ORDER) + " | events/req | TPOT p99 | failed |",
+              "|" + "---|" * (len(ROLE_ORDER) + 5)]
     for c in results["meta"]["concurrency"]:
         for s in servers:
             a = agg.get(s["label"], {}).get(c)
             if a is not None:
                 lines.append(f"| {s['label']} | {c} | "
                              + " | ".join(_fmt(a["cpu_by_role"].get(role), 2) for role in ROLE_ORDER)
-                             + f" | {a['failed']} |")
+                             + f" | {_fmt(a['events_per_request'])} | {_fmt(a['p99_tpot_ms'])} | {a['failed']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -261,7 +295,8 @@ def client_command(model: Model, ns: argparse.Namespace, url: str, concurrency: 
            "--random-input-len", str(ns.input_len), "--random-output-len", str(ns.output_len), "--ignore-eos",
            "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--seed", str(ns.seed),
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-           "--disable-tqdm", "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+           "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(result.parent),
+           "--result-filename", result.name]
     if model.stop:
         cmd += ["--extra-body", json.dumps({"stop": list(model.stop)})]
     return cmd
@@ -439,7 +474,10 @@ def measure(srv: Running, model: Model, ns: argparse.Namespace, out: Path, concu
     wall = time.monotonic() - t0
     if rc != 0 or not result_file.is_file():
         raise RuntimeError(f"benchmark client failed (exit {rc}); see {out / 'logs'}")
-    client = {k: v for k, v in json.loads(result_file.read_text()).items() if not isinstance(v, (list, dict))}
+    detailed = json.loads(result_file.read_text())
+    client = {k: v for k, v in detailed.items() if not isinstance(v, (list, dict))}
+    client["events_per_request"] = events_per_request(detailed.get("itls") or [])
+    client.update(content_latencies(detailed.get("ttfts") or [], detailed.get("itls") or []))
     tokens = client.get("total_output_tokens") or 0
     row = {"server": srv.spec.label, "kind": srv.spec.kind, "concurrency": concurrency, "round": rnd,
            "num_prompts": prompts, "wall_s": round(wall, 2), "load_before": load_before,

@@ -30,16 +30,17 @@ log = logging.getLogger(__name__)
 ENDING_TIMEOUT = 1.0  # the ASGI fallback's wait for a final frame
 
 
-def ws_frame(opcode: int, payload: bytes) -> bytes:
-    """An unmasked (server-to-client) WebSocket frame with FIN set (RFC 6455 §5.2)."""
-    n = len(payload)
+def ws_head(opcode: int, n: int) -> bytes:
+    """The head of an unmasked (server-to-client) WebSocket frame with FIN set (RFC 6455 §5.2)."""
     if n < 126:
-        head = struct.pack("!BB", 0x80 | opcode, n)
-    elif n < 1 << 16:
-        head = struct.pack("!BBH", 0x80 | opcode, 126, n)
-    else:
-        head = struct.pack("!BBQ", 0x80 | opcode, 127, n)
-    return head + payload
+        return struct.pack("!BB", 0x80 | opcode, n)
+    if n < 1 << 16:
+        return struct.pack("!BBH", 0x80 | opcode, 126, n)
+    return struct.pack("!BBQ", 0x80 | opcode, 127, n)
+
+
+def ws_frame(opcode: int, payload: bytes) -> bytes:
+    return ws_head(opcode, len(payload)) + payload
 
 
 def ws_close_frame(code: int, reason: str) -> bytes:
@@ -92,15 +93,16 @@ class HttpConn:
         if cycle is None or flow is None or not (getattr(cycle, "chunked_encoding", False) or _h11_chunked(cycle)):
             return None
         transport = cycle.transport
-        key = name + "/chunked"
+        key = name + "/chunk-head"  # only the small chunk head is kept: the frame itself is not copied
 
         def write(ev: Event) -> bool:
             if flow.write_paused or transport.is_closing():
                 return False
-            data = ev.frames.get(key)
-            if data is None:
-                data = ev.frames[key] = chunked(frame(ev))
-            transport.write(data)
+            data = frame(ev)
+            head = ev.frames.get(key)
+            if head is None:
+                head = ev.frames[key] = b"%x\r\n" % len(data)
+            transport.writelines((head, data, b"\r\n"))
             return True
 
         return write
@@ -158,7 +160,7 @@ class WsConn:
                 await self.send({"type": "websocket.close", "code": code, "reason": reason})
         self.closed = True
 
-    def direct(self, name: str, frame: Callable[[Event], str]) -> DirectWrite | None:
+    def direct(self, name: str, frame: Callable[[Event], bytes]) -> DirectWrite | None:
         """A synchronous writer for the publisher's one pass (uvicorn's sans-I/O WebSocket, no
         compression only): one pre-built frame per event for every reader, straight into the transport
         while it is writable."""
@@ -168,15 +170,16 @@ class WsConn:
                 or getattr(getattr(proto, "conn", None), "extensions", None):
             return None
         transport = proto.transport
-        key = name + "/frame"
+        key = name + "/ws-head"  # only the small frame head is kept: the payload itself is not copied
 
         def write(ev: Event) -> bool:
             if not writable.is_set() or proto.close_sent or transport.is_closing():
                 return False
-            data = ev.frames.get(key)
-            if data is None:
-                data = ev.frames[key] = ws_frame(0x1, frame(ev).encode())
-            transport.write(data)
+            data = frame(ev)
+            head = ev.frames.get(key)
+            if head is None:
+                head = ev.frames[key] = ws_head(0x1, len(data))
+            transport.writelines((head, data))
             return True
 
         return write

@@ -231,7 +231,7 @@ async def read(gw: Gateway, stream: Stream, framing: Framing, after: int, conn: 
             await conn_write(f)  # type: ignore[arg-type]
         meter.wrote(batch)
 
-    direct = None if delay or not gw.config.direct_write else conn.direct(framing.name, framing.frame)  # type: ignore[arg-type]
+    direct = None if delay or not gw.config.direct_write else conn.direct(framing.name, framing.frame_bytes)
     if direct is not None:
         if stream.on_direct is None:
             stream.on_direct = _pass_meter(gw)

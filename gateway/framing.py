@@ -64,6 +64,11 @@ class Framing:
     def build(self, ev: Event) -> bytes | str:
         raise NotImplementedError
 
+    def frame_bytes(self, ev: Event) -> bytes:
+        """The frame as bytes (what a direct write puts on the wire; WebSocket: the text payload)."""
+        f = self.frame(ev)
+        return f if isinstance(f, bytes) else f.encode()
+
     def join(self, frames: list[bytes | str]) -> list[bytes | str]:
         """Frames to write for a batch: SSE frames concatenate into one write, WS messages stay apart."""
         if self.transport == "sse" and len(frames) > 1:
@@ -106,11 +111,12 @@ class FanoutSse(OpenAISse):
         return _fanout_frames(ev)[0]
 
 
-def _fanout_frames(ev: Event) -> tuple[bytes, str]:
-    """Both fan-out frames from one serialization (readers of both transports are the common case)."""
+def _fanout_frames(ev: Event) -> tuple[bytes, bytes]:
+    """Both fan-out frames from one serialization (readers of both transports are the common case); the
+    WebSocket one is kept as UTF-8 bytes, what the direct write sends, and decoded only for the slow path."""
     data = orjson.dumps(ev.chunk)
     sse_frame = ev.frames[FanoutSse.name] = b"id: %d\ndata: %b\n\n" % (ev.seq, data)
-    ws_frame = ev.frames[FanoutWs.name] = f'{{"type":"chunk","seq":{ev.seq},"data":{data.decode()}}}'
+    ws_frame = ev.frames[FanoutWs.name] = b'{"type":"chunk","seq":%d,"data":%b}' % (ev.seq, data)
     return sse_frame, ws_frame
 
 
@@ -121,8 +127,15 @@ class FanoutWs(Framing):
     transport: Transport = "ws"
     resumable = True
 
-    def build(self, ev: Event) -> str:
+    def build(self, ev: Event) -> bytes:
         return _fanout_frames(ev)[1]
+
+    def frame_bytes(self, ev: Event) -> bytes:
+        cached = ev.frames.get(self.name)
+        return cached if cached is not None else _fanout_frames(ev)[1]
+
+    def frame(self, ev: Event) -> str:
+        return self.frame_bytes(ev).decode()
 
     def ending(self, stream: Stream) -> Ending:
         if stream.state == "cancelled":

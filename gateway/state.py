@@ -16,9 +16,8 @@ from gateway.openai_api import ChunkBuilder, ParsedRequest, new_id
 from gateway.streams import SlowConsumerPolicy, StreamHub, Watchdog
 
 if TYPE_CHECKING:
-    from gateway.broker import Broker
+    from gateway.broker import StreamBroker
     from gateway.engine_client import RequestHandle
-    from gateway.workers import PeerBroker
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ class Gateway:
     hub: StreamHub = field(init=False)
     policy: SlowConsumerPolicy = field(init=False)
     watchdog: Watchdog = field(init=False)
-    broker: Broker | PeerBroker | None = None
+    broker: StreamBroker | None = None  # Redis (--broker) or the workers' peer broker (--workers)
     draining: bool = False
     active: collections.Counter[str | None] = field(default_factory=collections.Counter)
     loop: LoopMonitor = field(default_factory=LoopMonitor)

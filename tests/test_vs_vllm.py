@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -93,3 +95,16 @@ def test_content_latencies_skip_the_role_chunk_on_both_sides() -> None:
     assert out["p50_content_ttft_ms"] == pytest.approx(2650.0)
     assert out["p99_content_itl_ms"] == pytest.approx(10.0)
     assert v.content_latencies([0.1], [[]])["p50_content_ttft_ms"] is None
+
+
+def test_a_model_with_serving_hints_is_served_through_a_view_without_them(tmp_path: Path) -> None:
+    model = tmp_path / "gemma"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "transcript.jinja").write_text("{{ messages }}")
+    (model / "tokenfan.json").write_text(json.dumps({"chat_template": "transcript.jinja", "chat_stop": ["\n\n"]}))
+    raw = v.resolve_bench_model(str(model), tmp_path / "cache", None)
+    assert raw.name == "gemma" and raw.stop == () and raw.chat_template is None
+    assert sorted(p.name for p in raw.path.iterdir()) == ["config.json", "transcript.jinja"]
+    hinted = v.resolve_bench_model(str(model), tmp_path / "cache", None, hints=True)
+    assert hinted.path == model and hinted.stop == ("\n\n",) and hinted.chat_template == model / "transcript.jinja"

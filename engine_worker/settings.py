@@ -185,7 +185,8 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("served_model_name", STR, None,
         "model id shown in /v1/models and accepted in requests (default: the engine's)"),
     _gw("heartbeat_interval", FLOAT, 0.25, "seconds between engine pings"),
-    _gw("heartbeat_timeout", FLOAT, 1.0, "engine presumed down after this many seconds without a heartbeat"),
+    _gw("heartbeat_timeout", FLOAT, 5.0, "engine presumed down after this many seconds without a heartbeat (a crash or restart "
+        "is noticed at once from the dropped connection; this catches a hung or unreachable engine)"),
     _gw("accept_timeout", FLOAT, 30.0, "max seconds for the engine to accept a request"),
     _gw("keepalive_interval", FLOAT, 15.0, "SSE comment / WebSocket ping interval on idle streams"),
     _gw("max_body_bytes", INT, 1 << 20, "request body size limit (413 above)"),

@@ -169,13 +169,21 @@ class MuxWs(Framing):
 
 
 class ResponsesSse(Framing):
-    """Responses API over SSE: ``event: <type>`` + ``data:``; the terminal event is in the log."""
+    """Responses API over SSE: ``event: <type>`` + ``data:``; the terminal event is in the log.
+    ``timing`` (``?tokenfan_timing=1``, for benchmarks): each event also carries the ``tokenfan`` timing
+    object (``emit_ns``, ``sent_ns``, ``seq``), which the SDKs ignore."""
 
     name = "responses_sse"
     resumable = True
 
+    def __init__(self, timing: bool = False) -> None:
+        self.timing = timing
+        if timing:
+            self.name = "responses_sse+timing"
+
     def build(self, ev: Event) -> bytes:
-        return b"event: %b\ndata: %b\n\n" % (str(ev.payload.get("type", "message")).encode(), ev.json)
+        data = orjson.dumps(ev.chunk) if self.timing else ev.json
+        return b"event: %b\ndata: %b\n\n" % (str(ev.payload.get("type", "message")).encode(), data)
 
     def ending(self, stream: Stream) -> Ending:
         if stream.state == "error" and stream.error is not None and not _has_terminal(stream):
@@ -192,13 +200,13 @@ class ResponsesWs(Framing):
     transport: Transport = "ws"
     resumable = False
 
-    def __init__(self, stream_id: str | None = None) -> None:
+    def __init__(self, stream_id: str | None = None, timing: bool = False) -> None:
         self.stream_id = stream_id
-        if stream_id is not None:
-            self.name = "responses_ws:" + stream_id
+        self.timing = timing
+        self.name = "responses_ws" + ("+timing" if timing else "") + (":" + stream_id if stream_id else "")
 
     def build(self, ev: Event) -> str:
-        return self.build_payload(ev.payload)
+        return self.build_payload(ev.chunk if self.timing else ev.payload)
 
     def build_payload(self, payload: dict[str, object]) -> str:
         from gateway.responses_ws import ws_event, ws_text
@@ -230,3 +238,4 @@ OPENAI_SSE = OpenAISse()
 FANOUT_SSE = FanoutSse()
 FANOUT_WS = FanoutWs()
 RESPONSES_SSE = ResponsesSse()
+RESPONSES_SSE_TIMING = ResponsesSse(timing=True)

@@ -45,6 +45,7 @@ class ResponsesSession(WsSession):
         self.lanes: Lanes[WsCreate] = Lanes()
         self.cache = TranscriptCache()
         self._n = 0
+        self.timing = ws.query_params.get("tokenfan_timing") in ("1", "true")  # benchmarks: see ResponsesSse
 
     def on_message(self, raw: bytes) -> None:
         try:
@@ -83,13 +84,13 @@ class ResponsesSession(WsSession):
             rr = build_request(create.request, gw.config.limits, self._history(create.request.previous_response_id))
             if not create.generate:  # warmup: state for a later previous_response_id, no output
                 events = ResponseEvents(new_response_id(), gw.check_model(rr.chat.model), request=rr)
-                framing = ResponsesWs(lane)
+                framing = ResponsesWs(lane, self.timing)
                 for pl in events.created() + events.in_progress(item=False) + events.finish("stop", None):
                     await self.write(framing.build_payload(pl))
                 self.cache.put(events.id, rr.transcript(None))
                 return
             stream, events = await start_response(gw, rr, self.ws.scope, lane=lane)
-            outcome = await read(gw, stream, ResponsesWs(lane), -1, self.conn)
+            outcome = await read(gw, stream, ResponsesWs(lane, self.timing), -1, self.conn)
             cut = outcome.cut
             if cut:
                 await self.cut_now(outcome.ending.close_code, outcome.ending.reason)

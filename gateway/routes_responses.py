@@ -25,7 +25,7 @@ from gateway import sse
 from gateway.delivery import Finalizer, Source, SseResponse, cancel, start_generation
 from gateway.edge import gateway_of, read_body
 from gateway.errors import APIError
-from gateway.framing import RESPONSES_SSE
+from gateway.framing import RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesSse
 from gateway.generation import ChunkEvent
 from gateway.responses_api import (
     ResponseEvents,
@@ -117,7 +117,7 @@ async def create_response(request: Request) -> Any:
     stream, events = await start_response(gw, rr, request.scope)
     gw.metrics.requests.labels("/v1/responses", "200").inc()
     if rr.stream:
-        return SseResponse(gw, stream, RESPONSES_SSE, -1, t0=t0)
+        return SseResponse(gw, stream, _sse_framing(request), -1, t0=t0)
     if rr.background:
         return JSONResponse(events.response())
     assert stream.task is not None
@@ -146,6 +146,11 @@ async def _find(gw: Gateway, response_id: str) -> Stream:
     return s
 
 
+def _sse_framing(request: Request) -> ResponsesSse:
+    """``?tokenfan_timing=1`` adds tokenfan's timing object to every event (benchmarks; SDKs ignore it)."""
+    return RESPONSES_SSE_TIMING if request.query_params.get("tokenfan_timing") in ("1", "true") else RESPONSES_SSE
+
+
 def _after(raw: str | None) -> int:
     try:
         value = sse.parse_last_event_id(raw)
@@ -160,7 +165,7 @@ async def retrieve_response(request: Request) -> Any:
     s = await _find(gw, request.path_params["id"])
     if request.query_params.get("stream") in ("true", "1"):
         after = _after(request.query_params.get("starting_after") or request.headers.get("last-event-id"))
-        return SseResponse(gw, s, RESPONSES_SSE, after)
+        return SseResponse(gw, s, _sse_framing(request), after)
     if not s.events:  # its pump has not run yet: the builder knows the response as created
         events = s.meta.get("events")
         if events is None:

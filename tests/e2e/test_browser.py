@@ -35,7 +35,7 @@ pytestmark = [
                                                       "(apt-get install chromium)"),
 ]
 
-TRANSPORTS = ["sse", "fetch", "ws"]
+TRANSPORTS = ["sse", "fetch", "ws", "responses-sse", "responses-ws"]
 API_KEY = "sk-browser-test"
 ANSWER = ".msg.assistant"
 

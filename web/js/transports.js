@@ -23,6 +23,8 @@ export const TRANSPORTS = {
   sse: "EventSource (/v1/streams)",
   fetch: "fetch stream (POST /v1/chat/completions)",
   ws: "WebSocket (/v1/ws)",
+  "responses-sse": "Responses API · SSE (POST /v1/responses)",
+  "responses-ws": "Responses API · WebSocket mode (/v1/responses)",
 };
 
 const MAX_RECONNECT_ATTEMPTS = 5;
@@ -384,10 +386,114 @@ class WebSocketChat extends Generation {
   }
 }
 
-/** Start a chat generation over the named transport ("sse", "fetch" or "ws"). */
+// -- the Responses API over both transports --------------------------------------------------
+
+/** The Responses request for a chat body (messages -> input, max_tokens -> max_output_tokens). */
+function responsesBody(body) {
+  const out = { input: body.messages, stream: true };
+  if (body.max_tokens != null) out.max_output_tokens = body.max_tokens;
+  for (const k of ["model", "temperature", "top_p"]) if (body[k] != null) out[k] = body[k];
+  return out;
+}
+
+/** Feed one Responses event to a generation: text deltas become chunk-shaped callbacks (so the page
+ *  renders them like every other transport), the terminal event ends it. Returns true at the end. */
+function responsesEvent(gen, ev, recvMs) {
+  if (ev.type === "response.output_text.delta") {
+    gen.chunk({ choices: [{ index: 0, delta: { content: ev.delta } }], tokenfan: ev.tokenfan }, recvMs);
+  } else if (ev.type === "response.completed" || ev.type === "response.incomplete") {
+    const u = ev.response.usage;
+    if (u) gen.chunk({ choices: [], usage: { prompt_tokens: u.input_tokens, completion_tokens: u.output_tokens,
+      total_tokens: u.total_tokens } }, recvMs);
+    gen.finish("done");
+    return true;
+  } else if (ev.type === "response.failed") {
+    gen.fail(apiErrorFromBody({ error: ev.response.error || { message: "the response failed" } }));
+    return true;
+  } else if (ev.type === "error") {
+    const e = ev.error || { message: ev.message, code: ev.code, param: ev.param };
+    if (e.code === "response_cancelled") gen.finish("cancelled");
+    else gen.fail(apiErrorFromBody({ error: e }, ev.status || 0));
+    return true;
+  } else {
+    gen.kick();
+  }
+  return false;
+}
+
+/** POST /v1/responses with stream:true, read with the same streaming SSE parser as FetchChat. */
+class ResponsesSseChat extends FetchChat {
+  async run(body) {
+    this.onState("connecting");
+    const resp = await fetch(gatewayURL("/v1/responses"), {
+      method: "POST",
+      headers: authHeaders({ "Content-Type": "application/json", Accept: "text/event-stream" }),
+      body: JSON.stringify(responsesBody(body)),
+      signal: this.abort.signal,
+    });
+    if (!resp.ok) throw await errorFromResponse(resp);
+    this.openMs = epochMs();
+    this.onState("streaming");
+    for await (const ev of readEventStream(resp)) {
+      const recvMs = epochMs();
+      const data = JSON.parse(ev.data);
+      if (ev.event === "error" && data.error && !data.type) throw apiErrorFromBody(data); // a cut reader
+      if (responsesEvent(this, data, recvMs)) return;
+    }
+    throw new ApiError(0, "the connection closed before the answer was complete.", { code: "network_error" });
+  }
+}
+
+/** The Responses API's WebSocket mode: one response.create, its events back as JSON messages. */
+class ResponsesWsChat extends Generation {
+  constructor(body, opts) {
+    super(opts);
+    this.onState("connecting");
+    const url = new URL(gatewayURL("/v1/responses", { ws: true }));
+    if (apiKey()) url.searchParams.set("api_key", apiKey());
+    const ws = (this.ws = new WebSocket(url));
+    let opened = false;
+    ws.onopen = () => {
+      opened = true;
+      this.openMs = epochMs();
+      this.onState("streaming");
+      const { stream, ...create } = responsesBody(body);
+      ws.send(JSON.stringify({ type: "response.create", ...create }));
+    };
+    ws.onmessage = (e) => {
+      const recvMs = epochMs();
+      responsesEvent(this, JSON.parse(e.data), recvMs);
+    };
+    ws.onclose = (e) => {
+      if (this.settled) return;
+      if (this.stopping) return this.finish("cancelled");
+      if (opened) {
+        const why = e.code === 1013 ? "the gateway cut this reader as too slow (close 1013)" : `code ${e.code}`;
+        this.fail(new ApiError(0, `WebSocket closed mid-answer (${why}).`, { code: "network_error" }));
+        return;
+      }
+      diagnose().then((err) => this.fail(err || new ApiError(0, "WebSocket connection failed.",
+        { code: "network_error" })));
+    };
+  }
+
+  stop() {
+    if (this.settled) return;
+    this.stopping = true; // closing the socket aborts its responses on the gateway
+    this.finish("cancelled");
+  }
+
+  release() {
+    if (this.ws.readyState <= WebSocket.OPEN) this.ws.close(1000);
+  }
+}
+
+/** Start a chat generation over the named transport (a key of TRANSPORTS). */
 export function openChat(transport, body, opts) {
   if (transport === "sse") return new EventSourceChat(body, opts);
   if (transport === "fetch") return new FetchChat(body, opts);
   if (transport === "ws") return new WebSocketChat(body, opts);
+  if (transport === "responses-sse") return new ResponsesSseChat(body, opts);
+  if (transport === "responses-ws") return new ResponsesWsChat(body, opts);
   throw new Error(`unknown transport ${JSON.stringify(transport)}: use one of ${Object.keys(TRANSPORTS)}`);
 }

@@ -218,7 +218,8 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("sse_retry_ms", INT, 1000, "SSE retry: hint sent to EventSource"),
     _gw("shutdown_grace", FLOAT, 10.0, "seconds in-flight streams get to finish on SIGTERM"),
     _gw("inject_delay", TRANSPORT_DELAY, None, "DIAGNOSTIC: delay every write of a transport (sse|ws) by MS ms, "
-        "for bench calibration; off by default", default_factory=dict, repeat=True, collect=dict),
+        "for bench calibration (it also turns the one-pass write off, so both arms take the same path); off by "
+        "default", default_factory=dict, repeat=True, collect=dict),
     _gw("max_concurrent", INT, 4096, "generations in flight in this gateway (429 above)"),
     _gw("max_concurrent_per_key", INT, 0, "generations in flight per API key, 0 = no per-key limit"),
     _gw("max_prompt_tokens", INT, 0, "prompt length limit in tokens, 0 = only the model's context"),

@@ -231,7 +231,10 @@ async def read(gw: Gateway, stream: Stream, framing: Framing, after: int, conn: 
             await conn_write(f)  # type: ignore[arg-type]
         meter.wrote(batch)
 
-    direct = None if delay or not gw.config.direct_write else conn.direct(framing.name, framing.frame_bytes)
+    # --inject-delay (bench calibration) turns the one pass off for every transport, so the arms differ
+    # only by the injected delay, not by the path their writes take.
+    one_pass = gw.config.direct_write and not gw.config.inject_delay
+    direct = conn.direct(framing.name, framing.frame_bytes) if one_pass else None
     if direct is not None:
         if stream.on_direct is None:
             stream.on_direct = _pass_meter(gw)

@@ -32,9 +32,9 @@ async def chunk_events(
 
     Raises :class:`gateway.errors.APIError` if the engine fails the request.
     """
+    # The role chunk goes out with the first token, as vllm serve sends it: a client's TTFT and first
+    # inter-token gap then measure the engine, not the accept.
     role = builder.role_chunk()
-    if role is not None:
-        yield ChunkEvent(role, p.now_ns(), "", 0)
     usage: p.Usage | None = None
     async for d in handle.deltas(idle):
         if d is None:
@@ -42,6 +42,9 @@ async def chunk_events(
             continue
         if not d.text and d.finish_reason is None:
             continue  # e.g. text held back while the engine checks a stop string
+        if role is not None:
+            yield ChunkEvent(role, d.emit_ns, "", 0)
+            role = None
         usage = d.usage
         yield ChunkEvent(builder.delta_chunk(d.text, d.finish_reason), d.emit_ns, d.text, d.token_count,
                          d.finish_reason, d.usage)

@@ -467,11 +467,16 @@ def run_client(cmd: list[str], log: Path, on_start: Callable[[], None] | None = 
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert proc.stdout is not None
-        for line in proc.stdout:
-            fh.write(line)
-            if on_start is not None and CLIENT_START_MARK.encode() in line:
-                on_start()
-                on_start = None
+        try:
+            for line in proc.stdout:
+                fh.write(line)
+                if on_start is not None and CLIENT_START_MARK.encode() in line:
+                    on_start()
+                    on_start = None
+        except BaseException:  # interrupted (SIGTERM): do not leave the client running
+            proc.kill()
+            proc.wait()
+            raise
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     return proc.returncode, usage.ru_utime + usage.ru_stime
@@ -652,6 +657,10 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def client_main(argv: list[str]) -> int:
     """vLLM's own benchmark client (what ``vllm bench serve`` runs)."""
     from vllm.benchmarks.serve import add_cli_args
@@ -670,6 +679,9 @@ def main(argv: list[str] | None = None) -> int:
         return client_main(argv[1:])
     ns = parser().parse_args(argv)
     apply_overrides(ns.servers, ns.env, ns.arg)
+    # SIGTERM (and SIGINT, which a background job ignores) must still stop the servers this run started.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_on_signal)
     ns.out = ns.out or Path("bench-results") / time.strftime("vs-vllm-%Y%m%d-%H%M%S")
     results = run(ns, argv)
     print(summary_md(results))

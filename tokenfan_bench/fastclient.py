@@ -143,6 +143,14 @@ class H1Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def abandon(self, sink: Sink) -> None:
+        """The waiter of ``sink`` gave up (timeout, cancellation): if its response is still running,
+        the connection cannot be reused. (Once the response ended, the connection may already carry
+        someone else's request: leave it alone.)"""
+        if self.sink is sink:
+            self.sink = None
+            self.close()
+
     def _on_data(self, t: int, data: bytes) -> None:
         sink, p = self.sink, self.parser
         if sink is None:
@@ -270,28 +278,26 @@ class H1Pool:
         for attempt in (0, 1):
             conn = await self.acquire()
             fut: asyncio.Future[tuple[ResponseHead, bytes]] = asyncio.get_running_loop().create_future()
-            conn.send(req, Buffered(fut))
+            sink = Buffered(fut)
+            conn.send(req, sink)
             try:
                 return await fut
             except (ConnectionError, HttpError):
                 if attempt or not conn.reused:
                     raise
             finally:
-                if conn.sink is not None:  # cancelled or timed out while waiting: the answer is abandoned
-                    conn.sink = None
-                    conn.close()
+                conn.abandon(sink)
         raise AssertionError("unreachable")
 
     async def sse(self, target: str, rec: Recorder) -> None:
         conn = await self.acquire()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        conn.send(request("GET", target, self.authority, {"accept": "text/event-stream"}), SseSubscription(rec, fut))
+        sink = SseSubscription(rec, fut)
+        conn.send(request("GET", target, self.authority, {"accept": "text/event-stream"}), sink)
         try:
             await fut
         finally:
-            if conn.sink is not None:
-                conn.sink = None
-                conn.close()
+            conn.abandon(sink)
 
     def close(self) -> None:
         for conn in self.all:

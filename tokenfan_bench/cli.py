@@ -96,9 +96,9 @@ class Bench:
         self.out.mkdir(parents=True, exist_ok=True)
         self.meta = report.meta(argv, ns.seed)
 
-    def plan(self, url: str, streams: int) -> Plan:
+    def plan(self, url: str, streams: int, arms: tuple[str, ...] | None = None) -> Plan:
         ns = self.ns
-        return Plan(url=url.rstrip("/"), transports=ns.arms, streams=streams, max_tokens=ns.max_tokens,
+        return Plan(url=url.rstrip("/"), transports=arms or ns.arms, streams=streams, max_tokens=ns.max_tokens,
                     duration=ns.duration, separate=ns.separate_streams, endpoint=ns.endpoint, ramp=ns.ramp,
                     seed=ns.seed, timeout=ns.timeout, client=ns.client, cafile=ns.cafile,
                     h2_streams_per_connection=ns.h2_streams_per_connection)
@@ -110,8 +110,9 @@ class Bench:
         subscribers = len(self.ns.arms) * streams
         return max(1, min((os.cpu_count() or 2) // 2, -(-subscribers // per_worker)))
 
-    def measure(self, url: str, streams: int, desc: str) -> tuple[Run, dict[str, Any]]:
-        run = run_clients(self.plan(url, streams), self.workers(streams), desc, not self.ns.no_progress)
+    def measure(self, url: str, streams: int, desc: str,
+                arms: tuple[str, ...] | None = None) -> tuple[Run, dict[str, Any]]:
+        run = run_clients(self.plan(url, streams, arms), self.workers(streams), desc, not self.ns.no_progress)
         return run, report.run_result(run, n_boot=self.ns.bootstrap, seed=self.ns.seed)
 
     @contextlib.contextmanager
@@ -152,12 +153,19 @@ class Bench:
         if ns.baseline == "raw":
             rate = rates[-1] or _observed_rate(results)
             with procs.spawn_raw(rate, ns.ttft_ms, self.out / "logs") as raw:
-                raw_run, raw_res = self.measure(raw.url, run.plan.streams, f"raw floor N={run.plan.streams}")
+                raw_run, raw_res = self.measure(raw.url, run.plan.streams, f"raw floor N={run.plan.streams}",
+                                                raw_arms(ns.arms))
             results["baseline"] = report.baseline_result(results, raw_res, rate)
             report.plot_cdf(raw_run, self.out / "latency_cdf_raw.png", f"raw floor, N={run.plan.streams}")
         report.write_json(self.out / "results.json", results)
         (self.out / "summary.md").write_text(report.summary_md(results))
         return results
+
+
+def raw_arms(arms: tuple[str, ...]) -> tuple[str, ...]:
+    """The run's arms the raw floor serves (HTTP/1.1 only), at least two."""
+    h1 = tuple(t for t in arms if t in ("sse", "ws")) or ("sse", "ws")
+    return h1 if len(h1) >= 2 else h1 * 2
 
 
 def _p99(row: dict[str, Any], transport: str) -> float | None:

@@ -123,7 +123,8 @@ async def internal_stream(request: Request) -> Any:
     if stream.mirrored:
         raise APIError(404, "not the owner", code="stream_not_found")
     after = int(request.query_params.get("after", "-1"))
-    meta = orjson.dumps({"endpoint": stream.endpoint, "model": stream.model, "detached": stream.detached})
+    meta = orjson.dumps({"endpoint": stream.endpoint, "model": stream.model, "detached": stream.detached,
+                         "events": len(stream.events), "finished": stream.finished})
     return SseResponse(gw, stream, PEER, after, preamble=b"event: meta\ndata: " + meta + b"\n\n")
 
 
@@ -221,7 +222,12 @@ class PeerBroker:
             if existing is not None:
                 writer.close()
                 return existing
-            return self._start_mirror(stream_id, k, reader, writer)
+            stream = self._start_mirror(stream_id, k, reader, writer)
+            # Answer once the mirror holds what the owner held when asked (its state, its events).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(stream.meta.setdefault("caught_up", asyncio.Event()).wait()),
+                                       5.0)
+            return stream
         if gone:
             raise APIError(410, f"Stream {stream_id} is no longer retained.", code="stream_expired", param="id")
         raise APIError(404, f"No stream with id {stream_id}.", code="stream_not_found", param="id")
@@ -239,6 +245,8 @@ class PeerBroker:
         return stream
 
     async def _feed(self, stream: Stream, k: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        caught_up = stream.meta.setdefault("caught_up", asyncio.Event())
+        target: int | None = None
         try:
             while True:
                 async for kind, data in _sse_events(reader):
@@ -246,17 +254,22 @@ class PeerBroker:
                         meta = orjson.loads(data)
                         stream.endpoint, stream.model = meta["endpoint"], meta["model"]
                         stream.detached = meta.get("detached", True)
+                        if target is None:
+                            target = -1 if meta.get("finished") else int(meta.get("events", 0))
                     elif kind == "end":
                         end = orjson.loads(data)
                         e = end.get("error")
                         err = APIError(503, e["error"]["message"], type=e["error"]["type"], param=e["error"]["param"],
                                        code=e["error"]["code"]) if e else None
                         stream.finish(end["state"], err)
+                        caught_up.set()
                         return
                     elif kind == "message":
                         ev = orjson.loads(data)
                         if ev["s"] == len(stream.events):
                             stream.append(Event(ev["s"], ev["p"], ev["t"], ev["x"], ev["f"]))
+                    if target is not None and target >= 0 and len(stream.events) >= target:
+                        caught_up.set()
                     # "cut": this mirror fell behind the owner's send timeout; resume below
                 writer.close()
                 try:  # the connection ended without an end: resume after the last event we have
@@ -273,6 +286,7 @@ class PeerBroker:
                 stream.finish("cancelled")
             raise
         finally:
+            caught_up.set()
             writer.close()
             self.hub.mark_finished(stream)
 

@@ -328,6 +328,19 @@ class FetchChat extends Generation {
   }
 }
 
+/** A chat WebSocket closed: a stop, a cut (1013), a drop mid-answer, or a connection that never opened. */
+function wsClosed(gen, e, opened) {
+  if (gen.settled) return;
+  if (gen.stopping) return gen.finish("cancelled");
+  if (opened) {
+    const why = e.code === 1013 ? "the gateway cut this reader as too slow (close 1013)" : `code ${e.code}`;
+    gen.fail(new ApiError(0, `WebSocket closed mid-answer (${why}).`, { code: "network_error" }));
+    return;
+  }
+  diagnose().then((err) => gen.fail(err || new ApiError(0, "WebSocket connection failed.",
+    { code: "network_error" })));
+}
+
 let wsRequestCounter = 0;
 
 /** One request over /v1/ws; Stop sends a cancel message and waits for the server's "done". */
@@ -347,16 +360,7 @@ class WebSocketChat extends Generation {
       ws.send(JSON.stringify({ type: "request", id: this.cid, endpoint: "chat.completions", body }));
     };
     ws.onmessage = (e) => this.message(e);
-    ws.onclose = (e) => {
-      if (this.settled) return;
-      if (this.stopping) return this.finish("cancelled");
-      if (opened) {
-        this.fail(new ApiError(0, `WebSocket closed mid-answer (code ${e.code}).`, { code: "network_error" }));
-        return;
-      }
-      diagnose().then((err) => this.fail(err || new ApiError(0, "WebSocket connection failed.",
-        { code: "network_error" })));
-    };
+    ws.onclose = (e) => wsClosed(this, e, opened);
   }
 
   message(e) {
@@ -464,17 +468,7 @@ class ResponsesWsChat extends Generation {
       const recvMs = epochMs();
       responsesEvent(this, JSON.parse(e.data), recvMs);
     };
-    ws.onclose = (e) => {
-      if (this.settled) return;
-      if (this.stopping) return this.finish("cancelled");
-      if (opened) {
-        const why = e.code === 1013 ? "the gateway cut this reader as too slow (close 1013)" : `code ${e.code}`;
-        this.fail(new ApiError(0, `WebSocket closed mid-answer (${why}).`, { code: "network_error" }));
-        return;
-      }
-      diagnose().then((err) => this.fail(err || new ApiError(0, "WebSocket connection failed.",
-        { code: "network_error" })));
-    };
+    ws.onclose = (e) => wsClosed(this, e, opened);
   }
 
   stop() {

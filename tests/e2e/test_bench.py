@@ -97,7 +97,7 @@ def test_bench_spawned_sweep_with_raw_baseline_writes_results_summary_and_plots(
 # server, Granian, does not) --------------------------------------------------------------------
 
 
-async def h2_app(scope, receive, send):  # noqa: ANN001, ANN201 - a bare ASGI app, run by Hypercorn
+async def h2_app(scope, receive, send):  # a bare ASGI app, run by Hypercorn
     """Just enough of the fan-out API: streams of ``max_tokens`` chunks, 20 ms apart, over SSE and
     WebSocket, stamped like the gateway's."""
     import asyncio

@@ -55,9 +55,12 @@ def bench(out: Path, *args: str) -> dict:
 def test_bench_recovers_an_injected_1ms_websocket_delay(delayed_gateway: str, tmp_path: Path):
     r = bench(tmp_path, "--url", delayed_gateway, "--arms", "sse,ws", *RUN)
     d = r["diff_ms"]
-    assert 0.8 <= d["median"] <= 1.2, d
+    # The injected asyncio.sleep(0.001) really lasts ~1.15 ms on an idle machine and up to ~1.8 ms when the
+    # gateway shares 2 busy cores with the engine and the client (measured at load 9-11); the bound still
+    # fails a bench that misses the delay or adds a path difference of its own (one was 16.8 ms).
+    assert 0.8 <= d["median"] <= 2.0, d
     lo, hi = d["ci95"]
-    assert lo <= d["median"] <= hi and lo <= 1.2 and hi >= 0.8, d
+    assert lo <= d["median"] <= hi and lo <= 2.0 and hi >= 0.8, d
     assert d["paired"] and d["streams"] == 24
     assert r["arms"]["A"]["errors"] == 0 and r["arms"]["B"]["errors"] == 0
 

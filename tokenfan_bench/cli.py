@@ -27,6 +27,7 @@ from typing import Any
 
 from tokenfan_bench import procs, report
 from tokenfan_bench.clients import CLIENTS, TRANSPORTS, Plan
+from tokenfan_bench.responses_arms import RESPONSES_TRANSPORTS
 from tokenfan_bench.runner import Run, run_clients
 from tokenfan_bench.stats import saturation_point
 
@@ -52,7 +53,9 @@ def parser() -> argparse.ArgumentParser:
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--url", help="gateway base URL, e.g. http://127.0.0.1:8000 (or use --spawn)")
     ap.add_argument("--arms", type=_arms, default=("sse", "ws"),
-                    help="one transport per arm A,B(,C…): sse (HTTP/1.1), ws, sse-h2, ws-h2 (RFC 8441); default sse,ws")
+                    help="one transport per arm A,B(,C…): sse (HTTP/1.1), ws, sse-h2, ws-h2 (RFC 8441); default sse,ws; "
+                         "resp-sse, resp-ws: the Responses API over SSE / WebSocket mode, one response per "
+                         "subscriber (implies --separate-streams)")
     ap.add_argument("--client", choices=CLIENTS, default="fast",
                     help="fast: asyncio protocols + picows + a minimal HTTP/2 client (default); "
                          "python: httpx + websockets")
@@ -98,8 +101,10 @@ class Bench:
 
     def plan(self, url: str, streams: int, arms: tuple[str, ...] | None = None) -> Plan:
         ns = self.ns
-        return Plan(url=url.rstrip("/"), transports=arms or ns.arms, streams=streams, max_tokens=ns.max_tokens,
-                    duration=ns.duration, separate=ns.separate_streams, endpoint=ns.endpoint, ramp=ns.ramp,
+        arms = arms or ns.arms
+        separate = ns.separate_streams or any(t in RESPONSES_TRANSPORTS for t in arms)  # a response is one client's
+        return Plan(url=url.rstrip("/"), transports=arms, streams=streams, max_tokens=ns.max_tokens,
+                    duration=ns.duration, separate=separate, endpoint=ns.endpoint, ramp=ns.ramp,
                     seed=ns.seed, timeout=ns.timeout, client=ns.client, cafile=ns.cafile,
                     h2_streams_per_connection=ns.h2_streams_per_connection)
 

@@ -26,9 +26,10 @@ from typing import Any, Protocol
 import orjson
 
 from tokenfan_bench.record import Recorder, to_samples
+from tokenfan_bench.responses_arms import RESPONSES_TRANSPORTS, ResponseRecorder, ResponsesClient
 from tokenfan_bench.stats import ArmSamples
 
-TRANSPORTS = ("sse", "ws", "sse-h2", "ws-h2")
+TRANSPORTS = ("sse", "ws", "sse-h2", "ws-h2", *RESPONSES_TRANSPORTS)  # resp-*: one response each (unpaired)
 CLIENTS = ("fast", "python")
 
 
@@ -93,7 +94,7 @@ def make_backend(plan: Plan, slots: int) -> Backend:
         from tokenfan_bench.fastclient import FastBackend
 
         backend = FastBackend(plan.cafile, plan.h2_streams_per_connection)
-    missing = [t for t in plan.transports if t not in backend.transports]
+    missing = [t for t in plan.transports if t not in backend.transports and t not in RESPONSES_TRANSPORTS]
     if missing:
         raise ValueError(f"--client {plan.client} has no {', '.join(missing)} arm")
     return backend
@@ -118,6 +119,7 @@ class Worker:
         self.recs: dict[str, list[Recorder]] = {arm: [] for arm in plan.arms}
         self._ids = itertools.count()
         self.backend: Backend | None = None
+        self.responses: ResponsesClient | None = None  # the resp-sse / resp-ws arms
         self._errors: tuple[type[Exception], ...] = (TimeoutError,)
 
     def _next_stream(self) -> int:
@@ -145,6 +147,10 @@ class Worker:
 
     async def _watch(self, arms: tuple[str, ...]) -> None:
         """Create one stream and subscribe ``arms`` to it, in random order."""
+        transports = dict(zip(self.plan.arms, self.plan.transports))
+        if any(transports[arm] in RESPONSES_TRANSPORTS for arm in arms):  # no shared stream: one each
+            await asyncio.gather(*(self._respond(arm, transports[arm]) for arm in arms))
+            return
         stream = self._next_stream()
         post_ns, info, err = await self._create(stream)
         recs = {arm: Recorder(stream, post_ns) for arm in arms}
@@ -156,8 +162,22 @@ class Worker:
             return
         order = list(arms)
         self.rng.shuffle(order)  # no arm systematically connects (and is registered) first
-        transports = dict(zip(self.plan.arms, self.plan.transports))
         await asyncio.gather(*(self._subscribe(transports[arm], info, recs[arm]) for arm in order))
+
+    async def _respond(self, arm: str, transport: str) -> None:
+        """An arm's own response (``resp-sse``/``resp-ws``, :mod:`.responses_arms`); for a plain
+        transport, its own fan-out stream."""
+        if transport not in RESPONSES_TRANSPORTS:
+            await self._watch((arm,))
+            return
+        assert self.responses is not None
+        rec = ResponseRecorder(self._next_stream(), time.time_ns())
+        self.recs[arm].append(rec)
+        try:
+            async with asyncio.timeout(self.plan.timeout):
+                await self.responses.respond(transport, self.plan.max_tokens, rec)
+        except self._errors as exc:
+            rec.fail(f"{transport}: {type(exc).__name__}: {exc}"[:300])
 
     async def _slot(self, end: float | None) -> None:
         await _sleep_until(self.plan.start_at + self.plan.ramp * self.rng.random())
@@ -191,6 +211,8 @@ class Worker:
         slots = len(range(p.worker, p.streams, p.workers))
         self.backend = make_backend(p, slots)
         self._errors = (*self.backend.errors, TimeoutError)
+        if any(t in RESPONSES_TRANSPORTS for t in p.transports):
+            self.responses = ResponsesClient(p.url, p.client, p.cafile)
         try:
             await self._warmup(slots)
             if wait_for_start is not None:
@@ -201,6 +223,8 @@ class Worker:
             cpu = time.process_time() - cpu0
         finally:
             await self.backend.aclose()
+            if self.responses is not None:
+                self.responses.close()
         return {arm: to_samples(t, self.recs[arm]) for arm, t in zip(p.arms, p.transports)}, cpu
 
 

@@ -199,3 +199,27 @@ def test_bench_http2_multiplexed_subscribers_share_connections(hypercorn_url: st
     r = bench(tmp_path, "--url", hypercorn_url, "--arms", "sse-h2,sse-h2", "--streams", "6", "--max-tokens", "4",
               "--h2-streams-per-connection", "8", "--ramp", "0", "--no-progress", "--bootstrap", "200")
     assert all(a["errors"] == 0 and a["content_events"] == 6 * 4 for a in r["arms"].values()), r["arms"]
+
+
+# -- the Responses API arms: one response per subscriber (unpaired) ---------------------------------
+
+
+def test_bench_responses_arms_over_sse_and_websocket_mode(tmp_path: Path):
+    r = bench(tmp_path, "--spawn", "--rates", "100", "--arms", "resp-sse,resp-ws", "--streams", "3", "--max-tokens", "8",
+              "--ramp", "0.2", "--no-progress", "--bootstrap", "200")
+    assert [a["transport"] for a in r["arms"].values()] == ["resp-sse", "resp-ws"]
+    assert r["separate_streams"] and not r["diff_ms"]["paired"]  # a response cannot be shared between arms
+    for arm in r["arms"].values():
+        # errors == 0: sequence_numbers contiguous from 0, the deltas joined equal the final text (every
+        # token, in order), and response.incomplete for max_output_tokens (the synthetic engine never stops)
+        assert arm["subscribers"] == 3 and arm["errors"] == 0, arm
+        assert 3 <= arm["content_events"] <= 3 * 8  # the engine may merge late tokens into one delta
+        assert arm["events"] > arm["content_events"]  # response.created … response.incomplete are recorded too
+        d = arm["delivery_ms"]
+        assert d["n"] == arm["live_content_events"] == arm["content_events"], arm
+        assert 0 < d["p50"] <= d["p99"], d  # receive after emit, on the same clock
+        assert 0 < arm["gateway_to_client_ms"]["p50"] and 0 <= arm["engine_to_gateway_ms"]["p50"]
+        assert arm["ttft_ms"]["n"] == 3 and arm["e2e_ms"]["n"] == 3 and arm["itl_ms"]["n"] > 0
+    assert r["client"]["kind"] == "fast" and r["client"]["cpu_us_per_event"] > 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "A = resp-sse, B = resp-ws" in summary and "separate streams per arm" in summary

@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --url, or --spawn to start a synthetic engine + gateway")
     if ns.rates and len(ns.rates) > 1 and not ns.spawn:
         ap.error("several --rates need --spawn: the bench cannot change the token rate of the engine at --url")
+    if ns.client != "fast" and any(t in RESPONSES_TRANSPORTS for t in ns.arms):
+        ap.error("the resp-sse and resp-ws arms need --client fast")
     bench = Bench(ns, argv)
     results = bench.run()
     print(report.summary_md(results))

@@ -13,12 +13,14 @@ Deliberate choices:
   on the first forward pass), else float32. bfloat16 halves weight and KV-cache memory; on a 2-vCPU AMX
   VM its decode speed for Gemma 3 270M was within measurement noise of float32's. float16 is never
   chosen: Gemma 3 overflows in it.
-* CPU placement (``--cpu-placement``, :func:`cpu_placement`): on hosts with up to 8 CPUs the engine
-  core and the model worker share all CPUs but the last (``split``). vLLM's engine core and worker
-  busy-wait for each other (``sched_yield`` spins); on one CPU each spin hands the CPU to the other,
-  and the last CPU stays free for the front end and the clients. Binding the OpenMP pool to every CPU
-  (the previous default, chosen on single-stream speed) doubled the engine's CPU time under load and
-  lost to ``vllm serve`` 0.45-0.5x; figures in the README ("tokenfan vs vllm serve").
+* CPU placement (``--cpu-placement``, :func:`cpu_placement`): on hosts with up to 8 CPUs and models
+  under 256 MiB of weights, the engine core and the model worker share all CPUs but the last
+  (``split``). vLLM's engine core and worker busy-wait for each other (``sched_yield`` spins); on one
+  CPU each spin hands the CPU to the other, and the last CPU stays free for the front end and the
+  clients. Bigger models are compute-bound there and keep vLLM's ``auto`` (the engine core then spins
+  on the front end's CPU, which needs little at their token rates). Binding the OpenMP pool to every
+  CPU (the previous default, chosen on single-stream speed) doubled the engine's CPU time under load
+  and lost to ``vllm serve`` 0.45-0.5x; figures in the README ("tokenfan vs vllm serve").
 * ``load()`` counts requests itself: *waiting* from the start of :meth:`generate` until vLLM's first
   output, *running* after it. vLLM keeps scheduler counts only when stat logging is on.
 """
@@ -52,8 +54,10 @@ log = logging.getLogger(__name__)
 _FINISH: dict[str, FinishReason] = {
     "stop": "stop", "length": "length", "abort": "abort", "error": "error", "repetition": "stop",
 }
-# CPU placement "auto" on small hosts (measured under load: README "tokenfan vs vllm serve").
-AUTO_PLACEMENT = "split"
+# CPU placement "auto" (measured under load: README "tokenfan vs vllm serve"): "split" for models whose
+# weights are smaller than this (the front end's work per token matters: tiny Llama 1.5x vllm serve with
+# split), vLLM's own "auto" from here on (compute-bound: Gemma 3 270M, 540 MB, 1.06x with it, 0.90x split).
+SPLIT_BELOW_WEIGHT_BYTES = 256 << 20
 # Hosts with more CPUs than this (or with tensor/pipeline parallelism) always get vLLM's NUMA-aware "auto".
 SMALL_HOST_CPUS = 8
 PLUGIN_NAME = "tokenfan_cpu_amx"  # the vllm.general_plugins entry point in pyproject.toml
@@ -82,8 +86,8 @@ class VllmBackend:
 
     async def start(self) -> None:
         """Resolve (or prepare) the model and start vLLM. Blocks the event loop while the model loads."""
-        self._placement = configure_runtime_env(self._config)
         model_dir = resolve_model(self._config)
+        self._placement = configure_runtime_env(self._config, weight_bytes(model_dir))
         self._load_serving_hints(model_dir)
         if self._config.chat_template:
             self._chat_template = Path(self._config.chat_template).read_text(encoding="utf-8")
@@ -270,7 +274,7 @@ def _engine_input(ids: list[int]) -> Any:
     return tokens_input(ids)
 
 
-def configure_runtime_env(config: EngineConfig) -> CpuPlacement:
+def configure_runtime_env(config: EngineConfig, model_bytes: int = 0) -> CpuPlacement:
     """Environment vLLM reads at start; values already set by the user win. Returns the CPU placement
     (``VLLM_CPU_*`` variables are ignored by GPU builds; the engine affinity is applied on CPU only)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -279,7 +283,7 @@ def configure_runtime_env(config: EngineConfig) -> CpuPlacement:
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # the user's own binding: keep it, pin nothing
         return CpuPlacement(os.environ["VLLM_CPU_OMP_THREADS_BIND"])
     placement = cpu_placement(config.cpu_placement, sorted(os.sched_getaffinity(0)),
-                              config.tensor_parallel_size * config.pipeline_parallel_size)
+                              config.tensor_parallel_size * config.pipeline_parallel_size, model_bytes)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = placement.omp_threads_bind
     log.info("CPU placement: VLLM_CPU_OMP_THREADS_BIND=%s, engine processes on CPUs %s",
              placement.omp_threads_bind, sorted(placement.engine_cpus) if placement.engine_cpus else "any")
@@ -294,18 +298,21 @@ class CpuPlacement:
     engine_cpus: frozenset[int] | None = None  # affinity of the engine core and model worker (None: inherit)
 
 
-def cpu_placement(mode: str, cpus: list[int], parallel: int = 1) -> CpuPlacement:
-    """The placement for ``mode`` on a process allowed ``cpus``, with ``parallel`` model workers.
+def cpu_placement(mode: str, cpus: list[int], parallel: int = 1, model_bytes: int = 0) -> CpuPlacement:
+    """The placement for ``mode`` on a process allowed ``cpus``, with ``parallel`` model workers and
+    ``model_bytes`` of weights.
 
     * ``all``: every CPU in the model worker's OpenMP pool.
     * ``vllm``: vLLM's ``auto`` (one thread per physical core of a NUMA node, one core kept free).
     * ``split``: the engine core and the model worker (one OpenMP thread per CPU) confined to all CPUs
       but the last, so their busy-waits yield to each other; the front end is not pinned.
-    * ``auto``: the measured choice for small hosts (see README "tokenfan vs vllm serve"), else ``vllm``.
+    * ``auto``: on hosts with up to 8 CPUs ``split`` for models under 256 MiB of weights, else ``vllm``
+      (measured: README "tokenfan vs vllm serve").
     * anything else is vLLM's own ``VLLM_CPU_OMP_THREADS_BIND`` syntax, passed through.
     """
     if mode == "auto":
-        mode = AUTO_PLACEMENT if parallel == 1 and len(cpus) <= SMALL_HOST_CPUS else "vllm"
+        small = parallel == 1 and len(cpus) <= SMALL_HOST_CPUS and model_bytes < SPLIT_BELOW_WEIGHT_BYTES
+        mode = "split" if small else "vllm"
     if mode == "vllm":
         return CpuPlacement("auto")
     if parallel > 1 and mode in ("all", "split"):
@@ -334,6 +341,12 @@ def _engine_affinity(cpus: frozenset[int] | None) -> Iterator[None]:
         for tid in os.listdir("/proc/self/task"):
             with contextlib.suppress(OSError):  # a thread that ended meanwhile
                 os.sched_setaffinity(int(tid), own)
+
+
+def weight_bytes(model_dir: Path) -> int:
+    """Size of the model's weight files (safetensors, else PyTorch bins)."""
+    files = list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
+    return sum(f.stat().st_size for f in files)
 
 
 def resolve_dtype(dtype: str, *, on_cpu: bool) -> str:

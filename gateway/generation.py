@@ -40,8 +40,11 @@ async def chunk_events(
         if d is None:
             yield None
             continue
-        if not d.text and d.finish_reason is None:
-            continue  # e.g. text held back while the engine checks a stop string
+        if not d.text and not d.token_count and d.finish_reason is None:
+            continue  # nothing generated (an empty engine step)
+        # A step whose text the detokenizer holds back (an incomplete UTF-8 sequence, a possible stop
+        # string) still gets its chunk with empty content, as vllm serve sends it: one chunk per engine
+        # step, so token counts and a client's inter-token gaps mean the same on both.
         if role is not None:
             yield ChunkEvent(role, d.emit_ns, "", 0)
             role = None

@@ -301,7 +301,8 @@ def new_id(endpoint: Endpoint) -> str:
 class ChunkBuilder:
     """Builds the OpenAI chunk objects of one generation, in order.
 
-    Chat: a first chunk with ``delta.role``, then one chunk per non-empty delta, the last content
+    Chat: a first chunk with ``delta.role``, then one chunk per engine step (empty content while the
+    detokenizer holds text back), the last content
     chunk carrying ``finish_reason``; completions: one chunk per delta. With ``include_usage`` every
     chunk has ``usage: null`` and :meth:`usage_chunk` gives the final ``choices: []`` chunk.
     """
@@ -340,7 +341,7 @@ class ChunkBuilder:
 
     def delta_chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
         if self.chat:
-            delta = {"content": text} if text else {}
+            delta = {"content": text} if text or finish_reason is None else {}
             return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason})
         return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
 

@@ -63,15 +63,20 @@ def response_source(events: ResponseEvents) -> Source:
             yield ChunkEvent(pl, now, "", 0)
         finish: str | None = None
         usage: p.Usage | None = None
+        held = 0  # tokens of steps whose text the detokenizer held back: no event (OpenAI sends no empty
+        # deltas), so they are counted with the next one
         async for d in handle.deltas():
             if d is None:
                 continue
+            held += d.token_count
             for pl in events.delta(d.text):
-                yield ChunkEvent(pl, d.emit_ns, d.text, d.token_count)
+                yield ChunkEvent(pl, d.emit_ns, d.text, held)
+                held = 0
             if d.finish_reason is not None:
                 finish, usage = d.finish_reason, d.usage
         for pl in events.finish(finish, usage):
-            yield ChunkEvent(pl, p.now_ns(), "", 0, finish, usage)
+            yield ChunkEvent(pl, p.now_ns(), "", held, finish, usage)
+            held = 0
 
     return source
 

@@ -141,7 +141,7 @@ def _merge(run: list[Event]) -> Event:
                          if e.payload["choices"][0]["delta"].get("role")), None)
             if role:
                 delta["role"] = role
-            if text or role:
+            if text or role or last.finish_reason is None:
                 delta["content"] = text
             choice["delta"] = delta
         else:

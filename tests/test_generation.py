@@ -1,0 +1,47 @@
+"""Engine deltas -> OpenAI chunks and Responses events: one chunk per engine step, no token uncounted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine_worker import protocol as p
+from gateway.generation import ChunkEvent, chunk_events
+from gateway.openai_api import ChunkBuilder
+from gateway.responses_api import ResponseEvents
+from gateway.routes_responses import response_source
+
+USAGE = p.Usage(prompt_tokens=3, completion_tokens=4)
+# A byte-fallback token whose text the detokenizer holds back, then the token completing it.
+DELTAS = [p.Delta("r", 0, "Hi", 1, 1), p.Delta("r", 1, "", 1, 2), p.Delta("r", 2, "é", 1, 3),
+          p.Delta("r", 3, " x", 1, 4, "length", USAGE)]
+
+
+class Handle:
+    async def deltas(self, idle: float | None = None) -> AsyncIterator[p.Delta | None]:
+        for d in DELTAS:
+            yield d
+
+
+async def collect(it: AsyncIterator[Any]) -> list[Any]:
+    return [x async for x in it]
+
+
+def test_a_held_back_step_is_an_empty_chunk_as_vllm_serve_sends_it() -> None:
+    builder = ChunkBuilder("chat.completions", "chatcmpl-1", "m", include_usage=True)
+    events: list[ChunkEvent] = asyncio.run(collect(chunk_events(Handle(), builder)))  # type: ignore[arg-type]
+    deltas = [ev.chunk["choices"][0]["delta"] if ev.chunk["choices"] else None for ev in events]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hi"}, {"content": ""}, {"content": "é"},
+                      {"content": " x"}, None]
+    assert sum(ev.tokens for ev in events) == USAGE.completion_tokens
+    assert events[-1].chunk["usage"]["completion_tokens"] == USAGE.completion_tokens
+
+
+def test_responses_send_no_empty_delta_but_count_its_tokens() -> None:
+    events = ResponseEvents("resp_1", "m")
+    out: list[ChunkEvent] = asyncio.run(collect(response_source(events)(Handle(), None)))
+    deltas = [ev.chunk["delta"] for ev in out if ev.chunk["type"] == "response.output_text.delta"]
+    assert deltas == ["Hi", "é", " x"]
+    assert sum(ev.tokens for ev in out) == USAGE.completion_tokens
+    assert out[-1].chunk["type"] == "response.incomplete"

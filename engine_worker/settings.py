@@ -216,6 +216,16 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("direct_write", BOOL, True, "the publisher writes each event straight to every caught-up reader "
         "(uvicorn, HTTP/1.1); off = every reader writes from its own task (for A/B measurement)"),
     _gw("sse_retry_ms", INT, 1000, "SSE retry: hint sent to EventSource"),
+    _gw("responses_ws_max_active", INT, 16, "Responses WebSocket mode: `stream_id` lanes generating at once "
+        "per connection (more wait their turn)"),
+    _gw("responses_ws_max_lanes", INT, 32, "Responses WebSocket mode: distinct `stream_id`s per connection "
+        "(`websocket_stream_limit_reached` above)"),
+    _gw("responses_ws_max_pending", INT, 256, "Responses WebSocket mode: `response.create`s waiting per "
+        "connection (429 `error` event above)"),
+    _gw("responses_ws_cache_entries", INT, 64, "Responses WebSocket mode: recent transcripts a connection keeps "
+        "for `previous_response_id`"),
+    _gw("responses_ws_cache_chars", INT, 4_000_000, "Responses WebSocket mode: total text of those transcripts "
+        "(oldest dropped first)"),
     _gw("shutdown_grace", FLOAT, 10.0, "seconds in-flight streams get to finish on SIGTERM"),
     _gw("inject_delay", TRANSPORT_DELAY, None, "DIAGNOSTIC: delay every write of a transport (sse|ws) by MS ms, "
         "for bench calibration (it also turns the one-pass write off, so both arms take the same path); off by "

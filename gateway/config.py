@@ -52,6 +52,11 @@ class GatewayConfig:
     broker_idle_timeout: float = declared("broker_idle_timeout")
     max_loop_lag: float = declared("max_loop_lag")
     direct_write: bool = declared("direct_write")
+    responses_ws_max_active: int = declared("responses_ws_max_active")
+    responses_ws_max_lanes: int = declared("responses_ws_max_lanes")
+    responses_ws_max_pending: int = declared("responses_ws_max_pending")
+    responses_ws_cache_entries: int = declared("responses_ws_cache_entries")
+    responses_ws_cache_chars: int = declared("responses_ws_cache_chars")
     log_level: str = declared("log_level")
 
 

@@ -42,8 +42,10 @@ class ResponsesSession(WsSession):
 
     def __init__(self, gw: Gateway, ws: WebSocket) -> None:
         super().__init__(gw, ws)
-        self.lanes: Lanes[WsCreate] = Lanes()
-        self.cache = TranscriptCache()
+        cfg = gw.config
+        self.lanes: Lanes[WsCreate] = Lanes(cfg.responses_ws_max_active, cfg.responses_ws_max_lanes,
+                                            cfg.responses_ws_max_pending)
+        self.cache = TranscriptCache(cfg.responses_ws_cache_entries, cfg.responses_ws_cache_chars)
         self._n = 0
         self.timing = ws.query_params.get("tokenfan_timing") in ("1", "true")  # benchmarks: see ResponsesSse
 

@@ -84,3 +84,29 @@ def test_a_post_stream_client_that_stops_reading_is_cut_and_its_generation_abort
                        what="dead client's generation aborted")
         finally:
             dead.close()
+
+
+def test_responses_websocket_limits_are_settings(synthetic_engine: str) -> None:
+    """`--responses-ws-max-lanes` / `--responses-ws-max-pending` bound one socket, as the README table says."""
+    import json
+
+    from websockets.sync.client import connect
+
+    proc, url = start_gateway(synthetic_engine, "--responses-ws-max-lanes", "1", "--responses-ws-max-pending", "1",
+                              name="gateway-resp-ws-limits")
+    body = {"model": "synthetic", "input": "x", "max_output_tokens": 400}
+    try:
+        with connect(url.replace("http", "ws") + "/v1/responses") as ws:
+            ws.send(json.dumps({"type": "response.create", **body, "stream_id": "a"}))
+            ws.send(json.dumps({"type": "response.create", **body, "stream_id": "a"}))  # waits in lane a
+            ws.send(json.dumps({"type": "response.create", **body, "stream_id": "a"}))  # over max_pending
+            ws.send(json.dumps({"type": "response.create", **body, "stream_id": "b"}))  # a second lane
+            codes = []
+            while len(codes) < 2:
+                ev = json.loads(ws.recv(timeout=10))
+                if ev["type"] == "error":
+                    codes.append((ev.get("stream_id"), ev["error"]["code"], ev.get("status")))
+            assert codes[0][0] == "a" and codes[0][2] == 429
+            assert codes[1] == ("b", "websocket_stream_limit_reached", codes[1][2])
+    finally:
+        proc.stop()

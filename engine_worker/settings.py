@@ -215,6 +215,8 @@ SETTINGS: tuple[Setting, ...] = (
         "this many seconds late (0 = off)"),
     _gw("direct_write", BOOL, True, "the publisher writes each event straight to every caught-up reader "
         "(uvicorn, HTTP/1.1); off = every reader writes from its own task (for A/B measurement)"),
+    _gw("gc_gen0_threshold", INT, 700, "the gateway's garbage collector runs a young collection every this many "
+        "allocations (Python's default 700; see the README's GC figures)"),
     _gw("sse_retry_ms", INT, 1000, "SSE retry: hint sent to EventSource"),
     _gw("responses_ws_max_active", INT, 16, "Responses WebSocket mode: `stream_id` lanes generating at once "
         "per connection (more wait their turn)"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -59,6 +60,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
                 break
             await asyncio.sleep(0.02)
         gw = Gateway(config=config, engine=engine)
+        gc.set_threshold(config.gc_gen0_threshold, *gc.get_threshold()[1:])
         app.state.gateway = gw
         gw.loop.start()
         if config.broker_url:

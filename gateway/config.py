@@ -52,6 +52,7 @@ class GatewayConfig:
     broker_idle_timeout: float = declared("broker_idle_timeout")
     max_loop_lag: float = declared("max_loop_lag")
     direct_write: bool = declared("direct_write")
+    gc_gen0_threshold: int = declared("gc_gen0_threshold")
     responses_ws_max_active: int = declared("responses_ws_max_active")
     responses_ws_max_lanes: int = declared("responses_ws_max_lanes")
     responses_ws_max_pending: int = declared("responses_ws_max_pending")

@@ -58,6 +58,7 @@ def vllm_engine(ipc_dir: Path, tiny_model: Path) -> Iterator[tuple[str, Proc]]:
 def vllm_gateway_url(vllm_engine: tuple[str, Proc]) -> Iterator[str]:
     """A gateway attached to the shared real vLLM engine (tiny model); waits for the engine start."""
     address, engine = vllm_engine
-    proc, url = start_gateway(address, name="gateway-vllm", timeout=480)  # ~40 s on a quiet box; 244 s was seen at load 17
+    # ~40 s on a quiet box; 244 s was seen at load 17
+    proc, url = start_gateway(address, name="gateway-vllm", timeout=480)
     yield url
     proc.stop()

@@ -249,6 +249,20 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("broker_idle_timeout", FLOAT, 60.0,
         "a mirrored stream with no new entry for this long checks its owner: owner_lost if that gateway is "
         "gone (its lease expired), broker_unavailable if Redis was unreachable all that time"),
+    _gw("broker_op_timeout", FLOAT, 2.0, "connect and reply timeout of an ordinary Redis command",
+        field="broker.op_timeout"),
+    _gw("broker_block", FLOAT, 2.0, "longest blocking Redis read (XREAD BLOCK / BLPOP); its socket timeout is this "
+        "plus --broker-op-timeout", field="broker.block"),
+    _gw("broker_backoff_max", FLOAT, 1.0, "Redis reconnect delays double from 50 ms up to this (jittered)",
+        field="broker.backoff_max"),
+    _gw("broker_lease_interval", FLOAT, 0.5, "how often a gateway refreshes its owner lease in Redis",
+        field="broker.lease_interval"),
+    _gw("broker_lease_ttl", FLOAT, 2.0, "a lease not refreshed for this long means its gateway is gone",
+        field="broker.lease_ttl"),
+    _gw("broker_cancel_timeout", FLOAT, 3.0, "how long a cross-replica DELETE waits for the owner's answer",
+        field="broker.cancel_timeout"),
+    _gw("broker_max_pending", INT, 65_536, "stream entries queued for the next Redis pipeline; beyond, the "
+        "streams are repaired from the owner's log later", field="broker.max_pending"),
     # engine
     _en("backend", STR, "vllm", "engine backend", flag="--engine", env="TOKENFAN_ENGINE",
         aliases={"serve": ("--backend",), "engine": ("--backend",)}, choices=("vllm", "synthetic")),

@@ -67,7 +67,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
             from gateway.broker import Broker
 
             gw.broker = Broker(config.broker_url, gw.hub, idle_timeout=config.broker_idle_timeout,
-                               local_cancel=gw.cancel_local_stream)
+                               local_cancel=gw.cancel_local_stream, timings=config.broker)
         elif config.workers > 1:
             gw.broker = workers.PeerBroker(gw.hub, port=config.port, workers=config.workers,
                                            me=workers.worker_index(), local_cancel=gw.cancel_local_stream)

@@ -44,7 +44,6 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
@@ -54,6 +53,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway import broker_codec as codec
+from gateway.broker_codec import BrokerTimings
 from gateway.errors import APIError
 from gateway.streams import Event, Stream, StreamHub, encode_event
 
@@ -74,19 +74,6 @@ class StreamBroker(Protocol):
     def ended(self, stream: Stream) -> None: ...
     async def mirror(self, stream_id: str) -> Stream: ...
     async def cancel_remote(self, stream_id: str) -> bool: ...
-
-
-@dataclass(frozen=True, slots=True)
-class BrokerTimings:
-    """The broker's own clocks (seconds). ``idle_timeout`` is ``--broker-idle-timeout``."""
-
-    op_timeout: float = 2.0  # connect and reply timeout of an ordinary command
-    block: float = 2.0  # longest XREAD BLOCK / BLPOP; their socket timeout is block + op_timeout
-    backoff_max: float = 1.0  # reconnect delays double from 50 ms up to this (jittered)
-    lease_interval: float = 0.5  # how often a gateway refreshes its lease
-    lease_ttl: float = 2.0  # a lease not refreshed for this long means the gateway is gone
-    cancel_timeout: float = 3.0  # how long cancel_remote waits for the owner's answer
-    max_pending: int = 65_536  # entries queued for the next pipeline; beyond, streams are repaired later
 
 
 def broker_unavailable(exc: BaseException) -> APIError:

@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         values = resolve(ns, ns.command)
-    except SettingError as exc:
+        from gateway.config import gateway_config
+
+        gateway_config(values)  # the checks across settings (e.g. the broker's lease clocks), before any start
+    except (SettingError, ValueError) as exc:
         parser.error(str(exc))
     _logging(values["log_level"])
     if ns.command == "gateway":

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_worker.settings import add_arguments, build, declared
+from gateway.broker_codec import BrokerTimings
 from gateway.openai_api import Limits
 from gateway.streams import Retention, SlowConsumerPolicy
 
@@ -50,6 +51,7 @@ class GatewayConfig:
     curve_dir: Path | None = declared("curve_dir")
     broker_url: str | None = declared("broker_url")
     broker_idle_timeout: float = declared("broker_idle_timeout")
+    broker: BrokerTimings = field(default_factory=BrokerTimings)  # filled through dotted fields
     max_loop_lag: float = declared("max_loop_lag")
     direct_write: bool = declared("direct_write")
     gc_gen0_threshold: int = declared("gc_gen0_threshold")

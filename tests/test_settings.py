@@ -100,7 +100,7 @@ def test_defaults_of_the_table_are_the_defaults_of_the_configs() -> None:
 
 
 def test_every_config_field_is_a_setting_and_every_setting_a_config_field() -> None:
-    not_settings = {"limits", "retention", "policy", "ws_send_queue"}  # nested (filled by dotted fields) / internal
+    not_settings = {"limits", "retention", "policy", "broker", "ws_send_queue"}  # nested (filled by dotted fields) / internal
     for cls, command in ((GatewayConfig, "gateway"), (EngineConfig, "engine")):
         tops = {s.path.partition(".")[0] for s in for_command(command)}
         assert {f.name for f in dataclasses.fields(cls)} - not_settings == tops - not_settings
@@ -144,6 +144,18 @@ def test_nested_gateway_settings_fill_limits_retention_and_policy() -> None:
                                          "--coalesce-after", "3", "--max-subscribers", "4"]))
     assert (g.limits.max_tokens_cap, g.retention.finished_ttl, g.policy.send_timeout, g.policy.coalesce_after,
             g.retention.max_subscribers) == (9, 0.5, 2.0, 3, 4)
+
+
+def test_broker_clocks_are_settings_and_checked_together(capsys: pytest.CaptureFixture[str]) -> None:
+    g = gateway_config(parse("gateway", ["--broker-op-timeout", "0.7", "--broker-lease-interval", "0.2",
+                                         "--broker-lease-ttl", "0.9", "--broker-max-pending", "16"],
+                             {"TOKENFAN_BROKER_CANCEL_TIMEOUT": "5"}))
+    assert (g.broker.op_timeout, g.broker.lease_interval, g.broker.lease_ttl, g.broker.max_pending,
+            g.broker.cancel_timeout, g.broker.block) == (0.7, 0.2, 0.9, 16, 5.0, 2.0)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["gateway", "--broker-lease-ttl", "0.4"])  # the lease would expire between refreshes
+    assert exc.value.code == 2
+    assert "--broker-lease-interval (0.5) must be shorter than --broker-lease-ttl (0.4)" in capsys.readouterr().err
 
 
 def test_gateway_engine_flag_is_a_deprecated_spelling_of_engine_address(caplog: pytest.LogCaptureFixture) -> None:

@@ -168,13 +168,13 @@ def test_a_stalled_writer_raises_slow_consumer() -> None:
 
 
 def test_retention_expires_by_ttl_then_answers_410() -> None:
-    hub = StreamHub(Retention(finished_ttl=0.01))
+    hub = StreamHub(Retention(finished_ttl=0.3))  # room for a busy box between mark_finished and get
     s = hub.create("completions", "m")
     publish_text(s, ["a"])
     s.finish("done")
     hub.mark_finished(s)
     assert hub.get(s.id) is s
-    time.sleep(0.02)
+    time.sleep(0.35)
     for sid, status in [(s.id, 410), ("never", 404)]:
         try:
             hub.get(sid)

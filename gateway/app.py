@@ -112,6 +112,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
     if config.workers > 1:  # served only over each worker's private Unix socket (gateway.workers)
         routes += [Route("/internal/streams/{id}", workers.internal_stream, methods=["GET"]),
                    Route("/internal/streams/{id}", workers.internal_cancel, methods=["DELETE"]),
+                   Route("/internal/transcripts/{id}", workers.internal_transcript, methods=["GET"]),
                    Route("/internal/metrics", workers.internal_metrics, methods=["GET"])]
     auth = Auth(api_keys=frozenset(config.api_keys), token_ttl=config.stream_token_ttl,
                 allowed_origins=config.allowed_origins,

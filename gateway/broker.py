@@ -74,6 +74,8 @@ class StreamBroker(Protocol):
     def ended(self, stream: Stream) -> None: ...
     async def mirror(self, stream_id: str) -> Stream: ...
     async def cancel_remote(self, stream_id: str) -> bool: ...
+    def put_transcript(self, response_id: str, data: bytes, ttl: float) -> None: ...
+    async def transcript(self, response_id: str) -> bytes | None: ...
 
 
 def broker_unavailable(exc: BaseException) -> APIError:
@@ -162,6 +164,7 @@ class Broker:
         self._up = True
         self._wake = asyncio.Event()
         self._background: list[asyncio.Task[None]] = []
+        self._puts: set[asyncio.Task[None]] = set()  # transcript writes in flight
         self._mirrors: set[asyncio.Task[None]] = set()
         self._closing = False
 
@@ -185,6 +188,7 @@ class Broker:
         """Stop; the last entries (the ends written at shutdown) get one bounded attempt."""
         self._closing = True
         await stop_tasks(self._background)
+        await stop_tasks(self._puts)
         with contextlib.suppress(*REDIS_ERRORS):
             async with asyncio.timeout(self.t.op_timeout * 2):
                 await self._flush_once()
@@ -377,6 +381,27 @@ class Broker:
             await asyncio.sleep(self.t.lease_interval)
 
     # -- cancels -----------------------------------------------------------------------------
+
+    def put_transcript(self, response_id: str, data: bytes, ttl: float) -> None:
+        """Keep a finished response's transcript in Redis for ``ttl`` s, so any replica can continue it."""
+
+        async def put() -> None:
+            try:
+                await self._redis.set(codec.transcript_key(response_id), data, px=max(1, int(ttl * 1000)))
+            except REDIS_ERRORS as exc:
+                log.warning("transcript of %s not stored in Redis (%s): previous_response_id works on this "
+                            "replica only", response_id, exc)
+
+        task = asyncio.create_task(put(), name=f"transcript-{response_id}")
+        self._puts.add(task)
+        task.add_done_callback(self._puts.discard)
+
+    async def transcript(self, response_id: str) -> bytes | None:
+        try:
+            data = await self._redis.get(codec.transcript_key(response_id))
+        except REDIS_ERRORS as exc:
+            raise broker_unavailable(exc) from exc
+        return bytes(data) if data is not None else None
 
     async def cancel_remote(self, stream_id: str) -> bool:
         """Ask the replica that runs the stream to cancel it; True once it confirms it did.

@@ -5,6 +5,7 @@ Keys:
   ``tokenfan:k:<id>``    "this id existed" marker, outlives the stream so an expired id answers 410
   ``tokenfan:gw:<gid>``  a gateway's lease, refreshed while it runs (a mirror's owner is alive)
   ``tokenfan:ack:<n>``   the replies to one forwarded cancel (a list; ``1`` = "I held it and cancelled")
+  ``tokenfan:t:<id>``    a finished stored response's transcript (msgpack), for ``previous_response_id``
 
 Entries of ``tokenfan:s:<id>`` (field names are bytes; values UTF-8):
   header  ``created`` = model, ``endpoint``, ``owner`` = gateway id
@@ -48,6 +49,10 @@ def lease_key(gateway_id: str) -> str:
 
 def ack_key(nonce: str) -> str:
     return f"tokenfan:ack:{nonce}"
+
+
+def transcript_key(response_id: str) -> str:
+    return f"tokenfan:t:{response_id}"
 
 
 class CodecError(ValueError):

@@ -21,7 +21,7 @@ from gateway.delivery import read, release
 from gateway.edge import gateway_of
 from gateway.errors import APIError, EngineError, to_api_error
 from gateway.framing import ResponsesWs
-from gateway.responses_api import ResponseEvents, build_request, new_response_id, previous_response_not_found
+from gateway.responses_api import ResponseEvents, build_request, new_response_id
 from gateway.responses_ws import (
     Lanes,
     TranscriptCache,
@@ -30,7 +30,7 @@ from gateway.responses_ws import (
     parse_client_message,
     ws_error,
 )
-from gateway.routes_responses import ENDPOINT, start_response
+from gateway.routes_responses import history, start_response
 from gateway.state import Gateway
 from gateway.ws_session import WsSession
 
@@ -66,24 +66,16 @@ class ResponsesSession(WsSession):
     def send_event(self, event: dict[str, Any], err: APIError | None = None) -> None:
         self.send_text(orjson.dumps(event).decode(), err)
 
-    def _history(self, previous: str | None) -> list[p.ChatMessage]:
-        if not previous:
-            return []
-        cached = self.cache.get(previous)
-        if cached is not None:
-            return list(cached)
-        s = self.gw.hub.streams.get(previous)
-        transcript = s.meta.get("transcript") if s is not None and s.endpoint == ENDPOINT else None
-        if transcript is None:
-            raise previous_response_not_found(previous)
-        return list(transcript)
+    async def _history(self, previous: str | None) -> list[p.ChatMessage]:
+        cached = self.cache.get(previous) if previous else None
+        return list(cached) if cached is not None else await history(self.gw, previous)
 
     async def respond(self, lane: str | None, create: WsCreate) -> None:
         gw = self.gw
         stream = None
         cut = False
         try:
-            rr = build_request(create.request, gw.config.limits, self._history(create.request.previous_response_id))
+            rr = build_request(create.request, gw.config.limits, await self._history(create.request.previous_response_id))
             if not create.generate:  # warmup: state for a later previous_response_id, no output
                 events = ResponseEvents(new_response_id(), gw.check_model(rr.chat.model), request=rr)
                 framing = ResponsesWs(lane, self.timing)

@@ -32,6 +32,8 @@ from gateway.responses_api import (
     ResponsesRequest,
     build_request,
     decode_create,
+    decode_transcript,
+    encode_transcript,
     new_response_id,
     previous_response_not_found,
     response_from_events,
@@ -43,15 +45,18 @@ from gateway.streams import Stream
 ENDPOINT = "responses"
 
 
-def history(gw: Gateway, previous_response_id: str | None) -> list[p.ChatMessage]:
-    """The transcript a ``previous_response_id`` continues, while that response is retained here."""
+async def history(gw: Gateway, previous_response_id: str | None) -> list[p.ChatMessage]:
+    """The transcript a ``previous_response_id`` continues: while that response is retained here, or, with
+    ``--broker``, kept in Redis by the replica that ran it."""
     if not previous_response_id:
         return []
     s = gw.hub.streams.get(previous_response_id)
     transcript = s.meta.get("transcript") if s is not None and s.endpoint == ENDPOINT else None
-    if transcript is None:
-        raise previous_response_not_found(previous_response_id)
-    return list(transcript)
+    if transcript is not None:
+        return list(transcript)
+    if gw.broker is not None and (data := await gw.broker.transcript(previous_response_id)) is not None:
+        return decode_transcript(data)
+    raise previous_response_not_found(previous_response_id)
 
 
 def response_source(events: ResponseEvents) -> Source:
@@ -106,8 +111,15 @@ async def start_response(gw: Gateway, rr: ResponsesRequest, scope: Any, *, lane:
                                     stream_id=rid, endpoint=ENDPOINT)
     stream.meta["events"] = events
     if stream.task is not None:
-        stream.task.add_done_callback(lambda _t: stream.meta.__setitem__("transcript", rr.transcript(events.text)))
+        stream.task.add_done_callback(lambda _t: keep_transcript(gw, stream, rr.transcript(events.text), rr.store))
     return stream, events
+
+
+def keep_transcript(gw: Gateway, stream: Stream, transcript: list[p.ChatMessage], store: bool) -> None:
+    """A finished response can be continued (``previous_response_id``) here, and, if stored, on every replica."""
+    stream.meta["transcript"] = transcript
+    if store and gw.broker is not None:
+        gw.broker.put_transcript(stream.id, encode_transcript(transcript), gw.config.retention.finished_ttl)
 
 
 async def create_response(request: Request) -> Any:
@@ -115,7 +127,7 @@ async def create_response(request: Request) -> Any:
     gw: Gateway = gateway_of(request)
     body = await read_body(request, gw.config.max_body_bytes)
     req = decode_create(body)
-    rr = build_request(req, gw.config.limits, history(gw, req.previous_response_id))
+    rr = build_request(req, gw.config.limits, await history(gw, req.previous_response_id))
     if rr.background and not rr.store:
         raise APIError(400, "background responses must be stored: remove store=false or background.",
                        param="store", code="invalid_value")

@@ -41,6 +41,7 @@ from gateway.delivery import SseResponse, cancel
 from gateway.edge import gateway_of
 from gateway.errors import APIError
 from gateway.framing import Ending, Framing
+from gateway.responses_api import encode_transcript
 from gateway.streams import Event, Stream, StreamHub
 
 if TYPE_CHECKING:
@@ -134,6 +135,18 @@ async def internal_cancel(request: Request) -> Response:
     gw: Gateway = gateway_of(request)
     s = gw.hub.streams.get(request.path_params["id"])
     return JSONResponse({"cancelled": bool(s is not None and not s.mirrored and cancel(s))})
+
+
+async def internal_transcript(request: Request) -> Response:
+    """A retained response's transcript (msgpack), for a peer resolving ``previous_response_id``."""
+    if not _over_unix_socket(request):
+        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+    gw: Gateway = gateway_of(request)
+    s = gw.hub.streams.get(request.path_params["id"])
+    transcript = s.meta.get("transcript") if s is not None and not s.mirrored else None
+    if transcript is None:
+        return Response(status_code=404)
+    return Response(encode_transcript(transcript), media_type="application/msgpack")
 
 
 async def internal_metrics(request: Request) -> Response:
@@ -289,6 +302,20 @@ class PeerBroker:
             caught_up.set()
             writer.close()
             self.hub.mark_finished(stream)
+
+    def put_transcript(self, response_id: str, data: bytes, ttl: float) -> None:
+        """Nothing to do: the worker that ran a response keeps it, and peers ask it (:meth:`transcript`)."""
+
+    async def transcript(self, response_id: str) -> bytes | None:
+        """The transcript of a response retained by a peer worker, or None."""
+        for path in self.peers.values():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                status, reader, writer = await _request(path, "GET", f"/internal/transcripts/{response_id}")
+                body = await reader.read()
+                writer.close()
+                if status == 200:
+                    return body
+        return None
 
     async def cancel_remote(self, stream_id: str) -> bool:
         k = self._owner.get(stream_id)

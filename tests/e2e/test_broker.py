@@ -622,3 +622,43 @@ def test_two_engines_two_gateways_one_broker(ipc_dir: Path, redis_server: RedisS
     finally:
         for p in (gw_a, gw_b, *engines):
             p.stop()
+
+
+def test_previous_response_id_continues_on_another_replica(synthetic_engine: str, redis_server: RedisServer) -> None:
+    """A stored response run on gateway A is continued by `previous_response_id` on gateway B (HTTP and
+    WebSocket mode); `store: false` stays on A; an unknown id is `previous_response_not_found` on both."""
+    from websockets.sync.client import connect
+
+    common = ["--broker", redis_server.url]
+    gw_a, url_a = start_gateway(synthetic_engine, *common, name="gateway-resp-a")
+    gw_b, url_b = start_gateway(synthetic_engine, *common, name="gateway-resp-b")
+    try:
+        first = httpx.post(url_a + "/v1/responses", json={"input": "one", "max_output_tokens": 4}, timeout=30).json()
+        assert first["status"] == "incomplete" and first["output"]
+        said = first["output"][0]["content"][0]["text"]
+
+        def continue_on_b() -> httpx.Response:
+            return httpx.post(url_b + "/v1/responses", timeout=30,
+                              json={"input": "two", "previous_response_id": first["id"], "max_output_tokens": 2})
+
+        wait_until(lambda: continue_on_b().status_code == 200, timeout=5, what="transcript in Redis")
+        second = continue_on_b().json()
+        # B's engine saw A's turn: the prompt holds "one", A's answer and "two" (synthetic: a token per word)
+        assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + len(said.split())
+        with connect(url_b.replace("http", "ws") + "/v1/responses") as ws:
+            ws.send(json.dumps({"type": "response.create", "input": "three", "previous_response_id": first["id"],
+                                "max_output_tokens": 2}))
+            while (ev := json.loads(ws.recv(timeout=10)))["type"] not in ("response.incomplete", "error"):
+                pass
+            assert ev["type"] == "response.incomplete", ev
+
+        private = httpx.post(url_a + "/v1/responses", timeout=30,
+                             json={"input": "one", "store": False, "max_output_tokens": 2}).json()
+        for url in (url_a, url_b):
+            r = httpx.post(url + "/v1/responses", json={"input": "x", "previous_response_id": "resp_nope"})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found"
+        r = httpx.post(url_b + "/v1/responses", json={"input": "x", "previous_response_id": private["id"]})
+        assert r.status_code == 400, "store: false must not reach Redis"
+    finally:
+        gw_a.stop()
+        gw_b.stop()

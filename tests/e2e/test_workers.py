@@ -86,3 +86,16 @@ def test_the_internal_routes_are_not_on_the_public_port(two_workers: tuple[Proc,
         with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as c:
             assert c.get(f"{url}/internal/streams/{info['id']}").status_code == 404
             assert c.get(f"{url}/internal/metrics").status_code == 404
+            assert c.get(f"{url}/internal/transcripts/{info['id']}").status_code == 404
+
+
+def test_previous_response_id_resolves_on_either_worker(two_workers: tuple[Proc, str]) -> None:
+    """Each continuation goes out on a fresh connection, so SO_REUSEPORT spreads them over both workers."""
+    _, url = two_workers
+    first = httpx.post(url + "/v1/responses", json={"input": "one", "max_output_tokens": 3}, timeout=30).json()
+    for _ in range(8):
+        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as c:
+            r = c.post(url + "/v1/responses", timeout=30,
+                       json={"input": "two", "previous_response_id": first["id"], "max_output_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["input_tokens"] > first["usage"]["input_tokens"]

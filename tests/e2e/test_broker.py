@@ -553,10 +553,15 @@ def test_an_8s_time_to_first_token_reaches_every_reader_on_the_mirroring_replica
 
         close_code = asyncio.run(main())
         want = stream_text(on_a)
-        assert len(want[1]) >= 50 and on_a[-1]["data"] == "[DONE]"
-        assert stream_text(sse) == want and sse[-1]["data"] == "[DONE]"
-        assert stream_text(late) == want and late[-1]["data"] == "[DONE]"
-        assert ws_text(ws) == want and ws[-1] == {"type": "done"} and close_code == 1000
+        # A's reader reached the end of the log (a loaded box may merge a lagging reader's events: count seqs)
+        status = httpx.get(f"{c.url_a}/v1/streams/{sid}").json()
+        assert status["state"] == "done" and want[1][-1] == status["events"] - 1 and on_a[-1]["data"] == "[DONE]"
+        assert len(want[0]) > 100
+        # every token on every reader (ids may differ where a lagging reader got events merged)
+        for got in (stream_text(sse), stream_text(late), ws_text(ws)):
+            assert got[0] == want[0] and got[1][-1] == want[1][-1]
+        assert sse[-1]["data"] == "[DONE]" and late[-1]["data"] == "[DONE]"
+        assert ws[-1] == {"type": "done"} and close_code == 1000
     finally:
         c.stop()
 

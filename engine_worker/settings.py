@@ -280,8 +280,8 @@ SETTINGS: tuple[Setting, ...] = (
     _en("stream_interval", INT, 1, "deliver every N tokens per event (like vLLM's --stream-interval)",
         minimum=1),
     _en("cpu_placement", STR, "auto", "vLLM on CPU hosts: where the engine runs. `auto`: `split` on hosts with up "
-        "to 8 CPUs for models under 256 MiB of weights, else `vllm`; `split`: engine core + model worker on all CPUs but the last; `vllm`: vLLM's "
-        "own auto binding; `all`: every CPU in the OpenMP pool; or a VLLM_CPU_OMP_THREADS_BIND CPU list. "
+        "to 8 CPUs for models under 256 MiB of weights, else `vllm`; `split`: engine core + model worker on all "
+        "CPUs but the last; `vllm`: vLLM's own auto binding; `all`: every CPU in the OpenMP pool; or a VLLM_CPU_OMP_THREADS_BIND CPU list. "
         "VLLM_CPU_OMP_THREADS_BIND in the environment wins"),
     _en("synthetic_ttft_ms", FLOAT, 20.0, "synthetic engine: time to first token"),
     _en("synthetic_tokens_per_s", FLOAT, 50.0, "synthetic engine: tokens per second per stream"),

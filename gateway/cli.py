@@ -7,10 +7,13 @@ import contextlib
 import logging
 import sys
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine_worker.settings import SettingError, add_arguments, default_runtime_dir, given, resolve
 from gateway.server import run_gateway
+
+if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
 
 log = logging.getLogger("tokenfan")
 
@@ -19,12 +22,11 @@ def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def cmd_serve(values: dict[str, Any]) -> int:
+def cmd_serve(values: dict[str, Any], gconf: GatewayConfig) -> int:
     from engine_worker.config import engine_argv, engine_config
-    from gateway.config import gateway_config
     from gateway.supervisor import EngineSupervisor
 
-    econf, gconf = engine_config(values), gateway_config(values)
+    econf = engine_config(values)
     address = econf.engine_address
     supervisor = EngineSupervisor(engine_argv(econf))
 
@@ -39,11 +41,6 @@ def cmd_serve(values: dict[str, Any]) -> int:
     return 0
 
 
-def cmd_gateway(values: dict[str, Any]) -> int:
-    from gateway.config import gateway_config
-
-    run_gateway(gateway_config(values))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,20 +84,25 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         values = resolve(ns, ns.command)
-        from gateway.config import gateway_config
+    except SettingError as exc:
+        parser.error(str(exc))
+    if ns.command == "serve":
+        if "engine_address" not in given(ns, "serve"):  # two `serve`s on one machine must not share a socket
+            port = values["port"]
+            values["engine_address"] = f"ipc://{default_runtime_dir() / f'engine-{port}.sock'}"
+        elif "," in values["engine_address"]:
+            parser.error(f"serve runs one engine, got --engine-address {values['engine_address']!r}")
+    from gateway.config import gateway_config
 
-        gateway_config(values)  # the checks across settings (e.g. the broker's lease clocks), before any start
-    except (SettingError, ValueError) as exc:
+    try:
+        gconf = gateway_config(values)  # also the checks across settings (e.g. the broker's lease clocks)
+    except ValueError as exc:
         parser.error(str(exc))
     _logging(values["log_level"])
     if ns.command == "gateway":
-        return cmd_gateway(values)
-    if "engine_address" not in given(ns, "serve"):  # two `serve`s on one machine must not share a socket
-        port = values["port"]
-        values["engine_address"] = f"ipc://{default_runtime_dir() / f'engine-{port}.sock'}"
-    elif "," in values["engine_address"]:
-        parser.error(f"serve runs one engine, got --engine-address {values['engine_address']!r}")
-    return cmd_serve(values)
+        run_gateway(gconf)
+        return 0
+    return cmd_serve(values, gconf)
 
 
 if __name__ == "__main__":

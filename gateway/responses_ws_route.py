@@ -75,7 +75,8 @@ class ResponsesSession(WsSession):
         stream = None
         cut = False
         try:
-            rr = build_request(create.request, gw.config.limits, await self._history(create.request.previous_response_id))
+            previous = await self._history(create.request.previous_response_id)
+            rr = build_request(create.request, gw.config.limits, previous)
             if not create.generate:  # warmup: state for a later previous_response_id, no output
                 events = ResponseEvents(new_response_id(), gw.check_model(rr.chat.model), request=rr)
                 framing = ResponsesWs(lane, self.timing)

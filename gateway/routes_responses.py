@@ -40,9 +40,15 @@ from gateway.responses_api import (
     response_not_found,
 )
 from gateway.state import Gateway
-from gateway.streams import Stream
+from gateway.streams import Stream, StreamHub
 
 ENDPOINT = "responses"
+
+
+def retained_transcript(hub: StreamHub, response_id: str) -> list[p.ChatMessage] | None:
+    """The transcript of a finished response this gateway ran and still retains (see :func:`keep_transcript`)."""
+    s = hub.streams.get(response_id)
+    return s.meta.get("transcript") if s is not None and s.endpoint == ENDPOINT and not s.mirrored else None
 
 
 async def history(gw: Gateway, previous_response_id: str | None) -> list[p.ChatMessage]:
@@ -50,8 +56,7 @@ async def history(gw: Gateway, previous_response_id: str | None) -> list[p.ChatM
     ``--broker``, kept in Redis by the replica that ran it."""
     if not previous_response_id:
         return []
-    s = gw.hub.streams.get(previous_response_id)
-    transcript = s.meta.get("transcript") if s is not None and s.endpoint == ENDPOINT else None
+    transcript = retained_transcript(gw.hub, previous_response_id)
     if transcript is not None:
         return list(transcript)
     if gw.broker is not None and (data := await gw.broker.transcript(previous_response_id)) is not None:

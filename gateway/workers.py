@@ -42,6 +42,7 @@ from gateway.edge import gateway_of
 from gateway.errors import APIError
 from gateway.framing import Ending, Framing
 from gateway.responses_api import encode_transcript
+from gateway.routes_responses import retained_transcript
 from gateway.streams import Event, Stream, StreamHub
 
 if TYPE_CHECKING:
@@ -141,9 +142,7 @@ async def internal_transcript(request: Request) -> Response:
     """A retained response's transcript (msgpack), for a peer resolving ``previous_response_id``."""
     if not _over_unix_socket(request):
         raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
-    gw: Gateway = gateway_of(request)
-    s = gw.hub.streams.get(request.path_params["id"])
-    transcript = s.meta.get("transcript") if s is not None and not s.mirrored else None
+    transcript = retained_transcript(gateway_of(request).hub, request.path_params["id"])
     if transcript is None:
         return Response(status_code=404)
     return Response(encode_transcript(transcript), media_type="application/msgpack")

@@ -205,7 +205,7 @@ def test_help_of_every_command(command: str, capsys: pytest.CaptureFixture[str])
 def test_serve_gives_its_engine_a_private_socket_per_port_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[dict[str, Any]] = []
 
-    def cmd_serve(values: dict[str, Any]) -> int:
+    def cmd_serve(values: dict[str, Any], gconf: GatewayConfig) -> int:
         seen.append(values)
         return 0
 

@@ -309,16 +309,27 @@ class H1Pool:
 # -- WebSocket (picows) -----------------------------------------------------------------------
 
 
-class WsSubscriber(picows.WSListener):  # type: ignore[misc]
-    """Records the gateway's fan-out WebSocket messages into ``rec``."""
+class BatchedWsListener(picows.WSListener):  # type: ignore[misc]
+    """A picows listener that stamps each read buffer once and hands whole messages (``_on_message(t,
+    payload)``) and the end (``_on_end(t, why)``) to the :class:`ReadBatch`. ``label`` starts its error
+    texts; a clean close (1000) ends it quietly unless ``close_ok_is_end``."""
 
-    def __init__(self, rec: Recorder, batch: ReadBatch, fut: asyncio.Future[None]) -> None:
+    label = "WS"
+    close_ok_is_end = False
+
+    def __init__(self, batch: ReadBatch) -> None:
         super().__init__()
-        self.rec, self.batch, self.fut = rec, batch, fut
+        self.batch = batch
         self.transport: picows.WSTransport | None = None
         self._t = 0  # the stamp of the read buffer being delivered
         self._message = self._on_message
         self._end = self._on_end
+
+    def _on_message(self, t: int, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def _on_end(self, t: int, why: str | None) -> None:
+        raise NotImplementedError
 
     def on_ws_connected(self, transport: picows.WSTransport) -> None:
         self.transport = transport
@@ -329,7 +340,7 @@ class WsSubscriber(picows.WSListener):  # type: ignore[misc]
         mt = frame.msg_type
         if mt == picows.WSMsgType.TEXT or mt == picows.WSMsgType.BINARY:
             if not frame.fin:
-                self.batch.add(self._end, t, "WS fragmented message (not sent by tokenfan)")
+                self.batch.add(self._end, t, f"{self.label} fragmented message (not sent by tokenfan)")
                 transport.disconnect(False)
                 return
             self.batch.add(self._message, t, frame.get_payload_as_bytes())
@@ -337,8 +348,17 @@ class WsSubscriber(picows.WSListener):  # type: ignore[misc]
             code = frame.get_close_code()
             transport.send_close(code)
             transport.disconnect()
-            if code != picows.WSCloseCode.OK:
-                self.batch.add(self._end, t, f"WS close {int(code.value)} {frame.get_close_reason()[:100]}")
+            if self.close_ok_is_end or code != picows.WSCloseCode.OK:
+                reason = frame.get_close_reason()[:100]
+                self.batch.add(self._end, t, f"{self.label} close {int(code.value)} {reason}")
+
+
+class WsSubscriber(BatchedWsListener):
+    """Records the gateway's fan-out WebSocket messages into ``rec``."""
+
+    def __init__(self, rec: Recorder, batch: ReadBatch, fut: asyncio.Future[None]) -> None:
+        super().__init__(batch)
+        self.rec, self.fut = rec, fut
 
     def on_ws_disconnected(self, transport: picows.WSTransport) -> None:
         self.batch.add(self._end, 0, None)

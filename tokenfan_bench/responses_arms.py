@@ -30,7 +30,15 @@ import msgspec
 import orjson
 import picows
 
-from tokenfan_bench.fastclient import PARSE_ERRORS, H1Pool, ReadBatch, Sink, client_ssl_context, target_of
+from tokenfan_bench.fastclient import (
+    PARSE_ERRORS,
+    BatchedWsListener,
+    H1Pool,
+    ReadBatch,
+    Sink,
+    client_ssl_context,
+    target_of,
+)
 from tokenfan_bench.http1 import ResponseHead, request
 from tokenfan_bench.record import Recorder
 from tokenfan_bench.wire import ChunkSample
@@ -182,38 +190,17 @@ async def respond_sse(pool: H1Pool, target: str, body: bytes, rec: ResponseRecor
 # -- WebSocket mode (picows) ---------------------------------------------------------------------
 
 
-class ResponseWs(picows.WSListener):  # type: ignore[misc]
+class ResponseWs(BatchedWsListener):
     """One WebSocket-mode connection; carries one response at a time (``start``), then is reused."""
 
+    label = "resp-ws:"
+    close_ok_is_end = True  # any close ends the connection's use
+
     def __init__(self, batch: ReadBatch) -> None:
-        super().__init__()
-        self.batch = batch
-        self.transport: picows.WSTransport | None = None
+        super().__init__(batch)
         self.rec: ResponseRecorder | None = None
         self.fut: asyncio.Future[None] | None = None
         self.closed = False
-        self._t = 0  # the stamp of the read buffer being delivered
-        self._message = self._on_message
-        self._end = self._on_end
-
-    def on_ws_connected(self, transport: picows.WSTransport) -> None:
-        self.transport = transport
-
-    def on_ws_frame(self, transport: picows.WSTransport, frame: picows.WSFrame) -> None:
-        t = self._t or time_ns()
-        self._t = 0 if frame.last_in_buffer else t
-        mt = frame.msg_type
-        if mt == picows.WSMsgType.TEXT or mt == picows.WSMsgType.BINARY:
-            if not frame.fin:
-                self.batch.add(self._end, t, "resp-ws: fragmented message (not sent by tokenfan)")
-                transport.disconnect(False)
-                return
-            self.batch.add(self._message, t, frame.get_payload_as_bytes())
-        elif mt == picows.WSMsgType.CLOSE:
-            code = frame.get_close_code()
-            transport.send_close(code)
-            transport.disconnect()
-            self.batch.add(self._end, t, f"resp-ws: close {int(code.value)} {frame.get_close_reason()[:100]}")
 
     def on_ws_disconnected(self, transport: picows.WSTransport) -> None:
         self.batch.add(self._end, 0, "resp-ws: connection closed before response.completed")
@@ -243,9 +230,9 @@ class ResponseWs(picows.WSListener):  # type: ignore[misc]
         if ended:
             self._finish()
 
-    def _on_end(self, _t: int, why: str) -> None:
+    def _on_end(self, _t: int, why: str | None) -> None:
         self.closed = True
-        if self.rec is not None:
+        if self.rec is not None and why is not None:  # every end of this listener says why
             self.rec.fail(why)
         self._finish()
 

@@ -295,22 +295,34 @@ class FetchChat extends Generation {
     });
   }
 
+  get path() { return "/v1/chat/completions"; }
+
+  requestBody(body) { return { ...body, stream: true }; }
+
+  /** One SSE event of the response; true once the generation ended. */
+  event(ev, recvMs) {
+    if (ev.event === "error") throw apiErrorFromBody(JSON.parse(ev.data));
+    if (ev.data === "[DONE]") {
+      this.finish("done");
+      return true;
+    }
+    this.chunk(JSON.parse(ev.data), recvMs);
+    return false;
+  }
+
   async run(body) {
     this.onState("connecting");
-    const resp = await fetch(gatewayURL("/v1/chat/completions"), {
+    const resp = await fetch(gatewayURL(this.path), {
       method: "POST",
       headers: authHeaders({ "Content-Type": "application/json", Accept: "text/event-stream" }),
-      body: JSON.stringify({ ...body, stream: true }),
+      body: JSON.stringify(this.requestBody(body)),
       signal: this.abort.signal,
     });
     if (!resp.ok) throw await errorFromResponse(resp);
     this.openMs = epochMs();
     this.onState("streaming");
     for await (const ev of readEventStream(resp)) {
-      const recvMs = epochMs();
-      if (ev.event === "error") throw apiErrorFromBody(JSON.parse(ev.data));
-      if (ev.data === "[DONE]") return this.finish("done");
-      this.chunk(JSON.parse(ev.data), recvMs);
+      if (this.event(ev, epochMs())) return;
     }
     throw new ApiError(0, "the connection closed before the answer was complete.", { code: "network_error" });
   }
@@ -341,15 +353,13 @@ function wsClosed(gen, e, opened) {
     { code: "network_error" })));
 }
 
-let wsRequestCounter = 0;
-
-/** One request over /v1/ws; Stop sends a cancel message and waits for the server's "done". */
-class WebSocketChat extends Generation {
-  constructor(body, opts) {
+/** A generation over its own WebSocket: sends `first` once open, hands each message to `message(e)`,
+ *  reports the close (wsClosed), and closes the socket on release. */
+class SocketChat extends Generation {
+  constructor(path, first, opts) {
     super(opts);
-    this.cid = `chat-${Date.now().toString(36)}-${++wsRequestCounter}`;
     this.onState("connecting");
-    const url = new URL(gatewayURL("/v1/ws", { ws: true }));
+    const url = new URL(gatewayURL(path, { ws: true }));
     if (apiKey()) url.searchParams.set("api_key", apiKey()); // browsers cannot set WebSocket headers
     const ws = (this.ws = new WebSocket(url));
     let opened = false;
@@ -357,10 +367,25 @@ class WebSocketChat extends Generation {
       opened = true;
       this.openMs = epochMs();
       this.onState("streaming");
-      ws.send(JSON.stringify({ type: "request", id: this.cid, endpoint: "chat.completions", body }));
+      ws.send(JSON.stringify(first));
     };
     ws.onmessage = (e) => this.message(e);
     ws.onclose = (e) => wsClosed(this, e, opened);
+  }
+
+  release() {
+    if (this.ws.readyState <= WebSocket.OPEN) this.ws.close(1000);
+  }
+}
+
+let wsRequestCounter = 0;
+
+/** One request over /v1/ws; Stop sends a cancel message and waits for the server's "done". */
+class WebSocketChat extends SocketChat {
+  constructor(body, opts) {
+    const cid = `chat-${Date.now().toString(36)}-${++wsRequestCounter}`;
+    super("/v1/ws", { type: "request", id: cid, endpoint: "chat.completions", body }, opts);
+    this.cid = cid;
   }
 
   message(e) {
@@ -383,10 +408,6 @@ class WebSocketChat extends Generation {
     } else {
       this.finish("cancelled");
     }
-  }
-
-  release() {
-    if (this.ws.readyState <= WebSocket.OPEN) this.ws.close(1000);
   }
 }
 
@@ -427,58 +448,33 @@ function responsesEvent(gen, ev, recvMs) {
 
 /** POST /v1/responses with stream:true, read with the same streaming SSE parser as FetchChat. */
 class ResponsesSseChat extends FetchChat {
-  async run(body) {
-    this.onState("connecting");
-    const resp = await fetch(gatewayURL("/v1/responses"), {
-      method: "POST",
-      headers: authHeaders({ "Content-Type": "application/json", Accept: "text/event-stream" }),
-      body: JSON.stringify(responsesBody(body)),
-      signal: this.abort.signal,
-    });
-    if (!resp.ok) throw await errorFromResponse(resp);
-    this.openMs = epochMs();
-    this.onState("streaming");
-    for await (const ev of readEventStream(resp)) {
-      const recvMs = epochMs();
-      const data = JSON.parse(ev.data);
-      if (ev.event === "error" && data.error && !data.type) throw apiErrorFromBody(data); // a cut reader
-      if (responsesEvent(this, data, recvMs)) return;
-    }
-    throw new ApiError(0, "the connection closed before the answer was complete.", { code: "network_error" });
+  get path() { return "/v1/responses"; }
+
+  requestBody(body) { return responsesBody(body); }
+
+  event(ev, recvMs) {
+    const data = JSON.parse(ev.data);
+    if (ev.event === "error" && data.error && !data.type) throw apiErrorFromBody(data); // a cut reader
+    return responsesEvent(this, data, recvMs);
   }
 }
 
 /** The Responses API's WebSocket mode: one response.create, its events back as JSON messages. */
-class ResponsesWsChat extends Generation {
+class ResponsesWsChat extends SocketChat {
   constructor(body, opts) {
-    super(opts);
-    this.onState("connecting");
-    const url = new URL(gatewayURL("/v1/responses", { ws: true }));
-    if (apiKey()) url.searchParams.set("api_key", apiKey());
-    const ws = (this.ws = new WebSocket(url));
-    let opened = false;
-    ws.onopen = () => {
-      opened = true;
-      this.openMs = epochMs();
-      this.onState("streaming");
-      const { stream, ...create } = responsesBody(body);
-      ws.send(JSON.stringify({ type: "response.create", ...create }));
-    };
-    ws.onmessage = (e) => {
-      const recvMs = epochMs();
-      responsesEvent(this, JSON.parse(e.data), recvMs);
-    };
-    ws.onclose = (e) => wsClosed(this, e, opened);
+    const { stream, ...create } = responsesBody(body);
+    super("/v1/responses", { type: "response.create", ...create }, opts);
+  }
+
+  message(e) {
+    const recvMs = epochMs();
+    responsesEvent(this, JSON.parse(e.data), recvMs);
   }
 
   stop() {
     if (this.settled) return;
     this.stopping = true; // closing the socket aborts its responses on the gateway
     this.finish("cancelled");
-  }
-
-  release() {
-    if (this.ws.readyState <= WebSocket.OPEN) this.ws.close(1000);
   }
 }
 

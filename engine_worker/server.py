@@ -167,6 +167,8 @@ class EngineServer:
 
     def _heartbeat(self, ping_sent_ns: int) -> p.Heartbeat:
         running, waiting = self.backend.load()
+        # Requests this server holds that the backend has not started yet count as waiting.
+        waiting = max(waiting, len(self._requests) - running)
         info = self.backend.info
         return p.Heartbeat(
             engine_id=self.engine_id, backend=info.kind, model=info.model, max_model_len=info.max_model_len,

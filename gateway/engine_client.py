@@ -326,7 +326,9 @@ class EngineClient:
     def _on_heartbeat(self, msg: p.Heartbeat) -> None:
         previous = self.last_heartbeat
         self.last_heartbeat = msg
-        self._submitted_since_beat = 0
+        # The heartbeat's load counts what the engine had read when it answered the ping; submits sent
+        # after that ping are not in it yet (a burst of submits would otherwise all go to one engine).
+        self._submitted_since_beat = self._submit_seq - self._pings.get(msg.ping_sent_ns, self._submit_seq)
         self._last_beat_at = time.monotonic()
         if previous is None:
             log.info("engine %s up: %s model=%s", msg.engine_id, msg.backend, msg.model)

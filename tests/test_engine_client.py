@@ -210,3 +210,34 @@ def test_engine_error_message_is_typed_and_mapped_only_at_the_edge() -> None:
             await engine.kill()
 
     run(main)
+
+
+def test_routing_load_counts_submits_the_answered_ping_did_not_see() -> None:
+    async def main(address: str) -> None:
+        engine = FakeEngine(address, "e")
+        client = EngineClient(address, heartbeat_interval=0.05, heartbeat_timeout=30)
+        await client.start()
+        try:
+            await until(lambda: client.healthy, "first heartbeat")
+            engine.hold_pings = True
+            engine.held.clear()
+            await until(lambda: bool(engine.held), "a held ping")
+            handles = [client.submit(submit(f"r{i}")) for i in range(2)]
+            await engine.wait_for(lambda m: isinstance(m, p.Submit) and m.request_id == "r1")
+            identity, ping = engine.held[0]
+            await engine.beat(identity, ping)  # load 0, measured before the two submits were read
+            await until(lambda: client.last_heartbeat is not None
+                        and client.last_heartbeat.ping_sent_ns == ping.sent_ns, "the held heartbeat")
+            assert client.routing_load() == 2  # a burst must not all go to the engine that looked idle
+            engine.hold_pings = False
+            # A heartbeat answering a ping sent after both submits: the engine's own count is all there is.
+            await until(lambda: client.last_heartbeat is not None
+                        and client._pings.get(client.last_heartbeat.ping_sent_ns) == 2, "a later heartbeat")
+            assert client.routing_load() == 0
+            for h in handles:
+                h.close()
+        finally:
+            await client.close()
+            await engine.kill()
+
+    run(main)

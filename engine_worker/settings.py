@@ -212,7 +212,7 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("cut_linger", FLOAT, 10.0, "seconds a cut connection may still flush its ending to a peer that "
         "reads again before it is reset", field="policy.linger"),
     _gw("max_loop_lag", FLOAT, 0.5, "new work gets 503 `overloaded` while the gateway's event loop runs "
-        "this many seconds late (0 = off)"),
+        "this many seconds late on the median tick of the last second (one stall is not overload; 0 = off)"),
     _gw("direct_write", BOOL, True, "the publisher writes each event straight to every caught-up reader "
         "(uvicorn, HTTP/1.1); off = every reader writes from its own task (for A/B measurement)"),
     _gw("gc_gen0_threshold", INT, 700, "the gateway's garbage collector runs a young collection every this many "

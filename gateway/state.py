@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,15 +24,20 @@ log = logging.getLogger(__name__)
 
 
 class LoopMonitor:
-    """How late the event loop runs: the overshoot of a short periodic sleep (worst of the last second).
+    """How late the event loop runs: the overshoot of a short periodic sleep, over the last ``window`` s.
 
-    Admission refuses new work while it exceeds ``--max-loop-lag``: a gateway that is already behind
-    would only deliver everything later, failure notices included."""
+    ``lag`` is the worst tick of the window (``tokenfan_event_loop_lag_seconds``); ``sustained`` is its
+    median, what admission compares with ``--max-loop-lag``. One stall (a GC pause, a first-call import,
+    the process descheduled on a busy host) raises ``lag`` for a second but not ``sustained``; a loop
+    that is behind on most ticks raises both. A gateway that is behind would only deliver everything
+    later, failure notices included, so it refuses new work instead."""
 
-    def __init__(self, interval: float = 0.05) -> None:
+    def __init__(self, interval: float = 0.05, window: float = 1.0) -> None:
         self.interval = interval
+        self.window = window
         self.lag = 0.0
-        self._recent: collections.deque[float] = collections.deque(maxlen=max(1, int(1.0 / interval)))
+        self.sustained = 0.0
+        self._recent: collections.deque[tuple[float, float]] = collections.deque()  # (at, overshoot)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -41,13 +47,23 @@ class LoopMonitor:
         if self._task is not None:
             self._task.cancel()
 
+    def record(self, at: float, overshoot: float) -> None:
+        """Add one tick; keeps the window (never fewer than 3 ticks, so a loop slower than one tick per
+        window still has a median)."""
+        self._recent.append((at, overshoot))
+        while len(self._recent) > 3 and at - self._recent[0][0] > self.window:
+            self._recent.popleft()
+        values = sorted(v for _, v in self._recent)
+        self.lag = values[-1]
+        self.sustained = values[len(values) // 2]
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             t = loop.time()
             await asyncio.sleep(self.interval)
-            self._recent.append(max(0.0, loop.time() - t - self.interval))
-            self.lag = max(self._recent)
+            now = loop.time()
+            self.record(now, max(0.0, now - t - self.interval))
 
 
 @dataclass
@@ -64,6 +80,7 @@ class Gateway:
     draining: bool = False
     active: collections.Counter[str | None] = field(default_factory=collections.Counter)
     loop: LoopMonitor = field(default_factory=LoopMonitor)
+    _overload_logged_at: float = field(default=float("-inf"), repr=False)
 
     def __post_init__(self) -> None:
         self.hub = StreamHub(self.config.retention)
@@ -107,8 +124,14 @@ class Gateway:
 
     def _admit(self, key: str | None) -> None:
         max_lag = self.config.max_loop_lag
-        if max_lag and self.loop.lag > max_lag:
-            raise APIError(503, f"The gateway is overloaded (event loop {self.loop.lag * 1000:.0f} ms behind; the "
+        lag = self.loop.sustained
+        if max_lag and lag > max_lag:
+            now = time.monotonic()
+            if now - self._overload_logged_at > 1.0:  # rate-limited: one line per second of refusals
+                self._overload_logged_at = now
+                log.warning("refusing new work: event loop %.0f ms behind (median of the last second; "
+                            "--max-loop-lag %.0f ms)", lag * 1000, max_lag * 1000)
+            raise APIError(503, f"The gateway is overloaded (event loop {lag * 1000:.0f} ms behind; the "
                                 f"limit is {max_lag * 1000:.0f} ms); retry shortly.", type="server_error",
                            code="overloaded", retry_after=1.0)
         total = sum(self.active.values())

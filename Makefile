@@ -40,7 +40,9 @@ test: setup test-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check gateway engine_worker tests || true
+	$(PIP) install -q -e '.[dev]'
+	$(VENV)/bin/ruff check gateway engine_worker tokenfan_bench tools tests
+	$(VENV)/bin/mypy gateway engine_worker tokenfan_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache test-artifacts

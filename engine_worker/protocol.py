@@ -14,7 +14,7 @@ Directions:
 from __future__ import annotations
 
 import time
-from typing import Literal, Union
+from typing import Literal
 
 import msgspec
 
@@ -126,7 +126,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True):
     bad_frames: int = 0  # malformed frames the engine dropped since it started
 
 
-Message = Union[Submit, Abort, Ping, Accepted, DeltaBatch, Error, Heartbeat]
+Message = Submit | Abort | Ping | Accepted | DeltaBatch | Error | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -68,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return certs_main(argv[1:])
     if argv[:1] == ["prepare-model"]:
-        from engine_worker.models import main as models_main  # type: ignore[attr-defined]
+        from engine_worker.models import main as models_main
 
-        return int(models_main(argv[1:]) or 0)
+        models_main(argv[1:])
+        return 0
 
     parser = argparse.ArgumentParser(prog="tokenfan", description="Token-streaming gateway for LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -279,18 +280,19 @@ class EngineClient:
         assert self._sock is not None
         try:
             # zmq.asyncio returns a Future, already done for a NOBLOCK send: its exception is the outcome.
-            fut = self._sock.send_multipart(p.encode(msg), flags=zmq.NOBLOCK, copy=False)
+            fut = cast("asyncio.Future[object]",
+                       self._sock.send_multipart(p.encode(msg), flags=zmq.NOBLOCK, copy=False))
         except zmq.ZMQError as exc:
             log.warning("engine send failed: %s", exc)
             return False
         if not fut.done():
             fut.add_done_callback(_log_send_failure)
             return True
-        exc = fut.exception()
-        if exc is None:
+        err = fut.exception()
+        if err is None:
             return True
-        if not isinstance(exc, zmq.Again):
-            log.warning("engine send failed: %s", exc)
+        if not isinstance(err, zmq.Again):
+            log.warning("engine send failed: %s", err)
         return False
 
     async def _reader(self) -> None:

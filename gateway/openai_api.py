@@ -12,6 +12,7 @@ than silently ignored.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import uuid
@@ -167,7 +168,7 @@ _PATH = re.compile(r"at `\$\.?([^`]*)`")
 def parse_request(endpoint: Endpoint, body: bytes | dict[str, Any], limits: Limits) -> ParsedRequest:
     """An OpenAI request body (bytes, or an object already decoded by :func:`decode_json_object`, e.g. a
     ``/v1/ws`` message's ``body``) -> :class:`ParsedRequest`, or :class:`APIError` (400)."""
-    kind: type[ChatRequest] | type[CompletionRequest] = ChatRequest if endpoint == "chat.completions" else CompletionRequest
+    kind: type[ChatRequest | CompletionRequest] = ChatRequest if endpoint == "chat.completions" else CompletionRequest
     if isinstance(body, dict):
         obj = body
         check_json_depth(obj, limits.max_json_depth)
@@ -210,7 +211,7 @@ def _refuse_unsupported(req: ChatRequest | CompletionRequest) -> None:
 def _check_range(name: str, value: float | None, lo: float, hi: float, lo_open: bool = False) -> None:
     if value is None:
         return
-    if value != value or value < lo or value > hi or (lo_open and value == lo):
+    if math.isnan(value) or value < lo or value > hi or (lo_open and value == lo):
         bracket = "(" if lo_open else "["
         raise APIError(400, f"{name} must be in {bracket}{lo}, {hi}], got {value}.", param=name,
                        code="invalid_value")

@@ -57,7 +57,7 @@ def vllm_engine(ipc_dir: Path, tiny_model: Path) -> Iterator[tuple[str, Proc]]:
 @pytest.fixture(scope="session")
 def vllm_gateway_url(vllm_engine: tuple[str, Proc]) -> Iterator[str]:
     """A gateway attached to the shared real vLLM engine (tiny model); waits for the engine start."""
-    address, engine = vllm_engine
+    address, _engine = vllm_engine
     # ~40 s on a quiet box; 244 s was seen at load 17
     proc, url = start_gateway(address, name="gateway-vllm", timeout=480)
     yield url

@@ -48,7 +48,7 @@ class Proc:
 def spawn(args: list[str], name: str, env: dict[str, str] | None = None) -> Proc:
     ARTIFACTS.mkdir(exist_ok=True)
     log_path = ARTIFACTS / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
-    out = open(log_path, "wb")
+    out = open(log_path, "wb")  # noqa: SIM115 - the process's stdout while it runs
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     popen = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=full_env,
                              cwd=ROOT, start_new_session=True)

@@ -6,9 +6,9 @@ import asyncio
 import time
 
 from gateway.errors import APIError
+from gateway.framing import FANOUT_SSE, FANOUT_WS
 from gateway.generation import ChunkEvent
 from gateway.openai_api import ChunkBuilder
-from gateway.framing import FANOUT_SSE, FANOUT_WS
 from gateway.streams import Event, Retention, SlowConsumerPolicy, StreamHub, Watchdog, coalesce
 from gateway.streams import follow as _follow
 

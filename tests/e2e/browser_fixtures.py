@@ -111,7 +111,7 @@ def start_gateway_without_engine(address: str, name: str = "gateway-no-engine") 
 def aborted_total(gateway_url: str) -> float:
     """``tokenfan_requests_aborted_total`` from the gateway's /metrics."""
     text = httpx.get(gateway_url + "/metrics", timeout=5).text
-    m = re.search(r"^tokenfan_requests_aborted_total (\S+)$", text, re.M)
+    m = re.search(r"^tokenfan_requests_aborted_total (\S+)$", text, re.MULTILINE)
     assert m, "tokenfan_requests_aborted_total missing from /metrics"
     return float(m.group(1))
 

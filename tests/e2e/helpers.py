@@ -24,7 +24,7 @@ def sse_events(text: str) -> list[dict[str, str]]:
             if not line or line.startswith(":"):
                 continue
             key, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
+            value = value.removeprefix(" ")
             ev[key] = ev.get(key, "") + value if key == "data" and key in ev else value
         if ev:
             events.append(ev)
@@ -40,7 +40,7 @@ def chunk_text(chunk: dict) -> str:
 
 def metric(url: str, name: str, labels: str = "") -> float:
     body = httpx.get(url + "/metrics").text
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", body, re.M)
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", body, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
 
 

@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
 
-from playwright.sync_api import Browser, Page, Route, sync_playwright  # noqa: E402
+from playwright.sync_api import Browser, Page, Route, sync_playwright
 
-from tests.e2e.browser_fixtures import (  # noqa: E402
+from tests.e2e.browser_fixtures import (
     CHROMIUM,
     CHROMIUM_ARGS,
     ConsoleLog,
@@ -27,7 +27,7 @@ from tests.e2e.browser_fixtures import (  # noqa: E402
     full_stream_text,
     start_gateway_without_engine,
 )
-from tests.procs import ARTIFACTS, start_engine, start_gateway  # noqa: E402
+from tests.procs import ARTIFACTS, start_engine, start_gateway
 
 pytestmark = [
     pytest.mark.browser,

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import websockets
@@ -75,7 +76,7 @@ def test_engine_kill_under_load_errors_every_client_and_service_recovers(ipc_dir
                     *(post_sse(c) for _ in range(PER_KIND)), *(stream_sse(c, s["events_url"]) for s in streams),
                     *(mux_ws() for _ in range(PER_KIND)), *(stream_ws(s["ws_url"]) for s in streams))
                 await asyncio.sleep(1.5)
-                children = open(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children").read().split()
+                children = Path(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children").read_text().split()
                 killed_at.append(time.monotonic())
                 os.kill(int(children[0]), signal.SIGKILL)
                 await asyncio.wait_for(clients, 15)

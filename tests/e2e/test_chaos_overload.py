@@ -47,7 +47,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def test_an_engine_kill_under_overload_reaches_every_client_explicitly(ipc_dir: Path) -> None:
     # 400 x 50 = 20,000 events/s: more than this 2-core box delivers (CHAOS_N / CHAOS_RATE for other points)
-    n, rate = int(os.environ.get("CHAOS_N", 400)), int(os.environ.get("CHAOS_RATE", 50))
+    n, rate = int(os.environ.get("CHAOS_N", "400")), int(os.environ.get("CHAOS_RATE", "50"))
     address = f"ipc://{ipc_dir / 'overload.sock'}"
     engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", str(rate),
                           "--synthetic-ttft-ms", "5", "--max-queue", "5000", "--max-model-len", "20000",

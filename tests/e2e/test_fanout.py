@@ -74,8 +74,8 @@ class Subscriber:
 
     async def sse(self, budget: int) -> bool:
         headers = {"Last-Event-ID": str(self.last)} if self.last >= 0 else {}
-        async with httpx.AsyncClient(timeout=30) as client:
-            async with client.stream("GET", f"{self.url}/v1/streams/{self.sid}/events", headers=headers) as r:
+        async with httpx.AsyncClient(timeout=30) as client, \
+                client.stream("GET", f"{self.url}/v1/streams/{self.sid}/events", headers=headers) as r:
                 if r.status_code == 204:
                     return True
                 assert r.status_code == 200
@@ -208,9 +208,8 @@ def test_delete_cancels_the_generation_and_ends_every_subscriber(slow_engine_gat
     endings: list[str] = []
 
     async def sse_sub() -> None:
-        async with httpx.AsyncClient(timeout=30) as c:
-            async with c.stream("GET", info["events_url"]) as r:
-                body = (await r.aread()).decode()
+        async with httpx.AsyncClient(timeout=30) as c, c.stream("GET", info["events_url"]) as r:
+            body = (await r.aread()).decode()
         ev = [e for e in sse_events(body) if e.get("event") == "end"]
         endings.append(json.loads(ev[0]["data"])["reason"])
 

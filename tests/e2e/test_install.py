@@ -25,7 +25,7 @@ def test_a_non_editable_install_serves_the_pages_from_any_directory(tmp_path: Pa
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, str(ROOT)], check=True, cwd=tmp_path, timeout=540)
     port = free_port()
-    log = open(tmp_path / "serve.log", "wb")
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - the server's stdout while it runs
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     proc = Proc(subprocess.Popen([str(venv / "bin" / "tokenfan"), "serve", "--engine", "synthetic", "--host",
                                   "127.0.0.1", "--port", str(port), "--log-level", "warning"],

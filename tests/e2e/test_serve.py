@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,20 +30,20 @@ def serve(ipc_dir):  # type: ignore[no-untyped-def]
 
 
 def engine_pid(proc) -> int:  # type: ignore[no-untyped-def]
-    children = open(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children").read().split()
+    children = Path(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children").read_text().split()
     assert children, "serve should have an engine child process"
     return int(children[0])
 
 
 def test_sigterm_stops_gateway_and_engine(serve) -> None:  # type: ignore[no-untyped-def]
-    proc, url = serve
+    proc, _url = serve
     child = engine_pid(proc)
     os.kill(proc.popen.pid, signal.SIGTERM)
     # uvicorn re-raises the signal after its graceful shutdown, the conventional exit status.
     assert proc.popen.wait(20) in (0, -signal.SIGTERM)
     log = proc.log()
     assert "engine worker stopped" in log and "Application shutdown complete" in log
-    wait_until(lambda: not os.path.exists(f"/proc/{child}") or "zombie" in open(f"/proc/{child}/status").read().lower(),
+    wait_until(lambda: not os.path.exists(f"/proc/{child}") or "zombie" in Path(f"/proc/{child}/status").read_text().lower(),
                timeout=10, what="engine child gone")
 
 
@@ -52,11 +53,10 @@ def test_engine_killed_mid_stream_errors_clients_then_service_recovers(serve) ->
     outcome: dict[str, str] = {}
 
     async def sse_post() -> None:
-        async with httpx.AsyncClient(timeout=30) as c:
-            async with c.stream("POST", url + "/v1/completions",
-                                json={"prompt": "x", "max_tokens": 1000, "stream": True}) as r:
-                body = (await r.aread()).decode()
-        outcome["post"] = [e for e in sse_events(body) if e.get("event") == "error"][0]["data"]
+        async with httpx.AsyncClient(timeout=30) as c, \
+                c.stream("POST", url + "/v1/completions", json={"prompt": "x", "max_tokens": 1000, "stream": True}) as r:
+            body = (await r.aread()).decode()
+        outcome["post"] = next(e for e in sse_events(body) if e.get("event") == "error")["data"]
 
     async def ws_sub() -> None:
         async with websockets.connect(info["ws_url"]) as ws:
@@ -69,10 +69,9 @@ def test_engine_killed_mid_stream_errors_clients_then_service_recovers(serve) ->
                 assert exc.rcvd is not None and exc.rcvd.code == 1011
 
     async def sse_sub() -> None:
-        async with httpx.AsyncClient(timeout=30) as c:
-            async with c.stream("GET", info["events_url"]) as r:
-                body = (await r.aread()).decode()
-        outcome["stream"] = [e for e in sse_events(body) if e.get("event") == "error"][0]["data"]
+        async with httpx.AsyncClient(timeout=30) as c, c.stream("GET", info["events_url"]) as r:
+            body = (await r.aread()).decode()
+        outcome["stream"] = next(e for e in sse_events(body) if e.get("event") == "error")["data"]
 
     async def main() -> float:
         clients = asyncio.gather(sse_post(), ws_sub(), sse_sub())
@@ -103,9 +102,8 @@ def test_sigterm_with_open_streams_ends_them_explicitly_within_the_deadline(synt
     bodies: dict[str, str] = {}
 
     async def sse(name: str, events_url: str) -> None:
-        async with httpx.AsyncClient(timeout=30) as c:
-            async with c.stream("GET", events_url) as r:
-                bodies[name] = (await r.aread()).decode()
+        async with httpx.AsyncClient(timeout=30) as c, c.stream("GET", events_url) as r:
+            bodies[name] = (await r.aread()).decode()
 
     async def ws() -> None:
         async with websockets.connect(info["ws_url"]) as sock:

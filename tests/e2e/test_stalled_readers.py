@@ -106,10 +106,10 @@ def _check_ws(raw: bytes, done_marker: bytes) -> None:
 
 PATHS: dict[str, Callable[[str], tuple[bytes, list[bytes], Callable[[bytes], None]]]] = {
     "post_sse": lambda url: (_post({**BODY, "stream": True}), [], _check_sse),
-    "fanout_sse": lambda url: ((lambda sid: (f"GET /v1/streams/{sid}/events HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
-                                             [], _check_sse))(_create_stream(url))),
-    "fanout_ws": lambda url: ((lambda sid: (_ws_upgrade(f"/v1/streams/{sid}/ws"), [],
-                                            lambda raw: _check_ws(raw, b'"type":"done"')))(_create_stream(url))),
+    "fanout_sse": lambda url: (f"GET /v1/streams/{_create_stream(url)}/events HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
+                               [], _check_sse),
+    "fanout_ws": lambda url: (_ws_upgrade(f"/v1/streams/{_create_stream(url)}/ws"), [],
+                              lambda raw: _check_ws(raw, b'"type":"done"')),
     "mux_ws": lambda url: (_ws_upgrade("/v1/ws"), [_masked_text(json.dumps(
         {"type": "request", "id": f"r{i}", "endpoint": "completions", "body": {**BODY, "stream": True}}).encode())
         for i in range(3)], lambda raw: _check_ws(raw, b'"type":"done"')),

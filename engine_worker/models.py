@@ -253,10 +253,10 @@ def resolve_model(config: EngineConfig) -> Path:
     return path.resolve()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m engine_worker.models") -> None:
     from engine_worker.config import default_cache_dir
 
-    parser = argparse.ArgumentParser(prog="python -m engine_worker.models", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("tiny", help="build the tiny random Llama used by the tests")
     tiny.add_argument("dir", type=Path)

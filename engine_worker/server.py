@@ -188,6 +188,14 @@ class EngineServer:
         self.stats.submitted += 1
         task = asyncio.create_task(self._run(identity, msg), name=f"req-{msg.request_id}")
         self._requests[msg.request_id] = _Request(identity=identity, task=task, trace_id=msg.trace_id)
+        # An abort read in the same burst cancels the task before it runs: its coroutine never starts, so
+        # _run's own cleanup never runs either. The entry must still go (it counts against --max-queue).
+        task.add_done_callback(lambda t, rid=msg.request_id: self._forget(rid, t))
+
+    def _forget(self, rid: str, task: asyncio.Task[None]) -> None:
+        req = self._requests.get(rid)
+        if req is not None and req.task is task:
+            del self._requests[rid]
 
     def _on_abort(self, identity: bytes, msg: p.Abort) -> None:
         for rid in msg.request_ids:

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["prepare-model"]:
         from engine_worker.models import main as models_main
 
-        models_main(argv[1:])
+        models_main(argv[1:], prog="tokenfan prepare-model")
         return 0
 
     parser = argparse.ArgumentParser(prog="tokenfan", description="Token-streaming gateway for LLM serving.")

@@ -11,6 +11,7 @@ import msgspec
 import zmq
 
 from engine_worker import protocol as p
+from tests.procs import start_engine
 
 
 def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
@@ -136,3 +137,35 @@ def test_ipc_socket_is_private_to_its_user(synthetic_engine: str) -> None:
     path = Path(synthetic_engine.removeprefix("ipc://"))
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+
+def test_a_request_aborted_before_it_starts_frees_its_place(ipc_dir: Path) -> None:
+    """A submit and its abort read in one burst: the request task is cancelled before it ever runs. Its
+    place in the engine (``--max-queue``) must come back, and heartbeats must not count it as waiting."""
+    address = f"ipc://{ipc_dir / 'abort-early.sock'}"
+    engine = start_engine(address, "--engine", "synthetic", "--max-queue", "2", name="engine-abort-early")
+    ctx = zmq.Context()
+    s = dealer(ctx, address)
+    try:
+        for i in range(4):
+            s.send_multipart(submit(f"early-{i}", 1000))
+            s.send_multipart(p.encode(p.Abort(request_ids=[f"early-{i}"])))
+        deadline = time.monotonic() + 10
+        while True:  # pings until the engine reports itself idle
+            s.send_multipart(p.encode(p.Ping(sent_ns=p.now_ns())))
+            msg = recv(s)
+            while not isinstance(msg, p.Heartbeat):
+                msg = recv(s)
+            if (msg.running, msg.waiting) == (0, 0):
+                break
+            assert time.monotonic() < deadline, f"engine still reports running={msg.running} waiting={msg.waiting}"
+            time.sleep(0.1)
+        s.send_multipart(submit("after", 3))
+        s.send_multipart(submit("after-2", 3))
+        got = collect(s, {"after", "after-2"})
+        assert got["after"][-1].usage == p.Usage(prompt_tokens=1, completion_tokens=3)
+        assert got["after-2"][-1].finish_reason is not None
+    finally:
+        s.close()
+        ctx.term()
+        engine.stop()

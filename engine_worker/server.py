@@ -15,6 +15,7 @@ A malformed frame is dropped, logged (rate-limited) and counted; it never stops 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -190,7 +191,7 @@ class EngineServer:
         self._requests[msg.request_id] = _Request(identity=identity, task=task, trace_id=msg.trace_id)
         # An abort read in the same burst cancels the task before it runs: its coroutine never starts, so
         # _run's own cleanup never runs either. The entry must still go (it counts against --max-queue).
-        task.add_done_callback(lambda t, rid=msg.request_id: self._forget(rid, t))
+        task.add_done_callback(functools.partial(self._forget, msg.request_id))
 
     def _forget(self, rid: str, task: asyncio.Task[None]) -> None:
         req = self._requests.get(rid)

@@ -34,6 +34,12 @@ class EngineConfig:
     enforce_eager: bool = declared("enforce_eager")
     gpu_memory_utilization: float = declared("gpu_memory_utilization")
     chat_template: str | None = declared("chat_template")  # path to a Jinja template overriding the tokenizer's
+    # vLLM's OpenAI layer (engine_worker.backends.vllm_openai): the flags of vllm serve, same names and meaning
+    enable_auto_tool_choice: bool = declared("enable_auto_tool_choice")
+    tool_call_parser: str | None = declared("tool_call_parser")
+    tool_parser_plugin: str | None = declared("tool_parser_plugin")
+    reasoning_parser: str | None = declared("reasoning_parser")
+    structured_outputs_config: str | None = declared("structured_outputs_config")  # JSON object
     stream_interval: int = declared("stream_interval")  # tokens per delta event
     cpu_placement: str = declared("cpu_placement")  # vLLM on CPU: see engine_worker.backends.vllm.cpu_placement
     # synthetic backend

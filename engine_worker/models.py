@@ -42,10 +42,16 @@ TINY_CORPUS = ASSETS / "tiny_corpus.txt"
 DEFAULT_MODEL_DIRNAME = "gemma-3-270m"
 MARKER = ".tokenfan-complete"
 
-# Zephyr-style: every turn ends with the eos token, so a trained model would stop after its answer.
+# Zephyr-style: every turn ends with the eos token, so a trained model would stop after its answer. Tools
+# (a request's `tools`) and an assistant's tool calls are written Hermes-style (`<tools>`, `<tool_call>`),
+# the format of vLLM's `hermes` tool parser; a `tool` turn is the tool's answer.
 TINY_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
-    "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{{ bos_token }}{% if tools %}<|system|>\n<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
+    "</tools>{{ eos_token }}\n{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>{\"name\": \"{{ call['function']['name'] }}\", "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}</tool_call>{% endfor %}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 TINY_SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]

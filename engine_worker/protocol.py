@@ -18,7 +18,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"tokenfan/%d" % PROTOCOL_VERSION
 
 Endpoint = Literal["chat.completions", "completions"]
@@ -47,7 +47,11 @@ class Sampling(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Submit(msgspec.Struct, tag="submit", array_like=True, frozen=True):
-    """Start a generation. Exactly one of ``prompt`` / ``messages`` is set."""
+    """Start a generation. Exactly one of ``prompt`` / ``messages`` is set.
+
+    ``body`` is the client's OpenAI request object (JSON): the engine serves it through vLLM's own
+    OpenAI layer when it needs more than the plain path (tools, structured outputs, logprobs, ``n`` …)
+    and says so in :class:`Accepted`. ``stream``: whether the client reads chunks or one response."""
 
     request_id: str
     endpoint: Endpoint
@@ -55,6 +59,8 @@ class Submit(msgspec.Struct, tag="submit", array_like=True, frozen=True):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     trace_id: str = ""
+    body: bytes = b""
+    stream: bool = True
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, frozen=True):
@@ -70,6 +76,7 @@ class Accepted(msgspec.Struct, tag="accepted", array_like=True, frozen=True):
 
     request_id: str
     prompt_tokens: int
+    openai: bool = False  # the deltas carry whole OpenAI chunks (``Delta.chunk``) built by vLLM's layer
 
 
 class Usage(msgspec.Struct, array_like=True, frozen=True):
@@ -81,7 +88,9 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     """New text of one request after one engine step.
 
     ``seq`` starts at 0 and increases by one per delta of a request. ``emit_ns`` is
-    the engine's wall clock (``time.time_ns()``) when the delta left the backend.
+    the engine's wall clock (``time.time_ns()``) when the delta left the backend. ``chunk`` (requests
+    served by vLLM's OpenAI layer) is one whole OpenAI chunk, exactly as vllm serve writes it after
+    ``data:``, or the whole response of a non-streamed request; ``text`` is then empty.
     """
 
     request_id: str
@@ -91,6 +100,7 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     emit_ns: int
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    chunk: bytes = b""
 
 
 class DeltaBatch(msgspec.Struct, tag="deltas", array_like=True, frozen=True):
@@ -110,6 +120,8 @@ class Error(msgspec.Struct, tag="error", array_like=True, frozen=True):
     code: str
     message: str
     param: str | None = None
+    status: int = 0  # HTTP status when not derived from ``code`` (vLLM's layer: vllm serve's status)
+    error_type: str = ""  # OpenAI error type, likewise
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True):

@@ -57,7 +57,7 @@ class IntervalMerger:
     _sent: bool = False
 
     def push(self, step: Step) -> Step | None:
-        if self.interval <= 1:
+        if self.interval <= 1 or step.chunk:  # a whole OpenAI chunk is never merged
             return step
         held = self._tokens + step.token_count
         if self._sent and step.finish_reason is None and held < self.interval:
@@ -216,9 +216,10 @@ class EngineServer:
                     prepared = await self.backend.prepare(submit)
                     await asyncio.sleep(0)  # keep the turn until the loop has polled its sockets once
             except RequestRejected as exc:
-                self._reply_error(identity, rid, exc.code, exc.message, exc.param)
+                self._reply_error(identity, rid, exc.code, exc.message, exc.param, exc.status, exc.type)
                 return
-            await self._send(identity, p.Accepted(request_id=rid, prompt_tokens=prepared.prompt_tokens))
+            await self._send(identity, p.Accepted(request_id=rid, prompt_tokens=prepared.prompt_tokens,
+                                                  openai=prepared.openai))
             log.info("accepted %s trace=%s prompt_tokens=%d", rid, submit.trace_id, prepared.prompt_tokens)
             seq = 0
             completion = 0
@@ -239,6 +240,7 @@ class EngineServer:
                     self._queue(identity, p.Delta(
                         request_id=rid, seq=seq, text=step.text, token_count=step.token_count,
                         emit_ns=emit_ns or p.now_ns(), finish_reason=step.finish_reason, usage=usage,
+                        chunk=step.chunk,
                     ))
                     emit_ns = 0
                     seq += 1
@@ -251,6 +253,9 @@ class EngineServer:
         except asyncio.CancelledError:
             await self.backend.abort(rid)
             raise
+        except RequestRejected as exc:  # vLLM's OpenAI layer failed the request mid-stream
+            self.stats.failed += 1
+            self._reply_error(identity, rid, exc.code, exc.message, exc.param, exc.status, exc.type)
         except Exception as exc:  # a backend bug or engine failure: tell the gateway, keep serving
             self.stats.failed += 1
             log.exception("request %s failed trace=%s", rid, submit.trace_id)
@@ -258,8 +263,10 @@ class EngineServer:
         finally:
             self._requests.pop(rid, None)
 
-    def _reply_error(self, identity: bytes, rid: str, code: str, message: str, param: str | None = None) -> None:
-        asyncio.ensure_future(self._send(identity, p.Error(request_id=rid, code=code, message=message, param=param)))
+    def _reply_error(self, identity: bytes, rid: str, code: str, message: str, param: str | None = None,
+                     status: int = 0, type: str = "") -> None:
+        asyncio.ensure_future(self._send(identity, p.Error(request_id=rid, code=code, message=message, param=param,
+                                                           status=status, error_type=type)))
 
     # -- sending ---------------------------------------------------------------------------
 

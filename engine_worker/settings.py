@@ -277,6 +277,15 @@ SETTINGS: tuple[Setting, ...] = (
     _en("enforce_eager", BOOL, True, "disable CUDA graphs / torch.compile"),
     _en("gpu_memory_utilization", FLOAT, 0.9, "vLLM GPU memory fraction"),
     _en("chat_template", STR, None, "Jinja chat template file overriding the tokenizer's"),
+    _en("enable_auto_tool_choice", BOOL, False, "vLLM's flag: `tool_choice: auto` lets the model call tools "
+        "(needs --tool-call-parser)"),
+    _en("tool_call_parser", STR, None, "vLLM's flag: the tool parser for the model's tool-call format (e.g. "
+        "hermes, llama3_json, mistral); vllm.tool_parsers"),
+    _en("tool_parser_plugin", STR, None, "vLLM's flag: a Python file that registers a tool parser"),
+    _en("reasoning_parser", STR, None, "vLLM's flag: the reasoning parser (e.g. deepseek_r1, qwen3); reasoning "
+        "text goes to the chunk field `reasoning`"),
+    _en("structured_outputs_config", STR, None, "vLLM's flag: structured-output backend settings as JSON, e.g. "
+        "'{\"backend\": \"xgrammar\", \"disable_any_whitespace\": true}'"),
     _en("stream_interval", INT, 1, "deliver every N tokens per event (like vLLM's --stream-interval)",
         minimum=1),
     _en("cpu_placement", STR, "auto", "vLLM on CPU hosts: where the engine runs. `auto`: `split` on hosts with up "

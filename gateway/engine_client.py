@@ -53,7 +53,7 @@ _PINGS_KEPT = 64
 class RequestHandle:
     """Events of one request: an ``Accepted`` first, then deltas, or a failure (:class:`EngineError`)."""
 
-    __slots__ = ("_client", "_queue", "accepted", "done", "on_close", "request_id", "send_seq", "trace_id")
+    __slots__ = ("_client", "_queue", "accepted", "done", "on_close", "openai", "request_id", "send_seq", "trace_id")
 
     def __init__(self, client: EngineClient, request_id: str, trace_id: str, send_seq: int = 0) -> None:
         self._client = client
@@ -62,6 +62,7 @@ class RequestHandle:
         self.send_seq = send_seq  # position of its Submit among this link's submits (vs. the pings)
         self._queue: asyncio.Queue[p.Delta | Failure] = asyncio.Queue()
         self.accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.openai = False  # the engine serves it with vLLM's OpenAI layer: deltas carry whole chunks
         self.done = False
         self.on_close: list[Callable[[], None]] = []
 
@@ -316,6 +317,7 @@ class EngineClient:
             elif isinstance(msg, p.Accepted):
                 h = self._handles.get(msg.request_id)
                 if h is not None and not h.accepted.done():
+                    h.openai = msg.openai
                     h.accepted.set_result(msg.prompt_tokens)
             elif isinstance(msg, p.Error):
                 self._on_error(msg)
@@ -358,7 +360,7 @@ class EngineClient:
         h = self._handles.pop(msg.request_id, None)
         if h is not None:
             h.done = True
-            h._fail(EngineError(msg.code, msg.message, msg.param))
+            h._fail(EngineError(msg.code, msg.message, msg.param, msg.status, msg.error_type))
 
 
 def _log_send_failure(fut: asyncio.Future[object]) -> None:

@@ -32,11 +32,14 @@ ENGINE_CODES: dict[str, tuple[int, str]] = {
 class EngineError(Exception):
     """A failure reported by (or about) the engine link, by machine-readable ``code``."""
 
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None, status: int = 0,
+                 error_type: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
+        self.status = status  # set by vLLM's OpenAI layer in the engine: vllm serve's own status and type
+        self.error_type = error_type
 
     @classmethod
     def unavailable(cls, detail: str = "the engine is not answering heartbeats") -> EngineError:
@@ -97,6 +100,9 @@ def to_api_error(exc: EngineError | APIError) -> APIError:
         return exc
     if exc.code == "engine_unavailable":
         return APIError(503, exc.message, type="server_error", code="engine_unavailable", retry_after=1.0)
+    if exc.status:
+        return APIError(exc.status, exc.message, type=exc.error_type or "invalid_request_error", param=exc.param,
+                        code=exc.code)
     return APIError.from_engine(exc.code, exc.message, exc.param)
 
 

@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from engine_worker import protocol as p
 from gateway.engine_client import RequestHandle
 from gateway.openai_api import ChunkBuilder
@@ -30,8 +32,16 @@ async def chunk_events(
 ) -> AsyncIterator[ChunkEvent | None]:
     """Chunks of one accepted request, in order; ``None`` is a keep-alive tick.
 
-    Raises :class:`gateway.errors.APIError` if the engine fails the request.
+    Raises :class:`gateway.errors.APIError` if the engine fails the request. A request the engine serves
+    with vLLM's OpenAI layer (``handle.openai``) arrives as whole chunks: they pass through unchanged.
     """
+    if handle.openai:
+        async for d in handle.deltas(idle):
+            if d is None:
+                yield None
+            elif d.chunk:
+                yield engine_chunk(d)
+        return
     # The role chunk goes out with the first token, as vllm serve sends it: a client's TTFT and first
     # inter-token gap then measure the engine, not the accept.
     role = builder.role_chunk()
@@ -53,3 +63,18 @@ async def chunk_events(
                          d.finish_reason, d.usage)
     if builder.include_usage and usage is not None:
         yield ChunkEvent(builder.usage_chunk(usage), p.now_ns(), "", 0, None, usage)
+
+
+def engine_chunk(d: p.Delta) -> ChunkEvent:
+    """An event for a whole chunk from the engine (vLLM's OpenAI layer): its text and finish reason are
+    read from its only choice, for retention and the broker; nothing in it is rebuilt."""
+    chunk = orjson.loads(d.chunk)
+    choices: list[Any] = chunk.get("choices") or []
+    text, finish = "", None
+    if len(choices) == 1:
+        choice = choices[0]
+        finish = choice.get("finish_reason")
+        delta = choice.get("delta")
+        value = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+        text = value if isinstance(value, str) else ""
+    return ChunkEvent(chunk, d.emit_ns, text, d.token_count, finish, d.usage)

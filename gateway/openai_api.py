@@ -5,9 +5,12 @@ bodies, ``/v1/streams``, ``/v1/ws`` messages): invalid UTF-8, malformed JSON and
 ``Limits.max_json_depth`` are a 400 ``invalid_json``, never a 500 (msgspec would raise
 ``UnicodeDecodeError`` or ``RecursionError``, and ``orjson.dumps`` refuses depth 255+). Callers that
 decoded an object themselves pass it to :func:`parse_request` as is (re-encoding it is what fails). The object is then
-converted into typed structs (msgspec): a type error becomes a 400 naming the offending field. Unknown fields are ignored, as OpenAI-compatible servers do;
-features we do not implement (``n`` > 1, logprobs, tools) are refused with a clear 400 rather
-than silently ignored.
+classified: a *plain* body (messages or prompt and the common sampling fields,
+:func:`engine_worker.backends.vllm_openai.is_plain`) is converted into typed structs (msgspec; a type
+error is a 400 naming the field) and served by tokenfan's own path, chunks built here. Any other body
+(tools, structured outputs, logprobs, ``n`` > 1 …) is forwarded as is: the engine validates and serves it
+with vLLM's own OpenAI layer, and the gateway only frames the chunks it returns. Every body also reaches
+the engine, which takes vLLM's layer for plain chat bodies too when a tool or reasoning parser is on.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import msgspec
 import orjson
 
 from engine_worker import protocol as p
+from engine_worker.backends.vllm_openai import is_plain
 from gateway.errors import APIError
 
 Endpoint = Literal["chat.completions", "completions"]
@@ -53,11 +57,6 @@ class _Common(msgspec.Struct):
     ignore_eos: bool = False
     n: int | None = None
     user: str | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    echo: bool = False
-    best_of: int | None = None
 
 
 class ChatRequest(_Common):
@@ -67,7 +66,6 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[Any] | None = None
-    suffix: str | None = None
 
 
 @dataclass(slots=True)
@@ -156,10 +154,11 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     model: str | None
-    submit_fields: dict[str, Any]  # prompt or messages + sampling, ready for protocol.Submit
+    submit_fields: dict[str, Any]  # prompt or messages + sampling + body, ready for protocol.Submit
 
     def to_submit(self, request_id: str, trace_id: str) -> p.Submit:
-        return p.Submit(request_id=request_id, endpoint=self.endpoint, trace_id=trace_id, **self.submit_fields)
+        return p.Submit(request_id=request_id, endpoint=self.endpoint, trace_id=trace_id, stream=self.stream,
+                        **self.submit_fields)
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
@@ -172,17 +171,20 @@ def parse_request(endpoint: Endpoint, body: bytes | dict[str, Any], limits: Limi
     if isinstance(body, dict):
         obj = body
         check_json_depth(obj, limits.max_json_depth)
+        raw = orjson.dumps(obj)
     else:
         obj = decode_json_object(body, limits.max_json_depth)
+        raw = body
+    if not is_plain(obj):
+        return _forwarded(endpoint, obj, raw, limits)
     try:
         req = msgspec.convert(obj, type=kind)
     except msgspec.ValidationError as exc:
         m = _PATH.search(str(exc))
         param = m.group(1).split("[")[0].split(".")[0] if m and m.group(1) else None
         raise APIError(400, f"Invalid request: {exc}", param=param, code="invalid_type") from exc
-    _refuse_unsupported(req)
     sampling = _sampling(req, limits)
-    fields: dict[str, Any] = {"sampling": sampling}
+    fields: dict[str, Any] = {"sampling": sampling, "body": raw}
     if isinstance(req, ChatRequest):
         fields["messages"] = _messages(req.messages)
     else:
@@ -194,18 +196,28 @@ def parse_request(endpoint: Endpoint, body: bytes | dict[str, Any], limits: Limi
                          model=req.model, submit_fields=fields)
 
 
-def _refuse_unsupported(req: ChatRequest | CompletionRequest) -> None:
-    if req.n is not None and req.n != 1:
-        raise APIError(400, f"n={req.n} is not supported; only n=1 is.", param="n", code="unsupported_parameter")
-    if req.best_of is not None and req.best_of != 1:
-        raise APIError(400, "best_of is not supported.", param="best_of", code="unsupported_parameter")
-    if req.logprobs or req.top_logprobs:
-        raise APIError(400, "logprobs are not supported by this server.", param="logprobs", code="unsupported_parameter")
-    if req.tools:
-        raise APIError(400, "tools / function calling are not supported by this server.", param="tools",
-                       code="unsupported_parameter")
-    if req.echo:
-        raise APIError(400, "echo is not supported.", param="echo", code="unsupported_parameter")
+def _forwarded(endpoint: Endpoint, obj: dict[str, Any], raw: bytes, limits: Limits) -> ParsedRequest:
+    """A body for vLLM's OpenAI layer in the engine: only what the gateway itself needs is checked here
+    (``stream``, ``model``, tokenfan's ``--max-tokens-cap``); the engine validates the rest as vllm serve."""
+    stream = obj.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise APIError(400, "stream must be a boolean.", param="stream", code="invalid_type")
+    model = obj.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(400, "model must be a string.", param="model", code="invalid_type")
+    max_tokens = limits.default_max_tokens
+    for param in ("max_tokens", "max_completion_tokens"):
+        value = obj.get(param)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value > limits.max_tokens_cap:
+                raise APIError(400, f"{param} must be at most {limits.max_tokens_cap} on this server, got {value}.",
+                               param=param, code="invalid_value")
+            max_tokens = max(1, value)
+    options = obj.get("stream_options")
+    include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    sampling = p.Sampling(max_tokens=min(max_tokens, limits.max_tokens_cap))
+    return ParsedRequest(endpoint=endpoint, stream=bool(stream), include_usage=include_usage, model=model,
+                         submit_fields={"sampling": sampling, "body": raw})
 
 
 def _check_range(name: str, value: float | None, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -287,8 +299,6 @@ def _prompt(req: CompletionRequest) -> str:
             return prompt[0]
         raise APIError(400, "prompt must be a single string (batched and token-id prompts are not supported).",
                        param="prompt", code="unsupported_parameter")
-    if req.suffix:
-        raise APIError(400, "suffix is not supported.", param="suffix", code="unsupported_parameter")
     return prompt
 
 

@@ -42,7 +42,10 @@ def completions_route(endpoint: Endpoint) -> Any:
 
 
 async def full_response(handle: Any, builder: ChunkBuilder) -> Response:
-    """A non-streaming answer: the whole text once the generation ended (no reader, nothing to be slow)."""
+    """A non-streaming answer: the whole text once the generation ended (no reader, nothing to be slow).
+    From vLLM's OpenAI layer (``handle.openai``) the engine's one chunk is the whole response, as is."""
+    if handle.openai:
+        return await _engine_response(handle)
     texts: list[str] = []
     finish: str | None = None
     usage: p.Usage | None = None
@@ -58,6 +61,18 @@ async def full_response(handle: Any, builder: ChunkBuilder) -> Response:
         handle.close()
     assert usage is not None
     return Response(dumps(builder.full_response("".join(texts), finish, usage)), media_type="application/json")
+
+
+async def _engine_response(handle: Any) -> Response:
+    whole = b""
+    try:
+        async for d in handle.deltas():
+            whole = d.chunk or whole
+    except (APIError, EngineError) as exc:
+        return to_api_error(exc).response()
+    finally:
+        handle.close()
+    return Response(whole, media_type="application/json")
 
 
 async def models(request: Request) -> Response:

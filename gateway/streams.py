@@ -124,7 +124,19 @@ def _mergeable(ev: Event, head: Event | None) -> bool:
     if kind is not None:  # a Responses event
         ok = kind == "response.output_text.delta"
         return ok and (head is None or head.payload.get("item_id") == ev.payload.get("item_id"))
-    return bool(ev.payload.get("choices"))
+    return _text_only(ev.payload.get("choices"))
+
+
+def _text_only(choices: Any) -> bool:
+    """A chunk whose one choice (index 0) carries only text: tool-call, reasoning and logprob deltas and
+    the choices of ``n`` > 1 are never merged (their own event each, so nothing in them is rebuilt)."""
+    if not choices or len(choices) != 1:
+        return False
+    choice = choices[0]
+    if choice.get("index", 0) != 0 or choice.get("logprobs") is not None:
+        return False
+    delta = choice.get("delta")
+    return delta.keys() <= {"role", "content"} if isinstance(delta, dict) else "text" in choice
 
 
 def _merge(run: list[Event]) -> Event:

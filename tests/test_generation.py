@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
+
 from engine_worker import protocol as p
 from gateway.generation import ChunkEvent, chunk_events
 from gateway.openai_api import ChunkBuilder
@@ -19,6 +21,8 @@ DELTAS = [p.Delta("r", 0, "Hi", 1, 1), p.Delta("r", 1, "", 1, 2), p.Delta("r", 2
 
 
 class Handle:
+    openai = False
+
     async def deltas(self, idle: float | None = None) -> AsyncIterator[p.Delta | None]:
         for d in DELTAS:
             yield d
@@ -45,3 +49,31 @@ def test_responses_send_no_empty_delta_but_count_its_tokens() -> None:
     assert deltas == ["Hi", "é", " x"]
     assert sum(ev.tokens for ev in out) == USAGE.completion_tokens
     assert out[-1].chunk["type"] == "response.incomplete"
+
+
+class EngineChunks:
+    """A request the engine served with vLLM's OpenAI layer: whole chunks, then the end delta."""
+
+    openai = True
+
+    def __init__(self, chunks: list[dict[str, Any]]) -> None:
+        self.items = [p.Delta("r", i, "", 1, 10 + i, chunk=orjson.dumps(c)) for i, c in enumerate(chunks)]
+        self.items.append(p.Delta("r", len(chunks), "", 0, 99, "stop", USAGE))
+
+    async def deltas(self, idle: float | None = None) -> AsyncIterator[p.Delta | None]:
+        for d in self.items:
+            yield d
+
+
+def test_engine_chunks_pass_through_unchanged() -> None:
+    """Tool-call, reasoning and logprob deltas are vllm serve's own chunks: the gateway adds nothing."""
+    tool = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"ci"}}]},
+         "logprobs": None, "finish_reason": None}]}
+    text = {"id": "chatcmpl-1", "choices": [{"index": 1, "delta": {"content": "hé"}, "finish_reason": "stop"}]}
+    usage = {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3}}
+    builder = ChunkBuilder("chat.completions", "chatcmpl-1", "m", include_usage=True)
+    events = asyncio.run(collect(chunk_events(EngineChunks([tool, text, usage]), builder)))  # type: ignore[arg-type]
+    assert [e.chunk for e in events] == [tool, text, usage]
+    assert [(e.text, e.finish_reason, e.tokens, e.emit_ns) for e in events] == [
+        ("", None, 1, 10), ("hé", "stop", 1, 11), ("", None, 1, 12)]

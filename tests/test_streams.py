@@ -45,6 +45,29 @@ def test_coalesce_keeps_all_text_and_the_last_seq() -> None:
     assert b"id: 3\n" in FANOUT_SSE.frame(m) and '"seq":3' in FANOUT_WS.frame(m)
 
 
+def test_coalesce_never_merges_tool_call_reasoning_logprob_or_other_choice_chunks() -> None:
+    """A lagging reader still gets every structured delta as its own event, byte for byte."""
+    hub = StreamHub(Retention())
+    s = hub.create("chat.completions", "m")
+
+    def chunk(choice: dict) -> dict:
+        return {"id": "c", "object": "chat.completion.chunk", "choices": [choice]}
+
+    structured = [
+        chunk({"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}, "logprobs": None}),
+        chunk({"index": 0, "delta": {"reasoning": "hm"}, "logprobs": None}),
+        chunk({"index": 0, "delta": {"content": "a"}, "logprobs": {"content": [{"token": "a", "logprob": -1.0}]}}),
+        chunk({"index": 1, "delta": {"content": "b"}, "logprobs": None}),
+    ]
+    publish_text(s, ["x", "y"])
+    for c in structured:
+        s.publish(ChunkEvent(c, 1, "", 1))
+    publish_text(s, ["z"])
+    merged = coalesce(s.events)
+    assert [m.payload for m in merged[1:5]] == structured
+    assert texts(merged) == "xyz" and len(merged) == 6
+
+
 def test_follow_replays_then_tails_without_a_seam() -> None:
     async def main() -> tuple[str, str]:
         hub = StreamHub(Retention())

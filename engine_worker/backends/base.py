@@ -17,11 +17,14 @@ from engine_worker.protocol import FinishReason, Submit
 class RequestRejected(Exception):
     """The request cannot be served (bad parameters, prompt too long...)."""
 
-    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None,
+                 status: int = 0, type: str = "") -> None:
         super().__init__(message)
         self.message = message
         self.code = code
         self.param = param
+        self.status = status  # the HTTP status, when it is not the one the gateway derives from ``code``
+        self.type = type  # the OpenAI error type, likewise
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,7 @@ class Prepared:
     submit: Submit
     prompt_tokens: int
     payload: object = None  # backend-specific (token ids, prompt text...)
+    openai: bool = False  # served by vLLM's OpenAI layer: steps carry whole chunks (``Step.chunk``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,7 @@ class Step:
     text: str
     token_count: int
     finish_reason: FinishReason | None = None
+    chunk: bytes = b""  # a whole OpenAI chunk (vLLM's OpenAI layer, engine_worker.backends.vllm_openai)
 
 
 class Backend(Protocol):

@@ -16,10 +16,14 @@ import re
 import time
 import zlib
 from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
 
 from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, Step
+from engine_worker.backends.vllm_openai import PLAIN_FIELDS, decode_body, is_plain
 from engine_worker.config import EngineConfig
-from engine_worker.protocol import Submit
+from engine_worker.protocol import ChatMessage, Submit
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,11 @@ class SyntheticBackend:
         )
 
     async def prepare(self, submit: Submit) -> Prepared:
+        if submit.body:
+            body = decode_body(submit.body)
+            _refuse_model_fields(submit.endpoint, body)
+            if submit.messages is None and submit.prompt is None:  # forwarded whole: only ignored fields added
+                submit = _plain_submit(submit, body)
         if submit.messages is not None:
             text = "".join(f"<{m.role}>{m.content}\n" for m in submit.messages)
         else:
@@ -139,6 +148,51 @@ class SyntheticBackend:
 
     async def shutdown(self) -> None:
         return None
+
+
+def _refuse_model_fields(endpoint: str, body: dict[str, Any]) -> None:
+    """A 400 naming the first field only a model can honour (tools, logprobs, structured outputs …): a
+    field vllm serve knows, set to something else than its default. Fields vllm serve ignores are ignored."""
+    if is_plain(body):
+        return
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    fields = (ChatCompletionRequest if endpoint == "chat.completions" else CompletionRequest).model_fields
+    for name in sorted(body):
+        if name in PLAIN_FIELDS or name not in fields or body[name] == fields[name].get_default(call_default_factory=True):
+            continue
+        _refuse(name)
+    if body.get("n", 1) not in (1, None):
+        _refuse("n")
+    if not is_plain({k: v for k, v in body.items() if k in PLAIN_FIELDS}):
+        _refuse("messages" if endpoint == "chat.completions" else "prompt")
+
+
+def _plain_submit(submit: Submit, body: dict[str, Any]) -> Submit:
+    """The plain request inside a forwarded body whose other fields vllm serve ignores too."""
+    stop = body.get("stop") or []
+    sampling = msgspec.structs.replace(
+        submit.sampling, seed=body.get("seed"), stop=[stop] if isinstance(stop, str) else list(stop))
+    if submit.endpoint == "chat.completions":
+        messages = [ChatMessage(role=str(m.get("role")), content=_text(m.get("content")))
+                    for m in body.get("messages") or []]
+        return msgspec.structs.replace(submit, sampling=sampling, messages=messages)
+    prompt = body.get("prompt")
+    return msgspec.structs.replace(submit, sampling=sampling, prompt=prompt[0] if isinstance(prompt, list) else prompt)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _refuse(param: str) -> None:
+    raise RequestRejected(
+        f"`{param}` is not supported by the synthetic engine (paced corpus text, not a model): serve a model "
+        "with --engine vllm for tools, structured outputs, logprobs, n > 1 and the other fields of vllm serve",
+        code="invalid_request", param=param)
 
 
 def _find_stop(before: str, piece: str, stops: list[str]) -> int | None:

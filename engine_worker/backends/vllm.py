@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
+from engine_worker.backends import vllm_openai
 from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, Step
 from engine_worker.config import EngineConfig
 from engine_worker.models import DEFAULT_MODEL_DIRNAME, SERVING_HINTS, resolve_model
@@ -77,6 +78,7 @@ class VllmBackend:
         self._waiting: set[str] = set()
         self._running: set[str] = set()
         self._placement = CpuPlacement("auto")
+        self._openai: vllm_openai.OpenAILayer | None = None
 
     @property
     def info(self) -> BackendInfo:
@@ -86,6 +88,7 @@ class VllmBackend:
 
     async def start(self) -> None:
         """Resolve (or prepare) the model and start vLLM. Blocks the event loop while the model loads."""
+        vllm_openai.check_parser_flags(self._config)
         model_dir = resolve_model(self._config)
         self._placement = configure_runtime_env(self._config, weight_bytes(model_dir))
         self._load_serving_hints(model_dir)
@@ -111,6 +114,8 @@ class VllmBackend:
             # vLLM then wakes this process once per N tokens of a request, not once per token; the
             # engine server merges on the same rule, so the two never add up.
             stream_interval=self._config.stream_interval,
+            reasoning_parser=self._config.reasoning_parser or "",
+            structured_outputs_config=vllm_openai.structured_outputs_config(self._config),
         )
         started = time.monotonic()
         log.info("starting vLLM: model=%s dtype=%s max_model_len=%d platform=%s", model_dir, dtype,
@@ -120,6 +125,8 @@ class VllmBackend:
         self._tokenizer = self._engine.get_tokenizer()
         max_len = self._engine.model_config.max_model_len
         self._info = BackendInfo(kind="vllm", model=self._info.model, max_model_len=max_len)
+        self._openai = vllm_openai.OpenAILayer(self._config, self._engine, self._info.model, str(model_dir),
+                                               self._chat_template)
         await self._warm_up()
         log.info("vLLM ready in %.1f s", time.monotonic() - started)
 
@@ -163,6 +170,11 @@ class VllmBackend:
         log.info("serving hints from %s: %s", hints_path, hints.get("note", ""))
 
     async def prepare(self, submit: Submit) -> Prepared:
+        if submit.body and self._openai is not None:
+            body = vllm_openai.decode_body(submit.body)
+            if self._openai.wants(submit.endpoint, body):
+                started = await self._openai.start(submit, body)
+                return Prepared(submit=submit, prompt_tokens=started.prompt_tokens, payload=started, openai=True)
         sampling = submit.sampling
         if submit.messages is not None and self._chat_stop:
             sampling = msgspec.structs.replace(sampling, stop=[*sampling.stop, *self._chat_stop])
@@ -227,8 +239,20 @@ class VllmBackend:
 
     async def generate(self, prepared: Prepared) -> AsyncIterator[Step]:
         """Deltas from vLLM. Closing or cancelling this generator aborts the request in vLLM."""
-        engine = self._require_engine()
         rid = prepared.submit.request_id
+        if prepared.openai:
+            assert self._openai is not None
+            self._waiting.add(rid)
+            try:
+                async for step in self._openai.steps(cast("vllm_openai.Started", prepared.payload)):
+                    self._waiting.discard(rid)
+                    self._running.add(rid)
+                    yield step
+            finally:
+                self._waiting.discard(rid)
+                self._running.discard(rid)
+            return
+        engine = self._require_engine()
         ids, params = cast("tuple[list[int], SamplingParams]", prepared.payload)
         stream = engine.generate(_engine_input(ids), params, rid)
         self._waiting.add(rid)

@@ -1,0 +1,345 @@
+"""``vllm serve``'s own OpenAI layer, run inside the engine worker for requests that need more than text.
+
+tokenfan's plain path (text in, text deltas out, chunks built by the gateway) covers chat and
+completions requests made only of messages/prompt and the common sampling fields. Everything else that
+``vllm serve`` accepts (tools and ``tool_choice``, ``response_format`` and ``structured_outputs``,
+logprobs, ``n`` > 1, ``echo``, ``logit_bias``, ``min_p`` …, and every chat request when a tool or
+reasoning parser is configured) goes through vLLM's classes, unchanged:
+
+* the body is validated by vLLM's pydantic request models (``ChatCompletionRequest`` /
+  ``CompletionRequest``), so refusals have vllm serve's status and message;
+* ``OpenAIServingChat`` / ``OpenAIServingCompletion`` render the prompt (tools in the chat template),
+  build the sampling parameters (structured outputs, logit bias …), drive :class:`AsyncLLM` and run
+  vLLM's tool and reasoning parsers (``vllm.parser``);
+* their output, the exact chunk JSON vllm serve would write after ``data:``, goes to the gateway as
+  :attr:`engine_worker.protocol.Delta.chunk`, one per chunk, and the gateway frames it for every
+  transport. A non-streamed request gets the whole response object as one chunk.
+
+The serving classes call ``engine_client.generate``; :class:`_ObservedEngine` wraps the
+:class:`AsyncLLM` so that call reports the request's prompt length (the engine's ``Accepted``) and the
+tokens each step produced (token counts for the gateway's metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from engine_worker.backends.base import RequestRejected, Step
+from engine_worker.protocol import Endpoint, FinishReason, Submit
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from engine_worker.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+# Top-level fields the plain path serves exactly as vllm serve does (anything else takes vLLM's layer).
+PLAIN_FIELDS = frozenset({
+    "model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+    "temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty", "ignore_eos",
+    "user", "n",
+})
+_PLAIN_MESSAGE_FIELDS = frozenset({"role", "content"})
+_PLAIN_ROLES = frozenset({"system", "user", "assistant"})
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """The request object the gateway forwarded (it already checked it is a JSON object)."""
+    body = orjson.loads(raw)
+    if not isinstance(body, dict):
+        raise RequestRejected("the request body must be a JSON object", param="body")
+    return body
+
+
+def is_plain(body: dict[str, Any]) -> bool:
+    """Whether a chat/completions body needs nothing beyond tokenfan's plain path (pure, cheap)."""
+    if not body.keys() <= PLAIN_FIELDS or body.get("n", 1) not in (1, None):
+        return False
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not options.keys() <= {"include_usage"}):
+        return False
+    prompt = body.get("prompt")
+    if prompt is not None and not isinstance(prompt, str) and not (
+            isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str)):
+        return False  # token ids and batches: vLLM's layer
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            if not isinstance(m, dict) or not m.keys() <= _PLAIN_MESSAGE_FIELDS or m.get("role") not in _PLAIN_ROLES:
+                return False
+            content = m.get("content")
+            if isinstance(content, list) and not all(
+                    isinstance(part, dict) and part.get("type") == "text" and part.keys() <= {"type", "text"}
+                    for part in content):
+                return False
+    return True
+
+
+@dataclass(slots=True)
+class _Run:
+    """One request in vLLM's layer: set by :meth:`_ObservedEngine.generate`."""
+
+    accepted: asyncio.Future[int]  # the prompt length, once vLLM submitted the request
+    tokens: int = 0  # generated tokens not yet reported with a chunk
+    finish: FinishReason = "stop"  # the last choice's finish reason, for the engine's log and Delta
+    outputs: AsyncGenerator[Any, None] | None = None  # the engine's output stream, closed on abort
+
+
+_RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("tokenfan_openai_run", default=None)
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "error": "error",
+                                    "tool_calls": "stop", "repetition": "stop"}
+
+
+class _ObservedEngine:
+    """The :class:`AsyncLLM` as vLLM's serving classes see it, with ``generate`` observed."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def generate(self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any) -> AsyncGenerator[Any, None]:
+        from vllm.renderers.inputs.preprocess import extract_prompt_len
+
+        run = _RUN.get()
+        stream = self._engine.generate(prompt, sampling_params, request_id, **kwargs)
+        if run is None:  # not one of ours (vLLM-internal use): unobserved
+            return stream
+        if not run.accepted.done():
+            run.accepted.set_result(int(extract_prompt_len(self._engine.model_config, prompt)))
+        run.outputs = _counted(stream, run)
+        return run.outputs
+
+
+async def _counted(stream: AsyncGenerator[Any, None], run: _Run) -> AsyncGenerator[Any, None]:
+    try:
+        async for out in stream:
+            run.tokens += sum(len(o.token_ids) for o in out.outputs)
+            yield out
+    finally:
+        await stream.aclose()
+
+
+@dataclass(slots=True)
+class Started:
+    """A request vLLM's layer accepted: its output is :meth:`OpenAILayer.steps`."""
+
+    run: _Run
+    task: asyncio.Task[Any]  # create_chat_completion / create_completion
+    stream: bool
+    prompt_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class OpenAILayer:
+    """vLLM's ``OpenAIServingChat`` and ``OpenAIServingCompletion`` over this worker's :class:`AsyncLLM`,
+    configured as ``vllm serve`` would be with the same flags."""
+
+    def __init__(self, config: EngineConfig, engine: AsyncLLM, model_name: str, model_path: str,
+                 chat_template: str | None) -> None:
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+        from vllm.entrypoints.openai.models.protocol import BaseModelPath
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+        from vllm.renderers.online_renderer import OnlineRenderer
+
+        observed: Any = _ObservedEngine(engine)
+        reasoning = config.reasoning_parser or ""
+        models = OpenAIServingModels(engine_client=observed,
+                                     base_model_paths=[BaseModelPath(name=model_name, model_path=model_path)])
+        renderer = OnlineRenderer(
+            model_config=engine.model_config, renderer=engine.renderer, request_logger=None,
+            chat_template=chat_template, chat_template_content_format="auto",
+            trust_request_chat_template=False, trust_request_mm_kwargs=False,
+            enable_auto_tools=config.enable_auto_tool_choice, exclude_tools_when_tool_choice_none=False,
+            tool_parser=config.tool_call_parser, tool_strict_level="auto", reasoning_parser=reasoning,
+            default_chat_template_kwargs=None, log_error_stack=False,
+        )
+        self.chat = OpenAIServingChat(
+            observed, models, "assistant", online_renderer=renderer, request_logger=None,
+            chat_template=chat_template, chat_template_content_format="auto",
+            enable_auto_tools=config.enable_auto_tool_choice, tool_parser=config.tool_call_parser,
+            reasoning_parser=reasoning,
+        )
+        self.completion = OpenAIServingCompletion(observed, models, online_renderer=renderer, request_logger=None)
+        self.parsers = bool(config.tool_call_parser or reasoning)
+        self.model_name = model_name
+
+    def wants(self, endpoint: Endpoint, body: dict[str, Any]) -> bool:
+        """Whether this request takes vLLM's layer: it is not plain, or a parser reads every chat output."""
+        return (self.parsers and endpoint == "chat.completions") or not is_plain(body)
+
+    async def start(self, submit: Submit, body: dict[str, Any]) -> Started:
+        """Validate, render and submit ``body``; returns once vLLM handed the request to the engine.
+
+        Raises :class:`RequestRejected` with vllm serve's status and message."""
+        request = self._validate(submit, body)
+        run = _Run(asyncio.get_running_loop().create_future())
+        token = _RUN.set(run)
+        try:
+            create = (self.chat.create_chat_completion if submit.endpoint == "chat.completions"
+                      else self.completion.create_completion)
+            task = asyncio.ensure_future(create(request))  # type: ignore[arg-type]
+        finally:
+            _RUN.reset(token)
+        waits: list[asyncio.Future[Any]] = [task, run.accepted]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if not run.accepted.done():  # refused before reaching the engine
+            raise _rejection(_outcome(task))
+        return Started(run=run, task=task, stream=bool(request.stream), prompt_tokens=run.accepted.result())
+
+    def _validate(self, submit: Submit, body: dict[str, Any]) -> Any:
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        kind = ChatCompletionRequest if submit.endpoint == "chat.completions" else CompletionRequest
+        obj = dict(body)
+        if submit.stream:  # /v1/ws and /v1/streams always stream, whatever the body says
+            obj["stream"] = True
+        # vLLM's ids are "chatcmpl-<this>" / "cmpl-<this>": the gateway's generation id, as vllm serve's.
+        obj["request_id"] = submit.request_id.split("-", 1)[-1]
+        obj["model"] = self.model_name  # the gateway checked the name the client sent
+        if obj.get("max_tokens") is None and obj.get("max_completion_tokens") is None:
+            obj["max_tokens"] = submit.sampling.max_tokens  # tokenfan's --default-max-tokens
+        try:
+            return kind.model_validate(obj)
+        except ValidationError as exc:
+            raise _validation_rejection(exc) from None
+
+    async def steps(self, started: Started) -> AsyncIterator[Step]:
+        """The request's chunks as steps (``Step.chunk``), then one end step with its finish reason."""
+        run = started.run
+        try:
+            await asyncio.wait([started.task])
+            result = _outcome(started.task)
+            if not started.stream or not hasattr(result, "__aiter__"):
+                yield self._whole(result, run)
+                return
+            async for line in result:
+                data = line[6:].rstrip("\n")  # "data: {...}\n\n"
+                if data == "[DONE]":
+                    break
+                chunk = data.encode()
+                if data.startswith('{"error"'):
+                    raise _rejection_from_json(chunk)
+                self._note_finish(chunk, run)
+                tokens, run.tokens = run.tokens, 0
+                yield Step(text="", token_count=tokens, chunk=chunk)
+            yield Step(text="", token_count=run.tokens, finish_reason=run.finish)
+        finally:
+            if not started.task.done():
+                started.task.cancel()
+            elif not started.task.cancelled() and started.task.exception() is None:
+                result = started.task.result()
+                if hasattr(result, "aclose"):
+                    await result.aclose()
+            if run.outputs is not None:
+                await run.outputs.aclose()  # AsyncLLM aborts a request whose output stream closes early
+
+    def _whole(self, result: Any, run: _Run) -> Step:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        if isinstance(result, ErrorResponse):
+            raise _rejection(result)
+        obj = result.model_dump()
+        for choice in obj.get("choices", ()):
+            run.finish = _FINISH.get(str(choice.get("finish_reason")), "stop")
+        return Step(text="", token_count=run.tokens, finish_reason=run.finish, chunk=orjson.dumps(obj))
+
+    @staticmethod
+    def _note_finish(chunk: bytes, run: _Run) -> None:
+        if b'"finish_reason":"' in chunk:
+            for choice in orjson.loads(chunk).get("choices", ()):
+                if choice.get("finish_reason"):
+                    run.finish = _FINISH.get(choice["finish_reason"], "stop")
+
+
+def _outcome(task: asyncio.Task[Any]) -> Any:
+    """A finished serving call's result; an exception it raised becomes the ``ErrorResponse`` vllm serve's
+    exception handlers would answer with (``create_error_response``: status by exception class)."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    exc = task.exception()
+    if exc is None:
+        return task.result()
+    if not isinstance(exc, Exception):
+        raise exc
+    log.debug("vLLM's OpenAI layer raised %s: %s", type(exc).__name__, exc)
+    return create_error_response(exc)
+
+
+def _rejection(result: Any) -> RequestRejected:
+    error = result.error
+    status = int(error.code) if isinstance(error.code, int) else 400
+    return RequestRejected(error.message, code="invalid_request" if status < 500 else "engine_error",
+                           param=error.param, status=status, type=error.type)
+
+
+def _rejection_from_json(chunk: bytes) -> RequestRejected:
+    error = orjson.loads(chunk)["error"]
+    status = error.get("code") if isinstance(error.get("code"), int) else 500
+    return RequestRejected(str(error.get("message")), code="engine_error" if status >= 500 else "invalid_request",
+                           param=error.get("param"), status=status, type=str(error.get("type") or ""))
+
+
+def _validation_rejection(exc: Any) -> RequestRejected:
+    """A pydantic error as vllm serve's handler words it (``vllm...handlers.validation``)."""
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import (
+        _format_error,
+        clean_loc_for_param,
+    )
+    from vllm.exceptions import VLLMValidationError
+
+    errors = [{**e, "loc": ("body", *e.get("loc", ()))} for e in exc.errors()]
+    param = None
+    for e in errors:
+        ctx_error = (e.get("ctx") or {}).get("error")
+        if isinstance(ctx_error, VLLMValidationError):
+            param = ctx_error.parameter
+            break
+    if param is None and errors:
+        param = clean_loc_for_param(tuple(errors[0]["loc"]))
+    label = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {label}:\n" + "".join(f"  {_format_error(e)}\n" for e in errors[:10])
+    return RequestRejected(message.rstrip(), param=param, status=400, type="Bad Request")
+
+
+def check_parser_flags(config: EngineConfig) -> None:
+    """vllm serve's start-up checks of the parser flags (a bad name fails the start, not a request)."""
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    if config.tool_parser_plugin:
+        ToolParserManager.import_tool_parser(config.tool_parser_plugin)
+    if config.enable_auto_tool_choice and not config.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if config.tool_call_parser and config.tool_call_parser not in ToolParserManager.list_registered():
+        raise ValueError(f"invalid --tool-call-parser {config.tool_call_parser!r}; choose from "
+                         f"{', '.join(sorted(ToolParserManager.list_registered()))}")
+    if config.reasoning_parser and config.reasoning_parser not in ReasoningParserManager.list_registered():
+        raise ValueError(f"invalid --reasoning-parser {config.reasoning_parser!r}; choose from "
+                         f"{', '.join(sorted(ReasoningParserManager.list_registered()))}")
+
+
+def structured_outputs_config(config: EngineConfig) -> Any:
+    """vLLM's ``StructuredOutputsConfig`` from ``--structured-outputs-config`` JSON and ``--reasoning-parser``
+    (vllm serve keeps the reasoning parser in it too)."""
+    from vllm.config import StructuredOutputsConfig
+
+    value = json.loads(config.structured_outputs_config or "{}")
+    if not isinstance(value, dict):
+        raise TypeError("--structured-outputs-config must be a JSON object")
+    if config.reasoning_parser:
+        value.setdefault("reasoning_parser", config.reasoning_parser)
+    return StructuredOutputsConfig(**value)

@@ -234,6 +234,24 @@ SETTINGS: tuple[Setting, ...] = (
         "default", default_factory=dict, repeat=True, collect=dict),
     _gw("max_concurrent", INT, 4096, "generations in flight in this gateway (429 above)"),
     _gw("max_concurrent_per_key", INT, 0, "generations in flight per API key, 0 = no per-key limit"),
+    # per-client and per-connection limits (docs/limits.md: each one's error); 0 = no limit
+    _gw("max_generations_per_client", INT, 64, "generations in flight per client (its API key with keys on, "
+        "else its address) across every route; 429 `client_generation_limit` above", minimum=0),
+    _gw("max_connections_per_client", INT, 256, "open connections per client: WebSockets and HTTP requests in "
+        "progress (streams included); 429 `client_connection_limit` above", minimum=0),
+    _gw("max_subscriptions_per_client", INT, 128, "fan-out subscriptions (`/v1/streams/{id}/events` and `/ws`) "
+        "open per client; 429 `client_subscription_limit` above", minimum=0),
+    _gw("ws_max_in_flight", INT, 32, "`/v1/ws`: generations running at once per connection (more wait in its "
+        "queue)", minimum=1),
+    _gw("ws_max_queued", INT, 64, "`/v1/ws`: requests waiting per connection; an error `connection_queue_limit` "
+        "for each request above, the socket stays open", minimum=0),
+    _gw("fair_share_at", FLOAT, 0.75, "fair admission: once the gateway holds this fraction of --max-concurrent "
+        "generations, a client holding at least the average per client is refused (429 `fair_share_limit`), "
+        "so one holding nothing still gets in; while the engines queue requests, one holding more than the "
+        "average is", minimum=0),
+    _gw("trusted_proxies", STR, (), "addresses or CIDR networks of reverse proxies whose `X-Forwarded-For` names "
+        "the client for per-client limits (repeatable or comma-separated); from anyone else it is ignored",
+        repeat=True),
     _gw("max_prompt_tokens", INT, 0, "prompt length limit in tokens, 0 = only the model's context"),
     _gw("api_keys", STR, (), "require `Authorization: Bearer KEY` on /v1/* (repeatable or comma-separated)",
         flag="--api-key", repeat=True),

@@ -24,6 +24,7 @@ from starlette.routing import Route, WebSocketRoute
 from gateway import fanout, responses_ws_route, routes_openai, routes_responses, service, workers, ws_mux
 from gateway.access_log import AccessLogMiddleware
 from gateway.auth import Auth, AuthMiddleware
+from gateway.clients import ClientLimitMiddleware, TrustedProxies
 from gateway.config import GatewayConfig
 from gateway.engine_pool import EnginePool
 from gateway.errors import APIError, EngineError
@@ -113,11 +114,13 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
         routes += [Route("/internal/streams/{id}", workers.internal_stream, methods=["GET"]),
                    Route("/internal/streams/{id}", workers.internal_cancel, methods=["DELETE"]),
                    Route("/internal/transcripts/{id}", workers.internal_transcript, methods=["GET"]),
-                   Route("/internal/metrics", workers.internal_metrics, methods=["GET"])]
+                   Route("/internal/metrics", workers.internal_metrics, methods=["GET"]),
+                   Route("/internal/ready", workers.internal_ready, methods=["GET"])]
     auth = Auth(api_keys=frozenset(config.api_keys), token_ttl=config.stream_token_ttl,
                 allowed_origins=config.allowed_origins,
                 **({"secret": config.token_secret.encode()} if config.token_secret else {}))
-    middleware = [Middleware(AccessLogMiddleware), Middleware(IsolationHeaders), Middleware(AuthMiddleware, auth=auth)]
+    middleware = [Middleware(AccessLogMiddleware), Middleware(IsolationHeaders), Middleware(AuthMiddleware, auth=auth),
+                  Middleware(ClientLimitMiddleware, trusted=TrustedProxies(config.trusted_proxies))]
     if config.cors_origins:
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
                                         allow_methods=["GET", "POST", "DELETE"],

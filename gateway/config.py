@@ -42,6 +42,13 @@ class GatewayConfig:
     shutdown_grace: float = declared("shutdown_grace")
     max_concurrent: int = declared("max_concurrent")
     max_concurrent_per_key: int = declared("max_concurrent_per_key")
+    max_generations_per_client: int = declared("max_generations_per_client")
+    max_connections_per_client: int = declared("max_connections_per_client")
+    max_subscriptions_per_client: int = declared("max_subscriptions_per_client")
+    ws_max_in_flight: int = declared("ws_max_in_flight")
+    ws_max_queued: int = declared("ws_max_queued")
+    fair_share_at: float = declared("fair_share_at")
+    trusted_proxies: tuple[str, ...] = declared("trusted_proxies")
     max_prompt_tokens: int = declared("max_prompt_tokens")
     api_keys: tuple[str, ...] = declared("api_keys")
     token_secret: str | None = declared("token_secret")
@@ -61,6 +68,14 @@ class GatewayConfig:
     responses_ws_cache_entries: int = declared("responses_ws_cache_entries")
     responses_ws_cache_chars: int = declared("responses_ws_cache_chars")
     log_level: str = declared("log_level")
+
+    def __post_init__(self) -> None:
+        from gateway.clients import TrustedProxies
+
+        try:
+            TrustedProxies(self.trusted_proxies)
+        except ValueError as exc:
+            raise ValueError(f"--trusted-proxies: {exc}") from None
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:

@@ -62,7 +62,10 @@ async def start_generation(
     generation outlives its readers. Raises :class:`APIError` (admission, validation, broker) or
     :class:`EngineError`."""
     if listed:
-        gw.hub.check_capacity()
+        try:
+            gw.hub.check_capacity()
+        except APIError as err:
+            raise gw.refused(err) from None
     handle, builder = await gw.open(parsed, scope)
     stream = gw.hub.create(endpoint or parsed.endpoint, builder.model, stream_id=stream_id or handle.request_id,
                            listed=listed)

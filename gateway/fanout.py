@@ -11,6 +11,10 @@ Endings, per transport:
   too slow   SSE ``event: error`` code slow_consumer       WS close 1013
 A resume point at or past the end of a finished stream answers 204, which also tells a browser
 ``EventSource`` to stop reconnecting.
+
+Each client may hold ``--max-subscriptions-per-client`` subscriptions open (:mod:`gateway.clients`); one
+more is refused with 429 ``client_subscription_limit`` (SSE: the HTTP status; WS: an ``error`` message
+and close 4429), as is one more than ``--max-subscribers`` on one stream (``too_many_subscribers``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway import sse
+from gateway.clients import refuse
 from gateway.conn import WsConn
 from gateway.delivery import SseResponse, cancel, read, release, start_generation, until_disconnect
 from gateway.edge import gateway_of, read_body
@@ -114,10 +119,20 @@ def _after(raw: str | None, what: str) -> int:
 async def _subscribe_check(gw: Gateway, stream_id: str) -> Stream:
     stream = await find_stream(gw, stream_id)
     if stream.subscriber_count() >= gw.hub.retention.max_subscribers:
-        raise APIError(429, f"Stream {stream_id} has {stream.subscriber_count()} subscribers; the limit is "
+        raise gw.refused(APIError(429, f"Stream {stream_id} has {stream.subscriber_count()} subscribers; the limit is "
                             f"{gw.hub.retention.max_subscribers}.", type="rate_limit_error",
-                       code="too_many_subscribers", retry_after=1.0)
+                       code="too_many_subscribers", retry_after=1.0))
     return stream
+
+
+def _subscribe(gw: Gateway, scope: Any) -> str:
+    """Count one more fan-out subscription of this scope's client; APIError 429 over its limit."""
+    client: str = scope.get("state", {}).get("client") or "internal"
+    try:
+        gw.clients.acquire("subscriptions", client, gw.config.max_subscriptions_per_client)
+    except APIError as err:
+        raise gw.refused(err) from None
+    return client
 
 
 async def stream_events(request: Request) -> Any:
@@ -132,18 +147,25 @@ async def stream_events(request: Request) -> Any:
 
 
 class _Subscriber:
-    """Counts a fan-out SSE subscriber in ``tokenfan_subscribers`` while its response runs."""
+    """Counts a fan-out SSE subscriber in ``tokenfan_subscribers`` and against its client's
+    ``--max-subscriptions-per-client`` while its response runs (checked here, where it is also released)."""
 
     def __init__(self, inner: SseResponse, gw: Gateway) -> None:
         self.inner, self.gw = inner, gw
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            client = _subscribe(self.gw, scope)
+        except APIError as err:
+            await refuse(scope, receive, send, err)
+            return
         gauge = self.gw.metrics.subscribers.labels("sse")
         gauge.inc()
         try:
             await self.inner(scope, receive, send)
         finally:
             gauge.dec()
+            self.gw.clients.release("subscriptions", client)
 
 
 async def stream_ws(ws: WebSocket) -> None:
@@ -152,6 +174,7 @@ async def stream_ws(ws: WebSocket) -> None:
     try:
         after = _after(ws.query_params.get("after"), "after")
         stream = await _subscribe_check(gw, ws.path_params["id"])
+        client = _subscribe(gw, ws.scope)
     except APIError as exc:
         with contextlib.suppress(Exception):
             await ws.send_text(orjson.dumps({"type": "error", "error": exc.body()["error"]}).decode())
@@ -167,6 +190,7 @@ async def stream_ws(ws: WebSocket) -> None:
         pass
     finally:
         gauge.dec()
+        gw.clients.release("subscriptions", client)
         release(stream, cut=bool(outcome and outcome.cut))
     if outcome is None:
         return

@@ -12,6 +12,10 @@ from prometheus_client import (
     generate_latest,
 )
 
+# every limit's error code, exported at 0 from the start (docs/limits.md)
+REFUSAL_REASONS = ("client_connection_limit", "client_generation_limit", "client_subscription_limit",
+                   "connection_queue_limit", "fair_share_limit", "too_many_requests", "overloaded",
+                   "too_many_subscribers", "too_many_streams", "engine_overloaded")
 _LAT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
@@ -56,6 +60,10 @@ class Metrics:
             self.chunks.labels(t)
         self.loop_lag = Gauge("tokenfan_event_loop_lag_seconds", "How late the gateway's event loop runs "
                               "(worst of the last second); new work gets 503 above --max-loop-lag", registry=r)
+        self.refusals = Counter("tokenfan_refusals_total", "Requests, connections and subscriptions refused by a "
+                                "limit, by reason (the error code; docs/limits.md)", ["reason"], registry=r)
+        for reason in REFUSAL_REASONS:
+            self.refusals.labels(reason)
         self.retained = Gauge("tokenfan_retained_stream_bytes", "Bytes held by retained fan-out streams", registry=r)
 
     def render(self) -> bytes:

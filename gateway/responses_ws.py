@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -141,13 +142,21 @@ class Lanes(Generic[T]):
     At most ``max_active`` lanes run at once; lanes with a waiting request take turns in the order
     they became ready (a lane that just finished one goes behind those already waiting).
     ``max_named`` distinct named lanes per connection (``websocket_stream_limit_reached`` after) and
-    ``max_pending`` waiting requests (``429`` after) bound what one socket can hold.
+    ``max_pending`` waiting requests (``pending_error``, by default a ``429``, after) bound what one socket
+    can hold.
+
+    ``/v1/ws`` uses it too, with one lane per request id and ``keep_idle=False``: a lane is forgotten when
+    its request ends (or is cancelled while it waits), so ``max_active`` generations run and ``max_pending``
+    wait, and an id is free again once its request is over.
     """
 
-    def __init__(self, max_active: int = 16, max_named: int = 32, max_pending: int = 256) -> None:
+    def __init__(self, max_active: int = 16, max_named: int = 32, max_pending: int = 256, *,
+                 keep_idle: bool = True, pending_error: Callable[[Lanes[T]], APIError] | None = None) -> None:
         self.max_active = max_active
         self.max_named = max_named
         self.max_pending = max_pending
+        self.keep_idle = keep_idle
+        self.pending_error = pending_error or _too_many_waiting
         self._lanes: dict[str | None, _Lane[T]] = {}
         self._ready: deque[str | None] = deque()  # lanes with a waiting head, in arrival order
         self._active = 0
@@ -161,6 +170,22 @@ class Lanes(Generic[T]):
     def pending(self) -> int:
         return self._pending
 
+    def __contains__(self, lane_id: str | None) -> bool:
+        return lane_id in self._lanes
+
+    def cancel(self, lane_id: str | None) -> bool:
+        """Drop the requests waiting on ``lane_id`` (not the running one); True if there were any."""
+        lane = self._lanes.get(lane_id)
+        if lane is None or not lane.queue:
+            return False
+        self._pending -= len(lane.queue)
+        lane.queue.clear()
+        if lane_id in self._ready:
+            self._ready.remove(lane_id)
+        if not lane.running and not self.keep_idle:
+            del self._lanes[lane_id]
+        return True
+
     def submit(self, lane_id: str | None, item: T) -> list[tuple[str | None, T]]:
         """Queue ``item`` on its lane; returns what to start now (lane, item), in order."""
         lane = self._lanes.get(lane_id)
@@ -171,10 +196,10 @@ class Lanes(Generic[T]):
                                                   "connection.", param="stream_id",
                                              code="websocket_stream_limit_reached"), lane_id)
             lane = self._lanes[lane_id] = _Lane()
-        if self._pending >= self.max_pending:
-            raise WsClientError(APIError(429, f"Too many responses waiting on this connection (at most "
-                                              f"{self.max_pending}).", type="rate_limit_error",
-                                         code="rate_limit_exceeded"), lane_id)
+        if self._pending >= self.max_pending and not (self._active < self.max_active and not lane.running):
+            if not lane.queue and not lane.running and not self.keep_idle:
+                del self._lanes[lane_id]
+            raise WsClientError(self.pending_error(self), lane_id)
         lane.queue.append(item)
         self._pending += 1
         if not lane.running and len(lane.queue) == 1:
@@ -190,6 +215,8 @@ class Lanes(Generic[T]):
         self._active -= 1
         if lane.queue:
             self._ready.append(lane_id)
+        elif not self.keep_idle:
+            del self._lanes[lane_id]
         return self._schedule()
 
     def _schedule(self) -> list[tuple[str | None, T]]:
@@ -202,6 +229,11 @@ class Lanes(Generic[T]):
             self._pending -= 1
             started.append((lane_id, lane.queue.popleft()))
         return started
+
+
+def _too_many_waiting(lanes: Lanes[Any]) -> APIError:
+    return APIError(429, f"Too many responses waiting on this connection (at most {lanes.max_pending}).",
+                    type="rate_limit_error", code="rate_limit_exceeded")
 
 
 # -- previous_response_id --------------------------------------------------------------------------

@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gateway.clients import Holdings, fair_refusal
 from gateway.config import GatewayConfig
 from gateway.engine_pool import EnginePool
-from gateway.errors import APIError, engine_unavailable
+from gateway.errors import APIError, EngineError, engine_unavailable
 from gateway.metrics import Metrics
 from gateway.openai_api import ChunkBuilder, ParsedRequest, new_id
 from gateway.streams import SlowConsumerPolicy, StreamHub, Watchdog
@@ -78,12 +79,14 @@ class Gateway:
     watchdog: Watchdog = field(init=False)
     broker: StreamBroker | None = None  # Redis (--broker) or the workers' peer broker (--workers)
     draining: bool = False
-    active: collections.Counter[str | None] = field(default_factory=collections.Counter)
+    listening: bool = field(init=False)  # --workers: on the shared port yet (gateway.server.listen_when_ready)
+    clients: Holdings = field(default_factory=Holdings)  # per client: connections, generations, subscriptions
     loop: LoopMonitor = field(default_factory=LoopMonitor)
     _overload_logged_at: float = field(default=float("-inf"), repr=False)
 
     def __post_init__(self) -> None:
         self.hub = StreamHub(self.config.retention)
+        self.listening = self.config.workers <= 1
         self.policy = self.config.policy
         self.watchdog = Watchdog(self.policy.send_timeout, self.config.keepalive_interval)
 
@@ -122,7 +125,20 @@ class Gateway:
                            param="model", code="model_not_found")
         return served
 
-    def _admit(self, key: str | None) -> None:
+    def refused(self, err: APIError) -> APIError:
+        """Count a refusal by its code (``tokenfan_refusals_total``); returns it, to raise."""
+        self.metrics.refusals.labels(err.code or "unknown").inc()
+        return err
+
+    def _admit(self, client: str, key: str | None) -> None:
+        """Raise (and count) the refusal a new generation of ``client`` gets, if any: overload, the gateway's
+        total, the client's own limits, then fair admission (:func:`gateway.clients.fair_refusal`)."""
+        try:
+            self._check_admission(client, key)
+        except APIError as err:
+            raise self.refused(err) from None
+
+    def _check_admission(self, client: str, key: str | None) -> None:
         max_lag = self.config.max_loop_lag
         lag = self.loop.sustained
         if max_lag and lag > max_lag:
@@ -134,20 +150,24 @@ class Gateway:
             raise APIError(503, f"The gateway is overloaded (event loop {lag * 1000:.0f} ms behind; the "
                                 f"limit is {max_lag * 1000:.0f} ms); retry shortly.", type="server_error",
                            code="overloaded", retry_after=1.0)
-        total = sum(self.active.values())
+        held = self.clients
+        total = held.totals["generations"]
         if total >= self.config.max_concurrent:
             raise APIError(429, f"Too many concurrent generations ({total}); the limit is "
                                 f"{self.config.max_concurrent}.", type="rate_limit_error",
                            code="too_many_requests", retry_after=1.0)
         per_key = self.config.max_concurrent_per_key
-        if per_key and key is not None and self.active[key] >= per_key:
-            raise APIError(429, f"This API key has {self.active[key]} generations in flight; the limit is "
+        mine = held.of("generations", client)
+        if per_key and key is not None and mine >= per_key:
+            raise APIError(429, f"This API key has {mine} generations in flight; the limit is "
                                 f"{per_key}.", type="rate_limit_error", code="too_many_requests", retry_after=1.0)
-
-    def _release(self, key: str | None) -> None:
-        self.active[key] -= 1
-        if self.active[key] <= 0:
-            del self.active[key]
+        held.check("generations", client, self.config.max_generations_per_client)
+        soft = int(self.config.max_concurrent * self.config.fair_share_at) if self.config.fair_share_at else 0
+        why = fair_refusal(mine, total, held.clients("generations"), soft,
+                           engines_queue=mine > 0 and self.engine.load()[1] > 0)
+        if why is not None:
+            raise APIError(429, why + "; retry shortly.", type="rate_limit_error", code="fair_share_limit",
+                           retry_after=1.0)
 
     async def open(self, parsed: ParsedRequest, scope: Any = None) -> tuple[RequestHandle, ChunkBuilder]:
         """Submit to the engine and wait until it accepted (prompt validated).
@@ -157,13 +177,14 @@ class Gateway:
         for the access log."""
         state = scope.setdefault("state", {}) if scope is not None else {}
         key = state.get("api_key")
+        client = state.get("client") or "internal"  # set by gateway.clients.ClientLimitMiddleware
         model = self.check_model(parsed.model)
-        self._admit(key)
+        self._admit(client, key)
         rid = new_id(parsed.endpoint)
         handle = self.engine.submit(parsed.to_submit(rid, trace_id=state.get("request_id", rid)))
         state["generation_id"] = rid
-        self.active[key] += 1
-        handle.on_close.append(lambda: self._release(key))
+        self.clients.acquire("generations", client)
+        handle.on_close.append(lambda: self.clients.release("generations", client))
         try:
             prompt_tokens = await handle.wait_accepted(self.config.accept_timeout)
             limit = self.config.max_prompt_tokens
@@ -171,6 +192,11 @@ class Gateway:
                 raise APIError(400, f"The prompt has {prompt_tokens} tokens; this server accepts at most {limit}.",
                                param="messages" if parsed.endpoint == "chat.completions" else "prompt",
                                code="prompt_too_long")
+        except EngineError as exc:
+            handle.close()
+            if exc.code == "engine_overloaded":
+                self.metrics.refusals.labels(exc.code).inc()
+            raise
         except BaseException:
             handle.close()
             raise

@@ -9,11 +9,17 @@ Server -> client: ``{"type":"chunk","id","data"}``, ``{"type":"done","id"[,"canc
 Each request is a single-reader view of an unlisted stream (:mod:`gateway.delivery`); all of them
 write to the one socket. A write blocked past ``--send-timeout`` cuts the whole socket with close 1013
 and aborts every generation on it.
+
+Per connection, ``--ws-max-in-flight`` requests generate at once and ``--ws-max-queued`` more wait their
+turn (FIFO; the Responses WebSocket mode's :class:`gateway.responses_ws.Lanes`, one lane per request id);
+each request beyond gets its own ``error`` (429 ``connection_queue_limit``) and the socket stays open.
+A cancel of a waiting request answers ``done`` with ``"cancelled": true`` at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +32,7 @@ from gateway.edge import gateway_of
 from gateway.errors import APIError, EngineError, to_api_error
 from gateway.framing import MuxWs
 from gateway.openai_api import Endpoint, parse_request
+from gateway.responses_ws import Lanes, WsClientError
 from gateway.state import Gateway
 from gateway.ws_session import WsSession
 
@@ -82,8 +89,23 @@ def parse_message(raw: bytes) -> Request | Cancel:
     return Request(cid, endpoint, body)
 
 
+def queue_full(lanes: Lanes[Request]) -> APIError:
+    """The error of a request that finds its connection's generations and queue full."""
+    return APIError(429, f"This connection already has {lanes.active} generations in flight and {lanes.pending} "
+                         f"requests waiting (limits: --ws-max-in-flight {lanes.max_active}, --ws-max-queued "
+                         f"{lanes.max_pending}); send it again when one has finished.", type="rate_limit_error",
+                    code="connection_queue_limit")
+
+
 class Session(WsSession):
     """One ``/v1/ws`` connection."""
+
+    def __init__(self, gw: Gateway, ws: WebSocket) -> None:
+        super().__init__(gw, ws)
+        cfg = gw.config
+        active, queued = cfg.ws_max_in_flight, cfg.ws_max_queued
+        self.lanes: Lanes[Request] = Lanes(active, active + queued + 1, queued, keep_idle=False,
+                                           pending_error=queue_full)
 
     def on_message(self, raw: bytes) -> None:
         try:
@@ -93,17 +115,35 @@ class Session(WsSession):
             return
         if isinstance(msg, Cancel):
             task = self.tasks.get(msg.id)
-            if task is None:
+            if task is not None:
+                task.cancel()
+            elif self.lanes.cancel(msg.id):
+                self.send_text(orjson.dumps({"type": "done", "id": msg.id, "cancelled": True}).decode())
+            else:
                 self.send_error(msg.id, APIError(404, f"No active request with id {msg.id!r}.", param="id",
                                                  code="not_found"))
-            else:
-                task.cancel()
             return
-        if msg.id in self.tasks:
+        if msg.id in self.lanes:
             self.send_error(msg.id, APIError(400, f"Request id {msg.id!r} is already active.", param="id",
                                              code="invalid_value"))
             return
-        self.spawn(msg.id, self.generate(msg), f"ws-{msg.id}")
+        try:
+            started = self.lanes.submit(msg.id, msg)
+        except WsClientError as exc:
+            self.send_error(msg.id, self.gw.refused(exc.error))
+            return
+        self._start(started)
+
+    def _start(self, started: list[tuple[str | None, Request]]) -> None:
+        for _, req in started:
+            task = self.spawn(req.id, self.generate(req), f"ws-{req.id}")
+            if task is not None:  # its slot frees when the task ends, even one cancelled before it ran
+                task.add_done_callback(functools.partial(self._finished, req.id))
+
+    def _finished(self, request_id: str, _task: object = None) -> None:
+        started = self.lanes.finished(request_id)
+        if not self.closing and not self.cut.is_set():
+            self._start(started)
 
     def send_error(self, cid: str | None, err: APIError) -> None:
         self.send_text(orjson.dumps({"type": "error", "id": cid, "error": err.body()["error"]}).decode(), err)

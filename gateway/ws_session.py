@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Coroutine
 from typing import Any
 
 from starlette.websockets import WebSocket
@@ -24,6 +25,7 @@ class WsSession:
         self.conn = WsConn(ws.scope, ws._send, gw.policy.linger)
         self.tasks: dict[Any, asyncio.Task[None]] = {}
         self.cut = asyncio.Event()
+        self.closing = False  # the session is ending: no new generation starts
 
     async def run(self) -> None:
         cut_wait = asyncio.ensure_future(self.cut.wait())
@@ -40,6 +42,7 @@ class WsSession:
                 raw = msg.get("text") or msg.get("bytes") or b""
                 self.on_message(raw.encode() if isinstance(raw, str) else raw)
         finally:
+            self.closing = True
             cut_wait.cancel()
             tasks = list(self.tasks.values())
             for t in tasks:
@@ -49,10 +52,15 @@ class WsSession:
     def on_message(self, raw: bytes) -> None:
         raise NotImplementedError
 
-    def spawn(self, key: Any, work: Any, name: str) -> None:
+    def spawn(self, key: Any, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None] | None:
+        """Run ``work`` as the generation task ``key`` (None, and ``work`` closed, once the session ends)."""
+        if self.closing or self.cut.is_set():
+            work.close()
+            return None
         task = asyncio.create_task(work, name=name)
         self.tasks[key] = task
         task.add_done_callback(lambda _t: self.tasks.pop(key, None) if self.tasks.get(key) is _t else None)
+        return task
 
     def send_text(self, text: str, err: APIError | None = None) -> None:
         """Queue one message (errors are counted); never blocks the receive loop."""

@@ -14,6 +14,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+# every test client is 127.0.0.1: a test that is itself a crowd turns the per-client limits off
+NO_CLIENT_LIMITS = ("--max-generations-per-client", "0", "--max-connections-per-client", "0",
+                    "--max-subscriptions-per-client", "0")
 ARTIFACTS = ROOT / "test-artifacts"
 
 

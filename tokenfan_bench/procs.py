@@ -18,7 +18,9 @@ import httpx
 
 # A spawned gateway keeps finished streams briefly: a long closed-loop run creates many streams and
 # the default retention (300 s, 10k streams) would answer 429 long before the run ends.
-SPAWN_GATEWAY_ARGS = ["--stream-ttl", "5", "--max-streams", "200000"]
+# the bench is one client (one address) that is a crowd: no per-client limits
+SPAWN_GATEWAY_ARGS = ["--stream-ttl", "5", "--max-streams", "200000", "--max-generations-per-client", "0",
+                      "--max-connections-per-client", "0", "--max-subscriptions-per-client", "0"]
 
 
 def free_port() -> int:

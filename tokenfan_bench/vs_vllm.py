@@ -290,7 +290,8 @@ def server_command(spec: ServerSpec, model: Model, ns: argparse.Namespace, port:
         return [sys.executable, "-m", "gateway.cli", "serve", "--engine", "vllm", "--model", str(model.path),
                 "--served-model-name", model.name, "--dtype", ns.dtype, "--max-model-len", str(ns.max_model_len),
                 "--kv-cache-gib", str(ns.kv_cache_gib), "--host", "127.0.0.1", "--port", str(port),
-                "--log-level", "warning", *spec.args]
+                "--log-level", "warning", "--max-generations-per-client", "0", "--max-connections-per-client", "0",
+                *spec.args]  # vllm serve has no per-client limits, and the load generator is one client
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.path),
            "--served-model-name", model.name, "--dtype", ns.dtype, "--max-model-len", str(ns.max_model_len),
            "--enforce-eager", "--disable-log-stats", "--host", "127.0.0.1", "--port", str(port)]

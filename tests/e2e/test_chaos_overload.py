@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from tests.e2e.helpers import metric
-from tests.procs import ARTIFACTS, start_engine, start_gateway
+from tests.procs import ARTIFACTS, NO_CLIENT_LIMITS, start_engine, start_gateway
 
 
 def _open(url: str, request: bytes, rcvbuf: int | None = None) -> socket.socket:
@@ -52,7 +52,8 @@ def test_an_engine_kill_under_overload_reaches_every_client_explicitly(ipc_dir: 
     engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", str(rate),
                           "--synthetic-ttft-ms", "5", "--max-queue", "5000", "--max-model-len", "20000",
                           name="engine-overload")
-    gw, url = start_gateway(address, "--max-loop-lag", "0", "--max-tokens-cap", "20000", name="gateway-overload")
+    gw, url = start_gateway(address, "--max-loop-lag", "0", "--max-tokens-cap", "20000", *NO_CLIENT_LIMITS,
+                            name="gateway-overload")
     sel = selectors.DefaultSelector()
     try:
         body = {"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}

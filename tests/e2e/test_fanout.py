@@ -14,7 +14,7 @@ import pytest
 import websockets
 
 from tests.e2e.helpers import chunk_text, fat_gateway, metric, sse_events, stalled_client, wait_until
-from tests.procs import start_engine, start_gateway
+from tests.procs import NO_CLIENT_LIMITS, start_engine, start_gateway
 
 
 def create(url: str, max_tokens: int, endpoint: str = "completions", **extra: object) -> dict:
@@ -138,7 +138,7 @@ def test_a_thousand_subscribers_on_one_stream_all_get_the_full_text(ipc_dir) -> 
     address = f"ipc://{ipc_dir / 'fanout-wide.sock'}"
     engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "40",
                           "--synthetic-ttft-ms", "50", name="engine-wide")
-    gw, url = start_gateway(address, "--send-timeout", "10", name="gateway-wide")
+    gw, url = start_gateway(address, "--send-timeout", "10", *NO_CLIENT_LIMITS, name="gateway-wide")
     try:
         _thousand_subscribers(url)
     finally:

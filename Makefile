@@ -1,4 +1,4 @@
-# tokenfan: `make run` (install + serve the default model on CPU) and `make test` (install + whole suite).
+# tokenfan: `make run` (install + serve the default model on CPU) and `make test` (install, lint, whole suite).
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[cpu,test]'
+	$(PIP) install -q -e '.[cpu,test,dev]'
 	-$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
@@ -36,11 +36,12 @@ test-deps:
 
 browser: test-deps
 
-test: setup test-deps
+# CI (.ci/run) runs exactly `make test`: the lint first, so a finding fails the build before the suite runs.
+test: setup test-deps lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# ruff and mypy at the versions pinned in the `dev` extra (installed by setup); fails on any finding.
 lint: setup
-	$(PIP) install -q -e '.[dev]'
 	$(VENV)/bin/ruff check gateway engine_worker tokenfan_bench tools tests
 	$(VENV)/bin/mypy gateway engine_worker tokenfan_bench
 

@@ -29,6 +29,13 @@ log = logging.getLogger(__name__)
 
 ENDING_TIMEOUT = 1.0  # the ASGI fallback's wait for a final frame
 
+# What a send to a peer that is gone or stalled raises, so an ending that cannot be delivered is dropped and
+# anything else (a bug) still propagates: OSError covers TimeoutError (our bounded wait) and uvicorn's
+# ClientDisconnected (ASGI 2.4); RuntimeError is what uvicorn raises for a message after the response or
+# close was already sent (a cut got there first) and what Granian raises on a closed transport
+# ("ASGI flow error: Transport closed").
+PEER_GONE: tuple[type[Exception], ...] = (OSError, RuntimeError)
+
 
 def ws_head(opcode: int, n: int) -> bytes:
     """The head of an unmasked (server-to-client) WebSocket frame with FIN set (RFC 6455 §5.2)."""
@@ -79,7 +86,7 @@ class HttpConn:
 
     async def end(self, data: bytes | None) -> None:
         """The normal last write (the response completes)."""
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*PEER_GONE):
             async with asyncio.timeout(ENDING_TIMEOUT):
                 await self.send({"type": "http.response.body", "body": data or b"", "more_body": False})
         self.closed = True
@@ -153,7 +160,7 @@ class WsConn:
 
     async def end(self, text: str | None, code: int = 1000, reason: str = "") -> None:
         """A normal close: the last message, then a close frame (bounded wait)."""
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*PEER_GONE):
             async with asyncio.timeout(ENDING_TIMEOUT):
                 if text is not None:
                     await self.send({"type": "websocket.send", "text": text})

@@ -248,8 +248,10 @@ def run_granian(app: Any, config: GatewayConfig) -> None:
         stopping: list[asyncio.Task[None]] = []
 
         async def stop() -> None:
-            await drain(app, config.shutdown_grace)
-            server.stop()
+            try:
+                await drain(app, config.shutdown_grace)
+            finally:
+                server.stop()  # even if the drain failed: serve() must return
 
         def on_signal() -> None:
             if not stopping:
@@ -260,5 +262,7 @@ def run_granian(app: Any, config: GatewayConfig) -> None:
             loop.add_signal_handler(sig, on_signal)
         log.info("serving https://%s:%d (HTTP/2 and HTTP/1.1 by ALPN)", config.host, config.port)
         await server.serve()
+        for task in stopping:  # the drain that stopped the server: wait for its end, raise its error
+            await task
 
     uvloop.run(serve())

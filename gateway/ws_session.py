@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Coroutine
 from typing import Any
 
 from starlette.websockets import WebSocket
 
-from gateway.conn import WsConn
+from gateway.conn import PEER_GONE, WsConn
 from gateway.errors import APIError, error_class
 from gateway.state import Gateway
+
+log = logging.getLogger(__name__)
 
 
 class WsSession:
@@ -24,6 +27,7 @@ class WsSession:
         self.ws = ws
         self.conn = WsConn(ws.scope, ws._send, gw.policy.linger)
         self.tasks: dict[Any, asyncio.Task[None]] = {}
+        self.writes: set[asyncio.Task[None]] = set()  # send_text's, cancelled with the generations at the end
         self.cut = asyncio.Event()
         self.closing = False  # the session is ending: no new generation starts
 
@@ -44,7 +48,7 @@ class WsSession:
         finally:
             self.closing = True
             cut_wait.cancel()
-            tasks = list(self.tasks.values())
+            tasks = [*self.tasks.values(), *self.writes]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -66,12 +70,18 @@ class WsSession:
         """Queue one message (errors are counted); never blocks the receive loop."""
         if err is not None:
             self.gw.metrics.errors.labels(error_class(err)).inc()
-        task = asyncio.ensure_future(self.write(text))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        task = asyncio.create_task(self.write(text), name="ws-send")
+        self.writes.add(task)
+        task.add_done_callback(self._written)
+
+    def _written(self, task: asyncio.Task[None]) -> None:
+        self.writes.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("sending a WebSocket message failed", exc_info=exc)
 
     async def write(self, text: str) -> None:
         if not self.conn.closed:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*PEER_GONE):  # the client left or the socket was cut: nobody to tell
                 await self.conn.write(text)
 
     async def cut_now(self, code: int, reason: str) -> None:

@@ -23,6 +23,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,6 @@ def dockerfile_exec_form(path: Path, instr: str) -> list[str]:
 
 
 def pyproject() -> dict[str, Any]:
-    tomllib = pytest.importorskip("tomllib")
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
@@ -220,14 +220,14 @@ def manifest_cases() -> list[Any]:
 
 @pytest.mark.parametrize(("path", "version"), manifest_cases())
 def test_k8s_manifest_validates_against_kubernetes_schema(path: Path, version: str) -> None:
-    kv = pytest.importorskip("kubernetes_validate")
+    import kubernetes_validate as kv
     for resource in load_yaml_docs(path):
         kv.validate(resource, version, strict=True)
 
 
 def test_k8s_schema_validation_rejects_a_misspelled_field() -> None:
     """The validator is not a rubber stamp: a typo in a probe name fails."""
-    kv = pytest.importorskip("kubernetes_validate")
+    import kubernetes_validate as kv
     deployment = copy.deepcopy(base_resources()["Deployment"])
     engine = deployment["spec"]["template"]["spec"]["containers"][0]
     engine["livenesProbe"] = engine.pop("livenessProbe")
@@ -344,7 +344,7 @@ def kustomize(path: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("variant", ["gpu", "cpu"])
 def test_kustomize_renders_valid_gpu_and_cpu_variants(variant: str) -> None:
-    kv = pytest.importorskip("kubernetes_validate")
+    import kubernetes_validate as kv
     rendered = kustomize(K8S if variant == "gpu" else K8S / "overlays" / "cpu")
     by_kind = {d["kind"]: d for d in rendered}
     assert set(by_kind) == set(base_resources())

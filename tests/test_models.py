@@ -7,11 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+import transformers
 
 from engine_worker.config import EngineConfig
 from engine_worker.models import MARKER, TINY_VOCAB_SIZE, ModelError, build_tiny_llama, resolve_model
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
 import subprocess
 import time
@@ -34,9 +33,12 @@ from gateway.generation import ChunkEvent
 from gateway.streams import Retention, Stream, StreamHub
 from tests.e2e.helpers import chunk_text, sse_events, wait_until
 from tests.procs import Proc, free_port, start_engine, start_gateway
+from tests.system import require
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                reason="redis-server not installed (make test installs Debian's redis-server)")
+
+@pytest.fixture(autouse=True, scope="module")
+def _redis_server_installed() -> None:
+    require("redis-server")
 
 
 class RedisServer:

@@ -13,9 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
-
 from playwright.sync_api import Browser, Page, Route, sync_playwright
 
 from tests.e2e.browser_fixtures import (
@@ -28,12 +25,15 @@ from tests.e2e.browser_fixtures import (
     start_gateway_without_engine,
 )
 from tests.procs import ARTIFACTS, start_engine, start_gateway
+from tests.system import require
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: run `make browser` "
-                                                      "(apt-get install chromium)"),
-]
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _chromium_installed() -> None:
+    require(CHROMIUM)
+
 
 TRANSPORTS = ["sse", "fetch", "ws", "responses-sse", "responses-ws"]
 API_KEY = "sk-browser-test"

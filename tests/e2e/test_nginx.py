@@ -25,10 +25,15 @@ from websockets.asyncio.client import connect as ws_connect
 
 from tests.e2e.helpers import chunk_text, fat_gateway, metric, sse_events, wait_until
 from tests.procs import ARTIFACTS, ROOT, free_port, start_engine, start_gateway
+from tests.system import require
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 CONF = ROOT / "deploy" / "nginx" / "tokenfan.conf"
-pytestmark = pytest.mark.skipif(not Path(NGINX).exists(), reason="nginx is missing: make test-deps")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _nginx_installed() -> None:
+    require(NGINX)
 
 MAIN = """daemon off;
 master_process off;

@@ -197,13 +197,12 @@ TEN_EVENTSOURCES_AND_A_FETCH = """async (n) => {
 @pytest.mark.browser
 def test_one_https_page_holds_ten_eventsources_and_a_fetch_still_answers_over_h2(
         ipc_dir: Path, certs: Path) -> None:
-    pytest.importorskip("playwright.sync_api")
     from playwright.sync_api import sync_playwright
 
     from tests.e2e.browser_fixtures import CHROMIUM, CHROMIUM_ARGS
+    from tests.system import require
 
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing: make test-deps")
+    require(CHROMIUM)
     address = f"ipc://{ipc_dir / 'tls-browser.sock'}"
     engine = start_engine(address, "--engine", "synthetic", "--synthetic-ttft-ms", "5",
                           "--synthetic-tokens-per-s", "20", name="engine-tls-browser")  # 400 tokens: 20 s

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import math
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -174,7 +175,30 @@ def run_uvicorn(app: Any, config: GatewayConfig, on_shutdown: Any = None) -> Non
                 for sig in SIGNALS:
                     loop.remove_signal_handler(sig)
 
+        gate: asyncio.Task[None] | None = None
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            """With ``--workers``: serve the private socket at once, the shared port once the engine link is up."""
+            if public is None:
+                return await super().startup(sockets)
+            await super().startup(sockets)
+            config = self.config
+
+            def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+                return config.http_protocol_class(  # type: ignore[call-arg]  # as uvicorn's own startup does
+                    config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=_loop)
+
+            loop = asyncio.get_running_loop()
+            server = await loop.create_server(create_protocol, sock=public, backlog=config.backlog,
+                                              start_serving=False)
+            self.servers.append(server)
+            self.gate = loop.create_task(listen_when_ready(app, server), name="listen-when-ready")
+
         async def shutdown(self, sockets: Any = None) -> None:
+            if self.gate is not None:
+                self.gate.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self.gate
             if on_shutdown is not None:
                 on_shutdown()  # the other workers drain at the same time
             for server in self.servers:
@@ -182,11 +206,13 @@ def run_uvicorn(app: Any, config: GatewayConfig, on_shutdown: Any = None) -> Non
             await drain(app, config.shutdown_grace)
             await super().shutdown(sockets)
 
-    sockets = None
+    sockets: list[socket.socket] | None = None
+    public: socket.socket | None = None
     if config.workers > 1:
         from gateway.workers import bind_sockets
 
-        sockets = bind_sockets(config)
+        public, private = bind_sockets(config)
+        sockets = [private]
     GracefulServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level.lower(),
         http=protocol_class(config.http_header_timeout, config.http_body_timeout),
@@ -195,6 +221,19 @@ def run_uvicorn(app: Any, config: GatewayConfig, on_shutdown: Any = None) -> Non
         timeout_graceful_shutdown=math.ceil(config.shutdown_grace + 2.0),
         access_log=False,  # tokenfan.access writes one JSON line per request instead
     )).run(sockets=sockets)
+
+
+async def listen_when_ready(app: Any, server: asyncio.Server, poll: float = 0.02) -> None:
+    """Start listening on the shared port (``--workers``) once this worker's engine link is up: until then
+    the kernel gives this worker none of the port's connections, so none gets 503 ``engine_unavailable``."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    gw = app.state.gateway
+    while not gw.engine.healthy:
+        await asyncio.sleep(poll)
+    await server.start_serving()
+    gw.listening = True
+    log.info("listening on the shared port: engine link up after %.2f s", loop.time() - t0)
 
 
 # ---------------------------------------------------------------------------------------------- Granian

@@ -17,15 +17,26 @@ from gateway.state import Gateway
 
 
 async def health(request: Request) -> Response:
+    """200 when this gateway can serve: its engine link is up and, with ``--workers``, so is that of every
+    worker listening on the shared port (else 503 + Retry-After; ``workers`` says how many are ready)."""
     gw: Gateway = gateway_of(request)
     hb = gw.engine.last_heartbeat
     engines = gw.engine.status()
-    if gw.engine.healthy and hb is not None:
+    extra: dict[str, Any] = {}
+    ready = gw.engine.healthy and hb is not None
+    if gw.config.workers > 1:
+        from gateway.workers import peers_ready, worker_index
+
+        listening, serving = await peers_ready(gw.config.port, gw.config.workers, worker_index())
+        ready = ready and serving == listening
+        extra["workers"] = {"configured": gw.config.workers, "listening": listening + gw.listening,
+                            "ready": serving + (gw.listening and gw.engine.healthy)}
+    if ready and hb is not None:
         running, waiting = gw.engine.load()
         return JSONResponse({"status": "ok", "engine": {"id": hb.engine_id, "backend": hb.backend,
                                                         "model": hb.model, "running": running,
-                                                        "waiting": waiting}, "engines": engines})
-    return JSONResponse({"status": "unavailable", "engine": None, "engines": engines}, status_code=503,
+                                                        "waiting": waiting}, "engines": engines, **extra})
+    return JSONResponse({"status": "unavailable", "engine": None, "engines": engines, **extra}, status_code=503,
                         headers={"Retry-After": "1"})
 
 

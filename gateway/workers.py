@@ -14,7 +14,12 @@
   many answered.
 - With ``--broker redis://…`` the Redis broker does this job instead (across workers and replicas).
 
-Limits (``--max-concurrent``, ``--max-streams``, …) apply per worker.
+- Readiness: a worker listens on the shared port only once its engine link is up (before, the kernel
+  sends it no connections), and ``/health`` on any worker answers 200 only when every worker that listens
+  on the port can serve (it asks each peer's ``GET /internal/ready``). So every request after the first
+  200 lands on a worker that can serve it, after a cold start or a worker's restart alike.
+
+Limits (``--max-concurrent``, ``--max-streams``, the per-client limits, …) apply per worker.
 """
 
 from __future__ import annotations
@@ -156,6 +161,36 @@ async def internal_metrics(request: Request) -> Response:
 
     refresh_metrics(gw)
     return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
+
+
+async def internal_ready(request: Request) -> Response:
+    """Whether this worker listens on the shared port and whether its engine link is up (for peers' /health)."""
+    if not _over_unix_socket(request):
+        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+    gw: Gateway = gateway_of(request)
+    return JSONResponse({"listening": gw.listening, "ready": gw.engine.healthy})
+
+
+async def peers_ready(port: int, workers: int, me: int, timeout: float = 1.0) -> tuple[int, int]:
+    """(peers that listen on the shared port, those of them that can serve). A peer whose private socket
+    refuses (not started, or gone) listens on nothing and is left out; one that does not answer within
+    ``timeout`` counts as listening and not ready."""
+    async def one(k: int) -> tuple[bool, bool]:
+        try:
+            async with asyncio.timeout(timeout):
+                status, reader, writer = await _request(worker_socket(port, k), "GET", "/internal/ready")
+                try:
+                    body = orjson.loads(await reader.read()) if status == 200 else {}
+                finally:
+                    writer.close()
+        except TimeoutError:
+            return True, False
+        except (OSError, ValueError, IndexError):
+            return False, False
+        return bool(body.get("listening")), bool(body.get("listening") and body.get("ready"))
+
+    answers = await asyncio.gather(*(one(k) for k in range(workers) if k != me))
+    return sum(a for a, _ in answers), sum(r for _, r in answers)
 
 
 # -- a peer's side: mirrors, remote cancels, merged metrics -------------------------------------------
@@ -377,7 +412,10 @@ def merge_metrics(texts: list[str]) -> bytes:
 
 
 def bind_sockets(config: GatewayConfig) -> list[Any]:
-    """This worker's listening sockets: the shared public port (``SO_REUSEPORT``) and its private Unix socket."""
+    """This worker's sockets, bound, not yet listening: the shared public port (``SO_REUSEPORT``) and its
+    private Unix socket. The kernel spreads the port's connections only over the workers that listen, so
+    the server listens on it once this worker's engine link is up (``gateway.server``); a peer that finds
+    the private socket refusing knows this worker takes no connections yet (:func:`peers_ready`)."""
     import socket
 
     public = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
@@ -393,6 +431,5 @@ def bind_sockets(config: GatewayConfig) -> list[Any]:
     private.bind(str(path))
     os.chmod(path, 0o600)
     for s in (public, private):
-        s.listen(2048)
-        s.set_inheritable(False)
+        s.set_inheritable(False)  # uvicorn listens on the private socket once the app has started
     return [public, private]

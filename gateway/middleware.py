@@ -2,7 +2,7 @@
 
 Order, outermost first (as :func:`gateway.app.create_app` builds it): :class:`RawSend`, Starlette's
 server-error middleware, [CORS], ``AccessLogMiddleware``, :class:`IsolationHeaders`, ``AuthMiddleware``,
-Starlette's exception middleware (the handlers below), the router.
+``ClientLimitMiddleware`` (:mod:`gateway.clients`), Starlette's exception middleware (the handlers below), the router.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ class EngineConfig:
     backend: str = declared("backend")  # "vllm" | "synthetic"
     engine_address: str = declared("engine_address")  # the address the engine binds
     model: str | None = declared("model")  # local HF directory; None = the default model (prepared into cache_dir)
+    served_model_name: str | None = declared("served_model_name")  # vLLM's name for the model (default: its dir)
     cache_dir: Path = declared("cache_dir")
     max_model_len: int = declared("max_model_len")
     dtype: str = declared("dtype")

@@ -182,8 +182,8 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("ssl_keyfile", PATH, None, "TLS private key (PEM) for --ssl-certfile"),
     _gw("http_header_timeout", FLOAT, 10.0, "seconds a client may take to send its request headers"),
     _gw("http_body_timeout", FLOAT, 30.0, "seconds a client may take to send a request body"),
-    _gw("served_model_name", STR, None,
-        "model id shown in /v1/models and accepted in requests (default: the engine's)"),
+    Setting("served_model_name", STR, "model id shown in /v1/models, accepted in requests and written in "
+            "responses (default: the engine's: its model directory's name)", EVERY),
     _gw("heartbeat_interval", FLOAT, 0.25, "seconds between engine pings"),
     _gw("heartbeat_timeout", FLOAT, 5.0, "engine presumed down after this many seconds without a heartbeat (a crash or restart "
         "is noticed at once from the dropped connection; this catches a hung or unreachable engine)"),

@@ -154,7 +154,7 @@ class Session(WsSession):
         stream = None
         cut = False
         try:
-            parsed = parse_request(req.endpoint, req.body, gw.config.limits)
+            parsed = parse_request(req.endpoint, {**req.body, "stream": True}, gw.config.limits)  # always chunks
             stream = await start_generation(gw, parsed, self.ws.scope, listed=False)
             outcome = await read(gw, stream, framing, -1, self.conn)
             cut = outcome.cut

@@ -69,7 +69,7 @@ class VllmBackend:
 
     def __init__(self, config: EngineConfig) -> None:
         self._config = config
-        name = Path(config.model).name if config.model else DEFAULT_MODEL_DIRNAME
+        name = config.served_model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_DIRNAME)
         self._info = BackendInfo(kind="vllm", model=name, max_model_len=config.max_model_len)
         self._engine: AsyncLLM | None = None
         self._tokenizer: Any = None

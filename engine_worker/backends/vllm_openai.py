@@ -216,6 +216,8 @@ class OpenAILayer:
             return kind.model_validate(obj)
         except ValidationError as exc:
             raise _validation_rejection(exc) from None
+        except (ValueError, TypeError) as exc:  # vLLM's own validators raise VLLMValidationError (a ValueError)
+            raise _rejection(_error_response(exc)) from None
 
     async def steps(self, started: Started) -> AsyncIterator[Step]:
         """The request's chunks as steps (``Step.chunk``), then one end step with its finish reason."""
@@ -268,13 +270,17 @@ class OpenAILayer:
 def _outcome(task: asyncio.Task[Any]) -> Any:
     """A finished serving call's result; an exception it raised becomes the ``ErrorResponse`` vllm serve's
     exception handlers would answer with (``create_error_response``: status by exception class)."""
-    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-
     exc = task.exception()
     if exc is None:
         return task.result()
     if not isinstance(exc, Exception):
         raise exc
+    return _error_response(exc)
+
+
+def _error_response(exc: Exception) -> Any:
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
     log.debug("vLLM's OpenAI layer raised %s: %s", type(exc).__name__, exc)
     return create_error_response(exc)
 

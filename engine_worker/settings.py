@@ -5,8 +5,11 @@ the commands that take it (``serve``, ``gateway``, ``engine``). From the table c
 arguments (:func:`add_arguments`), the values of a command line with environment fallbacks
 (:func:`resolve`: the flag wins, then the environment, then the default), the config dataclasses
 (:func:`build`, and the defaults of their fields via :func:`declared`), the argv that reproduces a
-config (:func:`to_argv`, what ``tokenfan serve`` passes to its engine) and the README table
-(``python -m engine_worker.settings --markdown``).
+config (:func:`to_argv`, what ``tokenfan serve`` passes to its engine) and the reference table in
+docs/settings.md (``python -m engine_worker.settings --write docs/settings.md``).
+
+``--help`` shows the settings a user sets, in the groups of :data:`HELP_GROUPS`; every other one is
+*advanced*: it works the same (flag and environment), ``--help-all`` shows it, and docs/settings.md lists it.
 
 It lives in the engine package because the gateway imports the engine package and never the reverse;
 the engine reads only its own rows.
@@ -74,7 +77,7 @@ def parse_transport_delay(raw: str) -> tuple[str, float]:
 class Kind:
     """How one raw string (a flag value, an environment value, one list item) becomes a value and back."""
 
-    name: str  # shown in the README
+    name: str  # shown in docs/settings.md
     metavar: str  # shown in --help
     parse: Callable[[str], Any]
     format: Callable[[Any], str] = str
@@ -98,7 +101,7 @@ class Setting:
     commands: frozenset[str]
     default: Any = None
     default_factory: Callable[[], Any] | None = None  # a default that depends on the machine
-    doc_default: str = ""  # how the README shows a machine-dependent default
+    doc_default: str = ""  # how docs/settings.md shows a machine-dependent default
     flag: str = ""  # default: --<name-with-dashes>
     env: str = ""  # default: TOKENFAN_<NAME>
     aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # command -> flags
@@ -216,7 +219,7 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("direct_write", BOOL, True, "the publisher writes each event straight to every caught-up reader "
         "(uvicorn, HTTP/1.1); off = every reader writes from its own task (for A/B measurement)"),
     _gw("gc_gen0_threshold", INT, 700, "the gateway's garbage collector runs a young collection every this many "
-        "allocations (Python's default 700; see the README's GC figures)"),
+        "allocations (Python's default 700; see the GC figures in docs/vs-vllm.md)"),
     _gw("sse_retry_ms", INT, 1000, "SSE retry: hint sent to EventSource"),
     _gw("responses_ws_max_active", INT, 16, "Responses WebSocket mode: `stream_id` lanes generating at once "
         "per connection (more wait their turn)"),
@@ -321,6 +324,32 @@ SETTINGS: tuple[Setting, ...] = (
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
+# What `--help` shows, in these groups: the settings a user sets. Every other setting is advanced (`--help-all`).
+HELP_GROUPS: dict[str, tuple[str, ...]] = {
+    "server": ("host", "port", "ssl_certfile", "ssl_keyfile", "log_level"),
+    "engine": ("engine_address", "curve_dir", "backend", "model", "served_model_name", "max_model_len",
+               "tensor_parallel_size"),
+    "access": ("api_keys", "allowed_origins", "cors_origins"),
+    "limits": ("max_concurrent", "max_tokens_cap", "default_max_tokens", "send_timeout", "stream_ttl"),
+    "scale-out": ("workers", "broker_url"),
+}
+ADVANCED = "advanced"
+GROUP_OF: dict[str, str] = {name: title for title, names in HELP_GROUPS.items() for name in names}
+_RANK: dict[str, int] = {name: i for i, name in enumerate(GROUP_OF)}
+
+
+def group_of(s: Setting) -> str:
+    return GROUP_OF.get(s.name, ADVANCED)
+
+
+def grouped(settings: Iterable[Setting]) -> list[tuple[str, list[Setting]]]:
+    """``settings`` by help group, in the order of :data:`HELP_GROUPS` then advanced; empty groups left out."""
+    by_group: dict[str, list[Setting]] = {title: [] for title in [*HELP_GROUPS, ADVANCED]}
+    for s in settings:
+        by_group[group_of(s)].append(s)
+    return [(title, sorted(members, key=lambda s: _RANK.get(s.name, 0)))  # stable: advanced in table order
+            for title, members in by_group.items() if members]
+
 
 def for_command(command: str) -> Iterator[Setting]:
     return (s for s in SETTINGS if command in s.commands)
@@ -348,27 +377,51 @@ def _shown_default(s: Setting) -> str:
     return ",".join(s.raw(s.default_value()))
 
 
+class _HelpAll(argparse.Action):
+    """``--help-all``: ``--help`` with the advanced settings' help restored."""
+
+    def __init__(self, option_strings: list[str], dest: str, hidden: list[tuple[argparse.Action, str]],
+                 **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+        self.hidden = hidden
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        for action, help_ in self.hidden:
+            action.help = help_
+        parser.print_help()
+        parser.exit()
+
+
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
-    """The flags of ``command``. Values stay raw strings (None when absent) until :func:`resolve`."""
-    groups: dict[str, Any] = {}
-    for s in for_command(command):
-        title = "common" if {"gateway", "engine"} <= s.commands else "gateway" if "gateway" in s.commands \
-            else "engine"
-        if title not in groups:
-            groups[title] = parser.add_argument_group(title)
-        group = groups[title]
-        default = _shown_default(s).replace("`", "")
-        help_ = (s.help + (f" (default: {default})" if default else "")).replace("%", "%%")
-        kw: dict[str, Any] = {"default": None, "metavar": s.kind.metavar}
-        if s.repeat:
-            kw["action"] = "append"
-        elif s.kind is BOOL:
-            kw.update(nargs="?", const="true")
-        if s.choices:
-            kw.update(choices=s.choices, metavar=None)
-        group.add_argument(s.option, *s.aliases.get(command, ()), dest=s.name, help=f"{help_} [{s.env_var}]", **kw)
-        for flag in s.deprecated.get(command, ()):
-            group.add_argument(flag, dest=_deprecated_dest(s, flag), help=argparse.SUPPRESS, **kw)
+    """The flags of ``command``, by help group. Values stay raw strings (None when absent) until :func:`resolve`.
+
+    The advanced group's flags parse like the others; ``--help`` only names how many there are.
+    """
+    hidden: list[tuple[argparse.Action, str]] = []
+    for title, members in grouped(for_command(command)):
+        advanced = title == ADVANCED
+        description = (f"{len(members)} more settings (timeouts, buffers, tuning, diagnostics): `--help-all` "
+                       "shows them; docs/settings.md explains every setting") if advanced else None
+        group = parser.add_argument_group(title, description)
+        for s in members:
+            default = _shown_default(s).replace("`", "")
+            help_ = (s.help + (f" (default: {default})" if default else "")).replace("%", "%%")
+            kw: dict[str, Any] = {"default": None, "metavar": s.kind.metavar}
+            if s.repeat:
+                kw["action"] = "append"
+            elif s.kind is BOOL:
+                kw.update(nargs="?", const="true")
+            if s.choices:
+                kw.update(choices=s.choices, metavar=None)
+            text = f"{help_} [{s.env_var}]"
+            action = group.add_argument(s.option, *s.aliases.get(command, ()), dest=s.name,
+                                        help=argparse.SUPPRESS if advanced else text, **kw)
+            if advanced:
+                hidden.append((action, text))
+            for flag in s.deprecated.get(command, ()):
+                group.add_argument(flag, dest=_deprecated_dest(s, flag), help=argparse.SUPPRESS, **kw)
+    parser.add_argument("--help-all", action=_HelpAll, hidden=hidden,
+                        help="show the help of every setting, the advanced ones too, and exit")
 
 
 def given(ns: argparse.Namespace, command: str, environ: Mapping[str, str] | None = None) -> frozenset[str]:
@@ -447,7 +500,8 @@ def to_argv(config: Any, command: str) -> list[str]:
 
 # -- documentation -----------------------------------------------------------------------------
 
-README_START, README_END = "<!-- flags:start -->", "<!-- flags:end -->"
+TABLE_START, TABLE_END = "<!-- flags:start -->", "<!-- flags:end -->"
+SETTINGS_DOC = "docs/settings.md"  # the page that holds the table (relative to the repository)
 
 
 def _flag_cell(s: Setting) -> str:
@@ -460,35 +514,45 @@ def _flag_cell(s: Setting) -> str:
 
 
 def markdown() -> str:
-    """The README configuration table."""
-    rows = ["| flag | environment | type | default | commands | meaning |", "|---|---|---|---|---|---|"]
-    for s in SETTINGS:
-        kind = " \\| ".join(f"`{c}`" for c in s.choices) if s.choices else s.kind.name + (" list" if s.repeat
-                                                                                         else "")
-        default = _shown_default(s)
-        default = default if s.doc_default or not default else f"`{default}`"
-        commands = ", ".join(c for c in COMMANDS if c in s.commands)
-        rows.append(f"| {_flag_cell(s)} | `{s.env_var}` | {kind} | {default} | {commands} | "
-                    f"{s.help.replace('|', chr(92) + '|')} |")
-    return "\n".join(rows)
+    """The reference tables of docs/settings.md: one per help group, the advanced settings last."""
+    out: list[str] = []
+    for title, members in grouped(SETTINGS):
+        heading = "advanced (`--help-all`)" if title == ADVANCED else title
+        out += [f"## {heading}", "", "| flag | environment | type | default | commands | meaning |",
+                "|---|---|---|---|---|---|"]
+        for s in members:
+            kind = " \\| ".join(f"`{c}`" for c in s.choices) if s.choices else s.kind.name + (
+                " list" if s.repeat else "")
+            default = _shown_default(s)
+            default = default if s.doc_default or not default else f"`{default}`"
+            commands = ", ".join(c for c in COMMANDS if c in s.commands)
+            out.append(f"| {_flag_cell(s)} | `{s.env_var}` | {kind} | {default} | {commands} | "
+                       f"{s.help.replace('|', chr(92) + '|')} |")
+        out.append("")
+    return "\n".join(out).rstrip()
 
 
-def replace_readme_table(text: str) -> str:
-    head, start, rest = text.partition(README_START)
-    _, end, tail = rest.partition(README_END)
+def replace_table(text: str) -> str:
+    """``text`` (a Markdown page) with the block between :data:`TABLE_START` and :data:`TABLE_END` regenerated."""
+    head, start, rest = text.partition(TABLE_START)
+    _, end, tail = rest.partition(TABLE_END)
     if not (start and end):
-        raise ValueError(f"the README has no {README_START} ... {README_END} block")
-    return f"{head}{README_START}\n{markdown()}\n{README_END}{tail}"
+        raise ValueError(f"no {TABLE_START} ... {TABLE_END} block")
+    return f"{head}{TABLE_START}\n{markdown()}\n{TABLE_END}{tail}"
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m engine_worker.settings",
+                                 description=f"Print or update the settings reference ({SETTINGS_DOC}).")
+    ap.add_argument("--markdown", action="store_true", help="print the tables")
+    ap.add_argument("--write", type=Path, metavar="PAGE", help=f"replace the tables in this page ({SETTINGS_DOC})")
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine_worker.settings",
-                                     description="Print or update the README configuration table.")
-    parser.add_argument("--markdown", action="store_true", help="print the table")
-    parser.add_argument("--write", type=Path, metavar="README", help="replace the table in this file")
-    ns = parser.parse_args(argv)
+    ns = parser().parse_args(argv)
     if ns.write:
-        ns.write.write_text(replace_readme_table(ns.write.read_text()))
+        ns.write.write_text(replace_table(ns.write.read_text()))
     if ns.markdown or not ns.write:
         print(markdown())
     return 0

@@ -1,11 +1,12 @@
 """The settings table (engine_worker/settings.py) is the one truth: flags, environment, defaults, configs,
-the engine child's argv and the README agree with it."""
+the engine child's argv, `--help` and docs/settings.md agree with it."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,19 +14,25 @@ import pytest
 
 from engine_worker.config import EngineConfig, engine_argv, engine_config
 from engine_worker.settings import (
+    ADVANCED,
     BOOL,
+    BY_NAME,
     COMMANDS,
     FLOAT,
+    GROUP_OF,
+    HELP_GROUPS,
     INT,
     PATH,
-    README_END,
-    README_START,
     SETTINGS,
+    SETTINGS_DOC,
+    TABLE_END,
+    TABLE_START,
     TRANSPORT_DELAY,
     Setting,
     SettingError,
     add_arguments,
     for_command,
+    group_of,
     markdown,
     read,
     resolve,
@@ -65,10 +72,10 @@ def sample(s: Setting) -> Any:
 CASES = [pytest.param(c, s, id=f"{c}:{s.name}") for c in COMMANDS for s in for_command(c)]
 
 
-def test_readme_configuration_table_is_generated_from_the_settings_table() -> None:
-    readme = (ROOT / "README.md").read_text()
-    current = readme.partition(README_START)[2].partition(README_END)[0].strip()
-    assert current == markdown(), "stale README table: run `python -m engine_worker.settings --write README.md`"
+def test_settings_reference_is_generated_from_the_settings_table() -> None:
+    page = (ROOT / SETTINGS_DOC).read_text()
+    current = page.partition(TABLE_START)[2].partition(TABLE_END)[0].strip()
+    assert current == markdown(), f"stale tables: run `python -m engine_worker.settings --write {SETTINGS_DOC}`"
 
 
 @pytest.mark.parametrize(("command", "setting"), CASES)
@@ -193,13 +200,43 @@ def test_bool_flag_alone_means_true_and_takes_a_value() -> None:
     assert parse("engine", ["--enforce-eager", "false"])["enforce_eager"] is False
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_help_of_every_command(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+def help_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, set[str]]:
+    """What ``tokenfan ARGV`` prints, and the flags it lists (an option line starts two spaces in)."""
     with pytest.raises(SystemExit) as exit_:
-        cli.main([command, "--help"])
+        cli.main(argv)
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert "[TOKENFAN_ENGINE_ADDRESS]" in out and "--curve-dir" in out
+    return out, set(re.findall(r"^  (--[\w-]+)", out, re.MULTILINE))
+
+
+def test_help_groups_name_settings_a_user_sets() -> None:
+    names = [name for names in HELP_GROUPS.values() for name in names]
+    assert len(names) == len(set(names)) and set(names) <= set(BY_NAME)
+    assert 15 <= len(names) <= 25  # the ones a user sets; the rest would bury them
+    assert ADVANCED not in HELP_GROUPS and set(GROUP_OF) == set(names)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_shows_the_grouped_settings_and_help_all_every_one(command: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    out, shown = help_of([command, "--help"], capsys)
+    grouped = {s.option for s in for_command(command) if group_of(s) != ADVANCED}
+    assert shown == grouped | {"--help-all"}
+    assert "[TOKENFAN_ENGINE_ADDRESS]" in out
+    for title in {group_of(s) for s in for_command(command)}:
+        assert f"\n{title}:" in out, title
+    advanced = sum(group_of(s) == ADVANCED for s in for_command(command))
+    assert f"{advanced} more settings" in out and "--help-all" in out
+
+    out, shown = help_of([command, "--help-all"], capsys)
+    assert shown == {s.option for s in for_command(command)} | {"--help-all"}
+    assert all(f"[{s.env_var}]" in out for s in for_command(command))
+
+
+def test_advanced_settings_parse_like_the_grouped_ones() -> None:
+    assert group_of(BY_NAME["inject_delay"]) == group_of(BY_NAME["broker_lease_ttl"]) == ADVANCED
+    values = parse("serve", ["--inject-delay", "ws:1", "--broker-lease-ttl", "4", "--port", "9"])
+    assert (values["inject_delay"], values["broker_lease_ttl"], values["port"]) == ({"ws": 0.001}, 4.0, 9)
 
 
 def test_serve_gives_its_engine_a_private_socket_per_port_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,16 +44,21 @@ async def run_engine(config: EngineConfig) -> None:
         await backend.shutdown()
 
 
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tokenfan engine", description="Run a tokenfan engine worker.")
+    add_engine_arguments(ap)
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokenfan engine", description="Run a tokenfan engine worker.")
-    add_engine_arguments(parser)
-    ns = parser.parse_args(argv)
+    ap = parser()
+    ns = ap.parse_args(argv)
     try:
         config = engine_config(resolve(ns, "engine"))
     except SettingError as exc:
-        parser.error(str(exc))
+        ap.error(str(exc))
     if "," in config.engine_address:
-        parser.error(f"an engine binds one address, got {config.engine_address!r}")
+        ap.error(f"an engine binds one address, got {config.engine_address!r}")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(run_engine(config))

@@ -259,17 +259,21 @@ def resolve_model(config: EngineConfig) -> Path:
     return path.resolve()
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m engine_worker.models") -> None:
+def parser(prog: str = "python -m engine_worker.models") -> argparse.ArgumentParser:
     from engine_worker.config import default_cache_dir
 
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("tiny", help="build the tiny random Llama used by the tests")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     default = sub.add_parser("default", help="prepare the default model (Gemma 3 270M)")
     default.add_argument("--cache-dir", type=Path, default=default_cache_dir())
-    ns = parser.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m engine_worker.models") -> None:
+    ns = parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if ns.command == "tiny":

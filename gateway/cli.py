@@ -41,6 +41,34 @@ def cmd_serve(values: dict[str, Any], gconf: GatewayConfig) -> int:
     return 0
 
 
+def top_parser() -> argparse.ArgumentParser:
+    """``tokenfan``'s own parser: ``serve`` and ``gateway`` take the settings; the other commands are parsed by
+    their own modules (:func:`parsers`) and named here for ``--help``."""
+    parser = argparse.ArgumentParser(prog="tokenfan", description="Token-streaming gateway for LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_arguments(sub.add_parser("serve", help="run an engine worker and the gateway together"), "serve")
+    add_arguments(sub.add_parser("gateway", help="run a gateway attached to running engine(s)"), "gateway")
+    sub.add_parser("engine", help="run an engine worker (see `tokenfan engine --help`)")
+    sub.add_parser("bench", help="A/B transport benchmark (see `tokenfan bench --help`)")
+    sub.add_parser("prepare-model", help="prepare the default model into the cache")
+    sub.add_parser("keys", help="create CURVE keys for tcp:// engine links: tokenfan keys DIR")
+    sub.add_parser("certs", help="create a self-signed TLS certificate for https: tokenfan certs DIR")
+    return parser
+
+
+def parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every parser a ``tokenfan`` command line goes through, by program (``keys`` and ``certs`` take no flags).
+
+    tests/test_docs.py checks every flag the docs name against these.
+    """
+    from engine_worker.__main__ import parser as engine_parser
+    from engine_worker.models import parser as models_parser
+    from tokenfan_bench.cli import parser as bench_parser
+    from tokenfan_bench.vs_vllm import parser as vs_vllm_parser
+
+    return {"tokenfan": top_parser(), "tokenfan engine": engine_parser(), "tokenfan bench": bench_parser(),
+            "tokenfan bench vs-vllm": vs_vllm_parser(),
+            "tokenfan prepare-model": models_parser("tokenfan prepare-model")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return engine_main(argv[1:])
     if argv[:1] == ["bench"]:
-        from tokenfan_bench.cli import main as bench_main  # type: ignore[import-not-found]
+        from tokenfan_bench.cli import main as bench_main
 
         return int(bench_main(argv[1:]))
     if argv[:1] == ["keys"]:
@@ -73,15 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         models_main(argv[1:], prog="tokenfan prepare-model")
         return 0
 
-    parser = argparse.ArgumentParser(prog="tokenfan", description="Token-streaming gateway for LLM serving.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_arguments(sub.add_parser("serve", help="run an engine worker and the gateway together"), "serve")
-    add_arguments(sub.add_parser("gateway", help="run a gateway attached to running engine(s)"), "gateway")
-    sub.add_parser("engine", help="run an engine worker (see `tokenfan engine --help`)")
-    sub.add_parser("bench", help="A/B transport benchmark (see `tokenfan bench --help`)")
-    sub.add_parser("prepare-model", help="prepare the default model into the cache")
-    sub.add_parser("keys", help="create CURVE keys for tcp:// engine links: tokenfan keys DIR")
-    sub.add_parser("certs", help="create a self-signed TLS certificate for https: tokenfan certs DIR")
+    parser = top_parser()
     ns = parser.parse_args(argv)
     try:
         values = resolve(ns, ns.command)

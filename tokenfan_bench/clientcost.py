@@ -35,7 +35,7 @@ def measure(url: str, client: str, transport: str, ns: argparse.Namespace) -> di
             "events_per_s": events / run.wall_s, "server_cpu_s": run.cpu_s}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tokenfan_bench.clientcost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="server to use (default: spawn the raw floor server)")
     ap.add_argument("--clients", default="fast,python")
@@ -47,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cafile", default=None)
     ap.add_argument("--h2-streams-per-connection", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    ns = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
     rows = []
     if ns.url:
         for c in ns.clients.split(","):

@@ -341,7 +341,7 @@ def run(ns: argparse.Namespace) -> None:
               f"{r['p99_ms'] or 0:.2f} | {r['errors']} |")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve")
@@ -362,7 +362,11 @@ def main() -> None:
     r.add_argument("--rounds", type=int, default=1)
     r.add_argument("--uvloop", action="store_true", help="run the clients on uvloop")
     r.add_argument("--out")
-    ns = p.parse_args()
+    return p
+
+
+def main() -> None:
+    ns = parser().parse_args()
     serve(ns) if ns.cmd == "serve" else run(ns)
 
 

@@ -5,7 +5,7 @@
 - TLS (``--ssl-certfile``/``--ssl-keyfile``): Granian (Rust, hyper). It negotiates HTTP/2 by ALPN and
   still offers HTTP/1.1 on the same port, where WebSockets upgrade (it does not speak RFC 8441);
   uvicorn has no HTTP/2 at all and Hypercorn costs more CPU per event. The measurements behind this
-  choice are in the README ("Choosing the ASGI server", ``tools/asgi_servers.py``). What Granian lacks
+  choice are in docs/tls.md ("Choosing the ASGI server", ``tools/asgi_servers.py``). What Granian lacks
   is added here (:class:`WsMessageLimit`) or documented (no WebSocket pings).
 
 Both close slowloris connections: a request head must arrive within ``--http-header-timeout`` seconds

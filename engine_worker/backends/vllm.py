@@ -20,7 +20,7 @@ Deliberate choices:
   clients. Bigger models are compute-bound there and keep vLLM's ``auto`` (the engine core then spins
   on the front end's CPU, which needs little at their token rates). Binding the OpenMP pool to every
   CPU (the previous default, chosen on single-stream speed) doubled the engine's CPU time under load
-  and lost to ``vllm serve`` 0.45-0.5x; figures in the README ("tokenfan vs vllm serve").
+  and lost to ``vllm serve`` 0.45-0.5x; figures in docs/vs-vllm.md.
 * ``load()`` counts requests itself: *waiting* from the start of :meth:`generate` until vLLM's first
   output, *running* after it. vLLM keeps scheduler counts only when stat logging is on.
 """
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 _FINISH: dict[str, FinishReason] = {
     "stop": "stop", "length": "length", "abort": "abort", "error": "error", "repetition": "stop",
 }
-# CPU placement "auto" (measured under load: README "tokenfan vs vllm serve"): "split" for models whose
+# CPU placement "auto" (measured under load: docs/vs-vllm.md): "split" for models whose
 # weights are smaller than this (the front end's work per token matters: tiny Llama 1.5x vllm serve with
 # split), vLLM's own "auto" from here on (compute-bound: Gemma 3 270M, 540 MB, 1.06x with it, 0.90x split).
 SPLIT_BELOW_WEIGHT_BYTES = 256 << 20
@@ -331,7 +331,7 @@ def cpu_placement(mode: str, cpus: list[int], parallel: int = 1, model_bytes: in
     * ``split``: the engine core and the model worker (one OpenMP thread per CPU) confined to all CPUs
       but the last, so their busy-waits yield to each other; the front end is not pinned.
     * ``auto``: on hosts with up to 8 CPUs ``split`` for models under 256 MiB of weights, else ``vllm``
-      (measured: README "tokenfan vs vllm serve").
+      (measured: docs/vs-vllm.md).
     * anything else is vLLM's own ``VLLM_CPU_OMP_THREADS_BIND`` syntax, passed through.
     """
     if mode == "auto":

@@ -2,7 +2,7 @@
 
 Readers are raw non-blocking sockets served by one ``selectors`` loop (a Python HTTP client per stream
 could not keep up and would measure itself). Figures are written to ``test-artifacts/chaos-*.json``; the
-README quotes them. The assertions are the contract, not speed: every client gets an explicit notice,
+docs/failures.md quotes them. The assertions are the contract, not speed: every client gets an explicit notice,
 and gateway memory stays bounded by the logs plus small per-reader buffers.
 """
 

@@ -87,7 +87,7 @@ def test_a_post_stream_client_that_stops_reading_is_cut_and_its_generation_abort
 
 
 def test_responses_websocket_limits_are_settings(synthetic_engine: str) -> None:
-    """`--responses-ws-max-lanes` / `--responses-ws-max-pending` bound one socket, as the README table says."""
+    """`--responses-ws-max-lanes` / `--responses-ws-max-pending` bound one socket, as docs/settings.md says."""
     import json
 
     from websockets.sync.client import connect

@@ -202,6 +202,7 @@ class OpenAILayer:
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.exceptions import VLLMClientError
 
         kind = ChatCompletionRequest if submit.endpoint == "chat.completions" else CompletionRequest
         obj = dict(body)
@@ -216,7 +217,7 @@ class OpenAILayer:
             return kind.model_validate(obj)
         except ValidationError as exc:
             raise _validation_rejection(exc) from None
-        except (ValueError, TypeError) as exc:  # vLLM's own validators raise VLLMValidationError (a ValueError)
+        except (ValueError, TypeError, VLLMClientError) as exc:  # vLLM's validators raise VLLMValidationError
             raise _rejection(_error_response(exc)) from None
 
     async def steps(self, started: Started) -> AsyncIterator[Step]:

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(run_engine(config))
-    except (ValueError, PermissionError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, PermissionError, FileNotFoundError) as exc:  # a bad setting or file
         log.error("%s", exc)
         return 2
     return 0

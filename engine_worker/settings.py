@@ -317,6 +317,10 @@ SETTINGS: tuple[Setting, ...] = (
     _en("synthetic_tokens_per_s", FLOAT, 50.0, "synthetic engine: tokens per second per stream"),
     _en("synthetic_token_chars", INT, 0, "synthetic engine: stretch every token to this many characters "
         "(payload-size knob); 0 = natural words"),
+    _en("synthetic_script", PATH, None, "synthetic engine: a JSON script of replies ({\"match\": regex, "
+        "\"reply\": [piece, ...]}) written by a scripted model under vLLM's OpenAI layer, with the --model "
+        "directory's tokenizer and chat template (no weights): tool calls and reasoning through vLLM's parsers "
+        "without a model (docs/models.md)"),
     _en("max_queue", INT, 1024, "requests in the engine (running + waiting) beyond which new ones get 503 "
         "engine_overloaded"),
     _en("allow_remote_engine", BOOL, False, "allow binding tcp:// to a non-loopback address"),

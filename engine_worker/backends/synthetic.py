@@ -6,6 +6,9 @@ request always yields the same text. Time to first token and tokens/s are config
 request produces exactly ``max_tokens`` tokens unless a stop string ends it earlier.
 Tokens are scheduled on an absolute clock, so a late wake-up emits every token that is due
 in one step (as a real engine step would) instead of drifting.
+
+With ``--synthetic-script`` it also plays a model for vLLM's OpenAI layer (tools, reasoning): see
+:mod:`engine_worker.backends.scripted`.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import re
 import time
 import zlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from engine_worker.backends import vllm_openai
 from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, Step
 from engine_worker.backends.vllm_openai import PLAIN_FIELDS, decode_body, is_plain
 from engine_worker.config import EngineConfig
@@ -59,18 +64,45 @@ class SyntheticBackend:
         self._info = BackendInfo(kind="synthetic", model=self.MODEL_ID, max_model_len=config.max_model_len)
         self._waiting = 0
         self._running = 0
+        self._openai: vllm_openai.OpenAILayer | None = None
 
     @property
     def info(self) -> BackendInfo:
         return self._info
 
     async def start(self) -> None:
+        if self._config.synthetic_script is not None:
+            self._start_scripted()
         log.warning(
             "synthetic engine: NOT a model; paced corpus text (ttft=%.1f ms, %.1f tokens/s per stream)",
             self._config.synthetic_ttft_ms, self._config.synthetic_tokens_per_s,
         )
 
+    def _start_scripted(self) -> None:
+        from engine_worker.backends.scripted import ScriptedEngine, load_script
+        from engine_worker.models import resolve_model
+
+        config = self._config
+        if config.model is None:
+            raise ValueError("--synthetic-script needs --model DIR: the tokenizer and chat template it renders with")
+        vllm_openai.check_parser_flags(config)
+        script = load_script(config.synthetic_script or "")
+        model_dir = resolve_model(config)
+        name = config.served_model_name or model_dir.name
+        chat_template = Path(config.chat_template).read_text(encoding="utf-8") if config.chat_template else None
+        fallback = tuple(_WORDS[:64])
+        engine = ScriptedEngine(config, model_dir, name, script, fallback)
+        self._openai = vllm_openai.OpenAILayer(config, engine, name, str(model_dir), chat_template)  # type: ignore[arg-type]
+        self._info = BackendInfo(kind="synthetic", model=name, max_model_len=engine.model_config.max_model_len)
+        log.warning("synthetic engine: scripted replies from %s (%d entries) under vLLM's OpenAI layer, %s's "
+                    "tokenizer", config.synthetic_script, len(script), model_dir)
+
     async def prepare(self, submit: Submit) -> Prepared:
+        if submit.body and self._openai is not None:
+            body = decode_body(submit.body)
+            if self._openai.wants(submit.endpoint, body):
+                started = await self._openai.start(submit, body)
+                return Prepared(submit=submit, prompt_tokens=started.prompt_tokens, payload=started, openai=True)
         if submit.body:
             body = decode_body(submit.body)
             _refuse_model_fields(submit.endpoint, body)
@@ -94,6 +126,15 @@ class SyntheticBackend:
         return Prepared(submit=submit, prompt_tokens=prompt_tokens, payload=seed % len(_WORDS))
 
     async def generate(self, prepared: Prepared) -> AsyncIterator[Step]:
+        if prepared.openai:
+            assert self._openai is not None
+            self._running += 1
+            try:
+                async for step in self._openai.steps(prepared.payload):  # type: ignore[arg-type]
+                    yield step
+            finally:
+                self._running -= 1
+            return
         sampling = prepared.submit.sampling
         offset = int(prepared.payload)  # type: ignore[call-overload]
         interval = 1.0 / self._config.synthetic_tokens_per_s

@@ -1,0 +1,158 @@
+"""vLLM's real tool and reasoning parsers on a scripted model: ``--engine synthetic --synthetic-script``.
+
+The synthetic engine plays the model under vLLM's OpenAI layer with the tiny model's tokenizer and chat
+template (no weights): its script writes Hermes ``<tool_call>`` blocks and ``<think>`` sections split at
+awkward places (inside the tags, inside JSON keys and values, one character per step), and vLLM's
+``hermes`` and ``qwen3`` parsers must recover the same calls and reasoning from every split, streamed and
+not, on every transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+
+from tests.e2e.helpers import sse_events
+from tests.procs import Proc, free_port, spawn, wait_healthy
+
+pytestmark = pytest.mark.vllm  # imports vLLM's layer (no engine process, no weights)
+
+THINK = "<think>The user wants the weather.</think>"
+CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+         '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+EXPECTED_CALLS = {0: {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                  1: {"name": "get_time", "arguments": '{"zone": "CET"}'}}
+SPLITS = (1, 2, 3, 5, 7, 11, 64)  # characters per engine step
+TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {
+    key: {"type": "string"}}}}} for name, key in (("get_weather", "city"), ("get_time", "zone"))]
+
+
+def pieces(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+SCRIPT = [
+    *({"match": f"split {k}\\b", "reply": pieces(THINK + CALLS, k)} for k in SPLITS),
+    {"match": "tool says", "reply": pieces(THINK + "It is 18 C in Paris.", 4)},
+    {"match": "just think", "reply": ["<thi", "nk>hm", "m</th", "ink>Bon", "jour"]},
+]
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    script = tmp_path_factory.mktemp("script") / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    port = free_port()
+    proc: Proc = spawn(["-m", "gateway.cli", "serve", "--engine", "synthetic", "--synthetic-script", str(script),
+                        "--model", str(tiny_model), "--served-model-name", "tiny", "--port", str(port),
+                        "--synthetic-tokens-per-s", "2000", "--enable-auto-tool-choice", "--tool-call-parser",
+                        "hermes", "--reasoning-parser", "qwen3"], "scripted-serve")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, timeout=300)
+        yield url
+    finally:
+        proc.stop(timeout=30)
+
+
+def _body(question: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": question}], "tools": TOOLS,
+            "max_tokens": 400, **extra}
+
+
+def _assembled(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Content, reasoning, tool calls (by index: name, joined arguments) and finish reason of choice 0."""
+    out: dict[str, Any] = {"content": "", "reasoning": "", "tools": {}, "finish": None}
+    for c in chunks:
+        for ch in c.get("choices") or []:
+            delta = ch["delta"]
+            out["content"] += delta.get("content") or ""
+            out["reasoning"] += delta.get("reasoning") or ""
+            for tc in delta.get("tool_calls") or []:
+                call = out["tools"].setdefault(tc["index"], {"name": "", "arguments": ""})
+                call["name"] += (tc.get("function") or {}).get("name") or ""
+                call["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+            out["finish"] = ch.get("finish_reason") or out["finish"]
+    return out
+
+
+def _stream(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    events = sse_events(r.text)
+    assert events[-1]["data"] == "[DONE]"
+    return [json.loads(e["data"]) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_tool_calls_and_reasoning_survive_every_split(scripted: str, split: int) -> None:
+    body = _body(f"What is the weather in Paris? split {split}")
+    whole = httpx.post(scripted + "/v1/chat/completions", json=body, timeout=60)
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning"] == "The user wants the weather."
+    assert not choice["message"]["content"]
+    calls = {i: c["function"] for i, c in enumerate(choice["message"]["tool_calls"])}
+    assert calls == EXPECTED_CALLS
+    streamed = _assembled(_stream(scripted, body))
+    assert streamed == {"content": "", "reasoning": "The user wants the weather.", "tools": EXPECTED_CALLS,
+                        "finish": "tool_calls"}
+
+
+def test_a_tool_result_turn_and_plain_reasoning(scripted: str) -> None:
+    follow_up = _body("What is the weather?", messages=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "the tool says 18 C"}])
+    assert _assembled(_stream(scripted, follow_up)) == {
+        "content": "It is 18 C in Paris.", "reasoning": "The user wants the weather.", "tools": {}, "finish": "stop"}
+    message = httpx.post(scripted + "/v1/chat/completions", json=_body("just think"), timeout=60).json()
+    assert message["choices"][0]["message"]["content"] == "Bonjour"
+    assert message["choices"][0]["message"]["reasoning"] == "hmm"
+
+
+def test_max_tokens_cuts_the_script_with_finish_length(scripted: str) -> None:
+    r = httpx.post(scripted + "/v1/chat/completions", json=_body("just think", max_tokens=3), timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 3
+
+
+def test_what_only_a_model_has_is_refused_by_name(scripted: str) -> None:
+    for extra, param in (({"logprobs": True}, "logprobs"), ({"n": 2, "temperature": 1.0}, "n")):
+        r = httpx.post(scripted + "/v1/chat/completions", json=_body("just think", **extra), timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+
+
+def test_every_transport_carries_the_same_tool_call_deltas(scripted: str) -> None:
+    body = _body("What is the weather in Paris? split 3")
+    reference = _assembled(_stream(scripted, body))
+
+    async def over_ws() -> list[dict[str, Any]]:
+        chunks = []
+        async with websockets.connect(scripted.replace("http", "ws") + "/v1/ws") as ws:
+            await ws.send(json.dumps({"type": "request", "id": "r", "endpoint": "chat.completions", "body": body}))
+            while (msg := json.loads(await ws.recv()))["type"] != "done":
+                assert msg["type"] == "chunk", msg
+                chunks.append(msg["data"])
+        return chunks
+
+    assert _assembled(asyncio.run(over_ws())) == reference
+    made = httpx.post(scripted + "/v1/streams", json={"endpoint": "chat.completions", **body}, timeout=60).json()
+    events = [e for e in sse_events(httpx.get(made["events_url"], timeout=60).text)
+              if e.get("data") not in (None, "[DONE]") and e.get("event", "message") == "message"]
+    fanned = [json.loads(e["data"]) for e in events]
+    assert _assembled(fanned) == reference
+    middle = len(events) // 2
+    resumed = [json.loads(e["data"]) for e in sse_events(httpx.get(
+        made["events_url"], headers={"Last-Event-ID": events[middle]["id"]}, timeout=60).text)
+        if e.get("data") not in (None, "[DONE]") and e.get("event", "message") == "message"]
+    assert resumed == fanned[middle + 1:]

@@ -119,3 +119,19 @@ def test_stop_string_is_honoured(client: openai.OpenAI, model: str) -> None:
     cut = client.completions.create(model=model, prompt="a b c", max_tokens=30, temperature=0, stop=[stop],
                                     extra_body={"ignore_eos": True}).choices[0]
     assert cut.finish_reason == "stop" and stop not in cut.text and base.startswith(cut.text)
+
+
+def test_without_parsers_tool_choice_is_refused_as_vllm_serve_refuses_it(vllm_gateway_url: str) -> None:
+    """This engine has no --enable-auto-tool-choice or --tool-call-parser: `auto` gets vllm serve's 400 (its
+    message names the flags); `none` is served (tools rendered, no parsing), and so is a structured output."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": tools}
+    r = httpx.post(vllm_gateway_url + "/v1/chat/completions", json={**body, "tool_choice": "auto"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "--enable-auto-tool-choice and --tool-call-parser" in r.json()["error"]["message"]
+    r = httpx.post(vllm_gateway_url + "/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"].get("tool_calls") in (None, []), r.text
+    r = httpx.post(vllm_gateway_url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+        "structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in ("yes", "no"), r.text

@@ -1,7 +1,8 @@
 """Session fixtures: real engine processes and real gateways on loopback ports.
 
 One synthetic engine and one vLLM engine (tiny random-weight Llama built locally) are shared by
-the whole session: each vLLM start costs ~30 s.
+the whole session: each vLLM start costs ~30 s. A second vLLM engine, configured with vLLM's tool,
+reasoning and structured-output flags (``parser_gateway``), starts only when a test asks for it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import Proc, start_engine, start_gateway
+from tests.procs import (
+    PARSER_FLAGS,
+    Proc,
+    free_port,
+    spawn,
+    start_engine,
+    start_gateway,
+    wait_healthy,
+)
 
 
 @pytest.fixture(scope="session")
@@ -62,3 +71,21 @@ def vllm_gateway_url(vllm_engine: tuple[str, Proc]) -> Iterator[str]:
     proc, url = start_gateway(address, name="gateway-vllm", timeout=480)
     yield url
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def parser_gateway(tiny_model: Path, ipc_dir: Path) -> Iterator[str]:
+    """``tokenfan serve`` on the tiny model with :data:`~tests.procs.PARSER_FLAGS` (float32): the
+    differential suite against ``vllm serve`` and the agent SDK tests share this one process."""
+    port = free_port()
+    proc = spawn(["-m", "gateway.cli", "serve", "--engine", "vllm", "--model", str(tiny_model),
+                  "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
+                  "--kv-cache-gib", "1", "--engine-address", f"ipc://{ipc_dir / 'parser.sock'}",
+                  "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *PARSER_FLAGS],
+                 "tokenfan-parser", env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout=600)
+        yield url
+    finally:
+        proc.stop(timeout=30)

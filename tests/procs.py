@@ -18,6 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 NO_CLIENT_LIMITS = ("--max-generations-per-client", "0", "--max-connections-per-client", "0",
                     "--max-subscriptions-per-client", "0")
 ARTIFACTS = ROOT / "test-artifacts"
+# vLLM's tool, reasoning and structured-output flags, as the parser-configured servers take them (the
+# `parser_gateway` fixture and `vllm serve` in tests/e2e/test_vllm_parity.py): without whitespace, a
+# constrained tiny model writes a JSON object or a tool call in a few tokens.
+PARSER_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
 
 
 def free_port() -> int:

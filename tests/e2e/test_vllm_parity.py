@@ -26,12 +26,10 @@ import pytest
 import websockets
 
 from tests.e2e.helpers import sse_events
-from tests.procs import Proc, free_port, spawn, wait_healthy
+from tests.procs import PARSER_FLAGS, Proc, free_port, spawn, wait_healthy
 
 pytestmark = pytest.mark.vllm
 
-FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-         "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "function", "function": {
@@ -113,31 +111,21 @@ def _start_vllm_serve(model: Path, port: int) -> Proc:
     env = {"VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     return spawn(["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
                   "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--disable-log-stats",
-                  "--host", "127.0.0.1", "--port", str(port), *FLAGS], "vllm-serve", env=env)
-
-
-def _start_tokenfan(model: Path, port: int, ipc: Path) -> Proc:
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    return spawn(["-m", "gateway.cli", "serve", "--engine", "vllm", "--model", str(model), "--served-model-name",
-                  "tiny", "--dtype", "float32", "--max-model-len", "512", "--kv-cache-gib", "1",
-                  "--engine-address", f"ipc://{ipc / 'parity.sock'}", "--host", "127.0.0.1", "--port", str(port),
-                  "--log-level", "warning", *FLAGS], "tokenfan-parity", env=env)
+                  "--host", "127.0.0.1", "--port", str(port), *PARSER_FLAGS], "vllm-serve", env=env)
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model: Path, ipc_dir: Path) -> Iterator[dict[str, str]]:
-    """``vllm serve`` and ``tokenfan serve`` on the same model and flags, started together."""
-    ports = {"vllm": free_port(), "tokenfan": free_port()}
-    procs = {"vllm": _start_vllm_serve(tiny_model, ports["vllm"]),
-             "tokenfan": _start_tokenfan(tiny_model, ports["tokenfan"], ipc_dir)}
-    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+def servers(tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """``vllm serve`` and the session's ``tokenfan serve`` (``parser_gateway``) on the same model and flags;
+    vllm serve starts first, so the two boot together when the gateway is not up yet."""
+    port = free_port()
+    proc = _start_vllm_serve(tiny_model, port)
     try:
-        for name, proc in procs.items():
-            wait_healthy(urls[name], proc, timeout=600)
+        urls = {"vllm": f"http://127.0.0.1:{port}", "tokenfan": request.getfixturevalue("parser_gateway")}
+        wait_healthy(urls["vllm"], proc, timeout=600)
         yield urls
     finally:
-        for proc in procs.values():
-            proc.stop(timeout=30)
+        proc.stop(timeout=30)
 
 
 def _post(url: str, endpoint: str, body: dict[str, Any]) -> httpx.Response:

@@ -2,18 +2,23 @@
 
 - :func:`decode_create` reads a ``POST /v1/responses`` body (or a WebSocket ``response.create``
   object) into a typed :class:`CreateRequest`; :func:`build_request` turns it, plus the transcript of
-  ``previous_response_id`` that the caller looked up, into the same :class:`ParsedRequest`
-  (endpoint ``chat.completions``) that the chat path submits, so the engine path is unchanged.
+  ``previous_response_id`` that the caller looked up, into a chat-completions submission (endpoint
+  ``chat.completions``, the chat body of :mod:`gateway.responses_chat`): the engine serves it as a chat
+  request, with vLLM's own tool and reasoning parsers and structured outputs when it runs them.
 - :class:`ResponseEvents` builds the events of one response, exactly as the official SDKs type
-  them, numbered by contiguous ``sequence_number`` from 0 (the stream log's ``seq``).
+  them, numbered by contiguous ``sequence_number`` from 0 (the stream log's ``seq``): from text deltas
+  (the engine's plain path) or from vLLM's chat chunks (``delta.reasoning``, ``delta.content``,
+  ``delta.tool_calls``), which become reasoning, message and ``function_call`` output items, in the
+  order and shapes ``vllm serve``'s ``/v1/responses`` streams them.
 - :func:`response_from_events` folds a log of those events back into the ``Response`` object, so
   ``GET /v1/responses/{id}`` works wherever the log is (the owner or a broker mirror).
 
-Deliberate differences from OpenAI: fields we cannot honour (tools, reasoning, files, images,
-structured output, ...) are refused with a 400 naming the field instead of being ignored; unknown
+Deliberate differences from OpenAI: fields we cannot honour (built-in tools, files, images, logprobs,
+reasoning summaries, ...) are refused with a 400 naming the field instead of being ignored; unknown
 fields are ignored, as on the chat endpoints. A cancelled response's stream ends with an ``error``
 event of code ``response_cancelled`` (the SDKs have no cancel event); its object has status
-``cancelled``.
+``cancelled``. An output item is added when its first delta arrives (as vLLM does), so a response that
+generated nothing has no output item.
 """
 
 from __future__ import annotations
@@ -28,8 +33,17 @@ from typing import Any, Literal
 import msgspec
 
 from engine_worker import protocol as p
+from gateway import responses_chat as rc
 from gateway.errors import APIError
-from gateway.openai_api import _PATH, Limits, ParsedRequest, check_json_depth, decode_json_object
+from gateway.openai_api import (
+    _PATH,
+    Limits,
+    ParsedRequest,
+    check_json_depth,
+    decode_json_object,
+    parse_request,
+)
+from gateway.responses_chat import invalid, unsupported
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 TERMINAL_TYPES = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
@@ -46,8 +60,10 @@ class StreamOptions(msgspec.Struct):
 class CreateRequest(msgspec.Struct):
     """The body of ``POST /v1/responses`` (and of a WebSocket ``response.create``).
 
-    Fields we support are typed; fields we refuse unless harmless (see :data:`REFUSED`) are ``Any``
-    so their presence can be named in the error. Unknown fields are ignored."""
+    Fields we support are typed; ``tools``, ``tool_choice``, ``reasoning`` and ``text`` are checked by
+    :mod:`gateway.responses_chat`; fields we refuse unless harmless (see :data:`REFUSED`) are ``Any`` so
+    their presence can be named in the error; vLLM's extension fields (:data:`gateway.responses_chat.FORWARDED`)
+    are ``Any`` too, validated by the engine. Unknown fields are ignored."""
 
     model: str | None = None
     input: str | list[dict[str, Any]] | None = None
@@ -68,10 +84,10 @@ class CreateRequest(msgspec.Struct):
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
-    # refused unless harmless:
     tools: Any = None
     tool_choice: Any = None
     reasoning: Any = None
+    # refused unless harmless:
     include: Any = None
     prompt: Any = None
     conversation: Any = None
@@ -84,27 +100,33 @@ class CreateRequest(msgspec.Struct):
     access_programs: Any = None
     background_options: Any = None
     prompt_cache_options: Any = None
+    # vLLM's extensions, forwarded to the engine's chat request:
+    chat_template_kwargs: Any = None
+    structured_outputs: Any = None
+    seed: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    stop: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    ignore_eos: Any = None
+    include_reasoning: Any = None
 
 
 def _empty(v: Any) -> bool:
     return v is None or v == [] or v == {}
 
 
-def _all_null(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and all(x is None for x in v.values()))
-
-
 # field -> (value is harmless, why it is refused)
 REFUSED: dict[str, tuple[Any, str]] = {
-    "tools": (_empty, "tools / function calling are not supported by this server"),
-    "tool_choice": (lambda v: v in (None, "auto", "none"), "tool_choice other than 'auto' or 'none' needs tools"),
-    "reasoning": (_all_null, "reasoning options are not supported by this server"),
     "include": (_empty, "include (extra output data) is not supported by this server"),
     "prompt": (_empty, "stored prompt templates are not supported by this server"),
     "conversation": (_empty, "conversations are not supported by this server; use previous_response_id"),
     "context_management": (_empty, "context_management (compaction) is not supported by this server"),
     "top_logprobs": (lambda v: v in (None, 0), "logprobs are not supported by this server"),
-    "max_tool_calls": (lambda v: v is None, "max_tool_calls needs tools, which are not supported"),
+    "max_tool_calls": (lambda v: v is None, "max_tool_calls is not supported by this server"),
     "truncation": (lambda v: v in (None, "disabled"),
                    "truncation 'auto' is not supported; a prompt longer than the context fails instead"),
     "image": (_empty, "image options are not supported by this server"),
@@ -113,14 +135,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "background_options": (_empty, "background_options are not supported by this server"),
     "prompt_cache_options": (_empty, "prompt_cache_options are not supported by this server"),
 }
-
-
-def unsupported(param: str, why: str) -> APIError:
-    return APIError(400, f"{param}: {why}.", param=param, code="unsupported_parameter")
-
-
-def invalid(param: str, message: str) -> APIError:
-    return APIError(400, message, param=param, code="invalid_value")
 
 
 def previous_response_not_found(response_id: str) -> APIError:
@@ -173,15 +187,29 @@ def _refuse_unsupported(req: CreateRequest) -> None:
     for name, (harmless, why) in REFUSED.items():
         if not harmless(getattr(req, name)):
             raise unsupported(name, why)
-    text = req.text or {}
-    fmt = text.get("format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise unsupported("text.format", f"only plain text output is supported, not {kind!r}")
-    if text.get("verbosity") not in (None, "medium"):
+    rc.function_tools(req.tools)
+    rc.tool_choice(req.tool_choice)
+    rc.text_format(req.text)
+    if (req.text or {}).get("verbosity") not in (None, "medium"):
         raise unsupported("text.verbosity", "only the default verbosity 'medium' is supported")
+    _reasoning_effort(req.reasoning)
     if req.background and req.store is False:
         raise invalid("store", "background responses must be stored: background=true needs store=true.")
+
+
+def _reasoning_effort(reasoning: Any) -> str | None:
+    """``reasoning.effort`` (the chat request's ``reasoning_effort``); summaries are refused."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise invalid("reasoning", "reasoning must be an object.")
+    for key in ("summary", "generate_summary"):
+        if reasoning.get(key) is not None:
+            raise unsupported(f"reasoning.{key}", "reasoning summaries are not supported by this server")
+    effort = reasoning.get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise invalid("reasoning.effort", "reasoning.effort must be a string.")
+    return effort
 
 
 # -- request -> engine submission --------------------------------------------------------------
@@ -196,8 +224,12 @@ class ResponsesRequest:
     max_tokens: int
     temperature: float
     top_p: float
-    input_messages: list[p.ChatMessage]  # this turn's input (without instructions)
-    history: list[p.ChatMessage] = field(default_factory=list)  # previous_response_id's transcript
+    input_messages: list[rc.Message]  # this turn's input (without instructions), as chat messages
+    history: list[rc.Message] = field(default_factory=list)  # previous_response_id's transcript
+    tools: list[dict[str, Any]] = field(default_factory=list)  # function tools, as the Response echoes them
+    tool_choice: str | dict[str, Any] = "auto"
+    text_format: dict[str, Any] | None = None  # None: plain text
+    reasoning_effort: str | None = None
 
     @property
     def stream(self) -> bool:
@@ -211,21 +243,21 @@ class ResponsesRequest:
     def store(self) -> bool:
         return self.req.store is not False
 
-    def transcript(self, output_text: str | None) -> list[p.ChatMessage]:
-        """What a later ``previous_response_id`` continues from: prior turns, this input, this output
-        (``None``: no output, e.g. a WebSocket warmup). Instructions are not carried over (as on OpenAI)."""
-        out = [] if output_text is None else [p.ChatMessage(role="assistant", content=output_text)]
-        return [*self.history, *self.input_messages, *out]
+    def transcript(self, turn: rc.Message | None) -> list[rc.Message]:
+        """What a later ``previous_response_id`` continues from: prior turns, this input, this output's
+        assistant message (:meth:`ResponseEvents.turn`; ``None``: no output, e.g. a WebSocket warmup).
+        Instructions are not carried over (as on OpenAI)."""
+        return [*self.history, *self.input_messages, *([] if turn is None else [turn])]
 
 
 def parse_create(body: bytes | dict[str, Any], limits: Limits,
-                 history: Sequence[p.ChatMessage] = ()) -> ResponsesRequest:
+                 history: Sequence[rc.Message] = ()) -> ResponsesRequest:
     """:func:`decode_create` then :func:`build_request` (callers that resolve ``previous_response_id``
     call the two steps themselves, looking the transcript up in between)."""
     return build_request(decode_create(body), limits, history)
 
 
-def build_request(req: CreateRequest, limits: Limits, history: Sequence[p.ChatMessage] = ()) -> ResponsesRequest:
+def build_request(req: CreateRequest, limits: Limits, history: Sequence[rc.Message] = ()) -> ResponsesRequest:
     """A decoded request + the transcript of its ``previous_response_id`` -> :class:`ResponsesRequest`."""
     max_tokens = req.max_output_tokens
     if max_tokens is None:
@@ -240,17 +272,41 @@ def build_request(req: CreateRequest, limits: Limits, history: Sequence[p.ChatMe
     _check_metadata(req.metadata)
     temperature = 1.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p
-    inputs = input_messages(req.input, allow_empty=bool(req.previous_response_id))
+    inputs = rc.input_messages(req.input, allow_empty=bool(req.previous_response_id))
     messages = list(history) + inputs
     if req.instructions:
-        messages.insert(0, p.ChatMessage(role="system", content=req.instructions))
+        messages.insert(0, {"role": "system", "content": req.instructions})
     if not messages:
         raise invalid("input", "input must not be empty.")
-    sampling = p.Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
-    chat = ParsedRequest(endpoint="chat.completions", stream=bool(req.stream), include_usage=True,
-                         model=req.model, submit_fields={"sampling": sampling, "messages": messages})
+    tools = rc.function_tools(req.tools)
+    choice = rc.tool_choice(req.tool_choice)
+    fmt = rc.text_format(req.text)
+    effort = _reasoning_effort(req.reasoning)
+    body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    for name, value in (("model", req.model), ("temperature", req.temperature), ("top_p", req.top_p)):
+        if value is not None:
+            body[name] = value
+    if tools:
+        body["tools"] = rc.chat_tools(tools)
+    if choice is not None and (tools or choice not in ("auto", "none")):
+        body["tool_choice"] = rc.chat_tool_choice(choice)
+    if req.parallel_tool_calls is not None and tools:
+        body["parallel_tool_calls"] = req.parallel_tool_calls
+    if fmt is not None:
+        body["response_format"] = rc.response_format(fmt)
+    if effort is not None:
+        body["reasoning_effort"] = effort
+    for name in rc.FORWARDED:
+        if (value := getattr(req, name)) is not None:
+            body[name] = value
+    # The chat path's own parser: a plain body is served by tokenfan's plain path (typed sampling and
+    # messages), any other by vLLM's layer in the engine. The engine streams chunks whatever the client
+    # asked (``stream`` is true in the body): a non-streamed response is its folded events.
+    chat = parse_request("chat.completions", body, limits)
     return ResponsesRequest(chat=chat, req=req, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            input_messages=inputs, history=list(history))
+                            input_messages=inputs, history=list(history), tools=tools,
+                            tool_choice=choice or "auto", text_format=fmt, reasoning_effort=effort)
 
 
 def _check_range(name: str, value: float | None, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -271,56 +327,6 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
                                       f"to {MAX_METADATA_VALUE}.")
 
 
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-_TEXT_PARTS = {"input_text", "output_text"}
-
-
-def input_messages(value: str | list[dict[str, Any]] | None, *, allow_empty: bool = False) -> list[p.ChatMessage]:
-    """``input`` (a string, or a list of message items with string or text-part content) -> messages."""
-    if value is None:
-        if allow_empty:
-            return []
-        raise invalid("input", "input is required.")
-    if isinstance(value, str):
-        return [p.ChatMessage(role="user", content=value)]
-    if not value and not allow_empty:
-        raise invalid("input", "input must be a string or a non-empty list of messages.")
-    return [_input_item(i, item) for i, item in enumerate(value)]
-
-
-def _input_item(i: int, item: dict[str, Any]) -> p.ChatMessage:
-    kind = item.get("type", "message")
-    if kind != "message":
-        raise unsupported(f"input[{i}]", f"input items of type {kind!r} are not supported; only messages are")
-    role = item.get("role")
-    if role not in _ROLES:
-        raise invalid(f"input[{i}].role", f"input[{i}].role must be one of {sorted(_ROLES)}, got {role!r}.")
-    content = item.get("content")
-    if isinstance(content, str):
-        return p.ChatMessage(role=_ROLES[role], content=content)
-    if not isinstance(content, list):
-        raise invalid(f"input[{i}].content", f"input[{i}].content must be a string or a list of content parts.")
-    texts = []
-    for j, part in enumerate(content):
-        ptype = part.get("type") if isinstance(part, dict) else None
-        if ptype not in _TEXT_PARTS:
-            raise unsupported(f"input[{i}].content[{j}]",
-                              f"content parts of type {ptype!r} are not supported; only input_text is")
-        if not isinstance(part.get("text"), str):
-            raise invalid(f"input[{i}].content[{j}].text", f"input[{i}].content[{j}].text must be a string.")
-        texts.append(part["text"])
-    return p.ChatMessage(role=_ROLES[role], content="".join(texts))
-
-
-def encode_transcript(transcript: list[p.ChatMessage]) -> bytes:
-    """A transcript as bytes (to retain with a stored response, or carry through the broker)."""
-    return msgspec.msgpack.encode(transcript)
-
-
-def decode_transcript(data: bytes) -> list[p.ChatMessage]:
-    return msgspec.msgpack.decode(data, type=list[p.ChatMessage])
-
-
 # -- events and the Response object ------------------------------------------------------------
 
 
@@ -328,18 +334,18 @@ def new_response_id() -> str:
     return "resp_" + uuid.uuid4().hex
 
 
-def new_item_id() -> str:
-    return "msg_" + uuid.uuid4().hex
+def new_item_id(prefix: str = "msg") -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def usage_object(usage: p.Usage | None) -> dict[str, Any] | None:
+def usage_object(usage: p.Usage | None, reasoning_tokens: int = 0) -> dict[str, Any] | None:
     if usage is None:
         return None
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 
@@ -348,7 +354,6 @@ def response_object(rid: str, model: str, created_at: int, request: ResponsesReq
                     status: Status, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A ``Response`` with the request's settings echoed, ``status`` set and no result yet."""
     req = request.req if request is not None else CreateRequest()
-    tool_choice = req.tool_choice if req.tool_choice in ("auto", "none") else "auto"
     return {
         "id": rid,
         "object": "response",
@@ -365,12 +370,13 @@ def response_object(rid: str, model: str, created_at: int, request: ResponsesReq
         "output": output if output is not None else [],
         "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
         "previous_response_id": req.previous_response_id,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": request.reasoning_effort if request is not None else None, "summary": None},
         "service_tier": "default",
         "temperature": request.temperature if request is not None else 1.0,
-        "text": {"format": {"type": "text"}, "verbosity": "medium"},
-        "tool_choice": tool_choice,
-        "tools": [],
+        "text": {"format": (request.text_format if request is not None else None) or {"type": "text"},
+                 "verbosity": "medium"},
+        "tool_choice": request.tool_choice if request is not None else "auto",
+        "tools": list(request.tools) if request is not None else [],
         "top_logprobs": 0,
         "top_p": request.top_p if request is not None else 1.0,
         "truncation": "disabled",
@@ -391,6 +397,10 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def error_event(err: APIError, sequence_number: int) -> dict[str, Any]:
     """An SSE-mode ``error`` event. For a reader-level failure that is not part of the log (e.g. a
     slow reader cut), pass the last ``sequence_number`` the reader got, so that resuming with
@@ -409,21 +419,57 @@ def failure_object(err: APIError) -> dict[str, Any]:
     return {"code": code, "message": err.message, "param": err.param, "type": err.code or err.type}
 
 
+ItemKind = Literal["message", "reasoning", "function_call"]
+# the delta event of each item kind (what a delta adds to the open item)
+DELTA_EVENTS: dict[str, ItemKind] = {"response.output_text.delta": "message",
+                                     "response.reasoning_text.delta": "reasoning",
+                                     "response.function_call_arguments.delta": "function_call"}
+
+
+@dataclass(slots=True)
+class _OpenItem:
+    """The output item receiving deltas: its ``output_item.added`` form and the text so far."""
+
+    index: int  # output_index
+    item: dict[str, Any]
+    parts: list[str] = field(default_factory=list)
+    tool_index: int | None = None  # the chat tool call's index (a new index is a new item)
+
+    @property
+    def kind(self) -> ItemKind:
+        return self.item["type"]  # type: ignore[no-any-return]
+
+    def render(self, status: str) -> dict[str, Any]:
+        """The item with its text so far, in ``status``."""
+        text = "".join(self.parts)
+        if self.kind == "message":
+            return _message(self.item["id"], text, status)
+        if self.kind == "reasoning":
+            return {**self.item, "content": [_reasoning_part(text)], "status": status}
+        return {**self.item, "arguments": text, "status": status}
+
+
 class ResponseEvents:
     """The events of one response, in order, each numbered by the next ``sequence_number``.
 
-    ``start()`` (= ``created()`` + ``in_progress()``), then ``delta(text)`` per engine delta, then
-    exactly one of ``finish(finish_reason, usage)``, ``fail(error)`` or ``cancel()``. Every method
-    returns the payloads to append to the log; ``response()`` is the ``Response`` object now.
+    ``start()`` (= ``created()`` + ``in_progress()``), then per engine step ``delta(text)`` (plain path)
+    or ``chunk(chat_chunk)`` (vLLM's layer), then exactly one of ``finish(finish_reason, usage)``,
+    ``fail(error)`` or ``cancel()``. Every method returns the payloads to append to the log;
+    ``response()`` is the ``Response`` object now.
+
+    Output items open lazily on their first delta and close when another kind (or another tool call)
+    starts or the response ends, as vLLM's ``SimpleStreamingEventProcessor`` does: a message item
+    (``output_text`` part), a reasoning item (``reasoning_text`` part) or a ``function_call`` item
+    (``function_call_arguments`` deltas).
     """
 
     def __init__(self, rid: str, model: str, created_at: int | None = None,
-                 request: ResponsesRequest | None = None, item_id: str | None = None) -> None:
+                 request: ResponsesRequest | None = None) -> None:
         self.id = rid
-        self.item_id = item_id or new_item_id()
         self.seq = 0
-        self.text_parts: list[str] = []
-        self.started = False  # the message item and its text part were added
+        self.items: list[dict[str, Any]] = []  # output items; the open one as it was added
+        self._open: _OpenItem | None = None
+        self.reasoning_tokens = 0  # as vLLM's layer counts them (its usage chunk)
         self._response = response_object(rid, model, int(time.time()) if created_at is None else created_at,
                                          request, status="queued" if request and request.background else "in_progress")
 
@@ -435,8 +481,7 @@ class ResponseEvents:
             raise ValueError("a response log starts with response.created")
         first = events[0]["response"]
         b = cls.__new__(cls)
-        b.id, b.seq, b.text_parts, b.started = first["id"], 0, [], False
-        b.item_id = ""
+        b.id, b.seq, b.items, b._open, b.reasoning_tokens = first["id"], 0, [], None, 0
         b._response = dict(first)
         for ev in events:
             b._apply(ev)
@@ -445,18 +490,33 @@ class ResponseEvents:
     def _apply(self, ev: dict[str, Any]) -> None:
         kind = ev.get("type")
         if kind == "response.output_item.added":
-            self.item_id, self.started = ev["item"]["id"], True
-        elif kind == "response.output_text.delta":
-            self.text_parts.append(ev["delta"])
+            self._added(dict(ev["item"]))
+        elif kind in DELTA_EVENTS and self._open is not None:
+            self._open.parts.append(ev["delta"])
+        elif kind == "response.output_item.done":
+            self.items[ev["output_index"]] = ev["item"]
+            self._open = None
         elif "response" in ev:
             self._response = dict(ev["response"])
         elif kind == "error" and ev.get("code") == CANCELLED_CODE:
-            self._end("cancelled", "incomplete")
+            self._end("cancelled")
         self.seq = ev["sequence_number"] + 1
+
+    def _added(self, item: dict[str, Any], tool_index: int | None = None) -> _OpenItem:
+        self._open = _OpenItem(len(self.items), item, tool_index=tool_index)
+        self.items.append(item)
+        return self._open
 
     @property
     def text(self) -> str:
-        return "".join(self.text_parts)
+        """The output text: every message item's."""
+        return "".join(part["text"] for item in self._output() if item["type"] == "message"
+                       for part in item["content"])
+
+    @property
+    def started(self) -> bool:
+        """Whether any output item was added."""
+        return bool(self.items)
 
     @property
     def status(self) -> Status:
@@ -471,60 +531,149 @@ class ResponseEvents:
         self.seq += 1
         return ev
 
+    def _output(self) -> list[dict[str, Any]]:
+        out = list(self.items)
+        if self._open is not None:
+            out[self._open.index] = self._open.render("in_progress")
+        return out
+
     def response(self) -> dict[str, Any]:
         """The ``Response`` now (for ``GET /v1/responses/{id}``, a non-streaming reply, each lifecycle event)."""
-        r = dict(self._response)
-        if self.started and not r["output"]:
-            r["output"] = [_message(self.item_id, self.text, "in_progress")]
-        return r
+        return {**self._response, "output": self._output()}
+
+    def turn(self) -> dict[str, Any]:
+        """This response's output as the assistant chat message a later turn continues from (reasoning
+        is not carried over, as in vLLM)."""
+        calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"],
+                                                                         "arguments": it["arguments"]}}
+                 for it in self._output() if it["type"] == "function_call"]
+        text = self.text
+        if not calls:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": text or None, "tool_calls": calls}
 
     def created(self) -> list[dict[str, Any]]:
         return [self._event("response.created", response=self.response())]
 
-    def in_progress(self, item: bool = True) -> list[dict[str, Any]]:
-        """The response runs (the engine accepted it): ``response.in_progress`` and the message item
-        with its text part (``item=False``: no output will follow, e.g. a WebSocket warmup)."""
+    def in_progress(self) -> list[dict[str, Any]]:
+        """The response runs (the engine accepted it)."""
         self._response["status"] = "in_progress"
-        events = [self._event("response.in_progress", response=self.response())]
-        if not item:
-            return events
-        events.append(self._event("response.output_item.added", output_index=0,
-                                  item=_message(self.item_id, None, "in_progress")))
-        self.started = True
-        events.append(self._event("response.content_part.added", item_id=self.item_id, output_index=0,
-                                  content_index=0, part=_text_part("")))
-        return events
+        return [self._event("response.in_progress", response=self.response())]
 
     def start(self) -> list[dict[str, Any]]:
         return self.created() + self.in_progress()
 
+    # -- output items ---------------------------------------------------------------------------
+
+    def _switch(self, kind: ItemKind, tool_index: int | None = None) -> list[dict[str, Any]]:
+        """Close the open item unless it is ``kind`` (and the same tool call)."""
+        o = self._open
+        if o is None or (o.kind == kind and o.tool_index == tool_index):
+            return []
+        return self._close("completed")
+
+    def _open_item(self, item: dict[str, Any], part: dict[str, Any] | None,
+                   tool_index: int | None = None) -> list[dict[str, Any]]:
+        o = self._added(item, tool_index)
+        events = [self._event("response.output_item.added", output_index=o.index, item=item)]
+        if part is not None:
+            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=o.index,
+                                      content_index=0, part=part))
+        return events
+
     def delta(self, text: str) -> list[dict[str, Any]]:
+        """Output text (a message item)."""
         if not text:
             return []
-        if not self.started:
-            raise RuntimeError("delta before in_progress()")
-        self.text_parts.append(text)
-        return [self._event("response.output_text.delta", item_id=self.item_id, output_index=0, content_index=0,
-                            delta=text, logprobs=[])]
+        events = self._switch("message")
+        if self._open is None:
+            events += self._open_item(_message(new_item_id("msg"), None, "in_progress"), _text_part(""))
+        o = self._open
+        assert o is not None
+        o.parts.append(text)
+        return [*events, self._event("response.output_text.delta", item_id=o.item["id"], output_index=o.index,
+                                     content_index=0, delta=text, logprobs=[])]
 
-    def _close_item(self, item_status: str) -> list[dict[str, Any]]:
-        if not self.started:
+    def reasoning(self, text: str) -> list[dict[str, Any]]:
+        """Reasoning text (a reasoning item), as vLLM's reasoning parser separates it."""
+        if not text:
             return []
-        text = self.text
-        return [
-            self._event("response.output_text.done", item_id=self.item_id, output_index=0, content_index=0,
-                        text=text, logprobs=[]),
-            self._event("response.content_part.done", item_id=self.item_id, output_index=0, content_index=0,
-                        part=_text_part(text)),
-            self._event("response.output_item.done", output_index=0,
-                        item=_message(self.item_id, text, item_status)),
-        ]
+        events = self._switch("reasoning")
+        if self._open is None:
+            item = {"id": new_item_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress"}
+            events += self._open_item(item, _reasoning_part(""))
+        o = self._open
+        assert o is not None
+        o.parts.append(text)
+        return [*events, self._event("response.reasoning_text.delta", item_id=o.item["id"], output_index=o.index,
+                                     content_index=0, delta=text)]
 
-    def _end(self, status: Status, item_status: str, usage: p.Usage | None = None) -> dict[str, Any]:
+    def tool_call(self, index: int, call_id: str | None, name: str | None, arguments: str) -> list[dict[str, Any]]:
+        """A piece of chat tool call ``index`` (a ``function_call`` item): its first piece names it."""
+        events = self._switch("function_call", index)
+        if self._open is None:
+            item = {"id": new_item_id("fc"), "type": "function_call", "call_id": call_id or new_item_id("call"),
+                    "name": name or "", "arguments": "", "status": "in_progress"}
+            events += self._open_item(item, None, index)
+        o = self._open
+        assert o is not None
+        if not arguments:
+            return events
+        o.parts.append(arguments)
+        return [*events, self._event("response.function_call_arguments.delta", item_id=o.item["id"],
+                                     output_index=o.index, delta=arguments)]
+
+    def chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """One chat chunk of vLLM's layer: its reasoning, content and tool calls, in that order (vLLM's
+        ``split_delta``); the usage chunk adds no event (the engine's last delta carries usage), only its
+        count of reasoning tokens."""
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.reasoning_tokens = int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
+        choices = chunk.get("choices") or []
+        delta = choices[0].get("delta") if choices else None
+        if not isinstance(delta, dict):
+            return []
+        events = self.reasoning(delta.get("reasoning") or delta.get("reasoning_content") or "")
+        events += self.delta(delta.get("content") or "")
+        for tc in delta.get("tool_calls") or ():
+            fn = tc.get("function") or {}
+            events += self.tool_call(int(tc.get("index") or 0), tc.get("id"), fn.get("name"),
+                                     fn.get("arguments") or "")
+        return events
+
+    def _close(self, status: str) -> list[dict[str, Any]]:
+        o = self._open
+        if o is None:
+            return []
+        self._open = None
+        item_id, text = o.item["id"], "".join(o.parts)
+        done = self.items[o.index] = o.render(status)
+        if o.kind == "message":
+            events = [
+                self._event("response.output_text.done", item_id=item_id, output_index=o.index, content_index=0,
+                            text=text, logprobs=[]),
+                self._event("response.content_part.done", item_id=item_id, output_index=o.index, content_index=0,
+                            part=_text_part(text)),
+            ]
+        elif o.kind == "reasoning":
+            events = [
+                self._event("response.reasoning_text.done", item_id=item_id, output_index=o.index, content_index=0,
+                            text=text),
+                self._event("response.content_part.done", item_id=item_id, output_index=o.index, content_index=0,
+                            part=_reasoning_part(text)),
+            ]
+        else:
+            events = [self._event("response.function_call_arguments.done", item_id=item_id, output_index=o.index,
+                                  arguments=text)]
+        return [*events, self._event("response.output_item.done", output_index=o.index, item=done)]
+
+    # -- the end --------------------------------------------------------------------------------
+
+    def _end(self, status: Status, usage: p.Usage | None = None) -> dict[str, Any]:
         r = self._response
         r["status"] = status
-        r["output"] = [_message(self.item_id, self.text, item_status)] if self.started else []
-        r["usage"] = usage_object(usage) if usage is not None else r["usage"]
+        r["usage"] = usage_object(usage, self.reasoning_tokens) if usage is not None else r["usage"]
         r["completed_at"] = int(time.time()) if status == "completed" else None
         return self.response()
 
@@ -537,23 +686,23 @@ class ResponseEvents:
             return self.fail(APIError(500, "The engine failed while generating.", type="server_error",
                                       code="engine_error"))
         if finish_reason == "length":
-            events = self._close_item("incomplete")
+            events = self._close("incomplete")
             self._response["incomplete_details"] = {"reason": "max_output_tokens"}
-            return events + [self._event("response.incomplete", response=self._end("incomplete", "incomplete", usage))]
-        events = self._close_item("completed")
-        return events + [self._event("response.completed", response=self._end("completed", "completed", usage))]
+            return events + [self._event("response.incomplete", response=self._end("incomplete", usage))]
+        events = self._close("completed")
+        return events + [self._event("response.completed", response=self._end("completed", usage))]
 
     def fail(self, err: APIError) -> list[dict[str, Any]]:
         """An engine-side failure after the response started: ``response.failed`` with ``error``."""
-        events = self._close_item("incomplete")
+        events = self._close("incomplete")
         self._response["error"] = failure_object(err)
-        return events + [self._event("response.failed", response=self._end("failed", "incomplete"))]
+        return events + [self._event("response.failed", response=self._end("failed"))]
 
     def cancel(self) -> list[dict[str, Any]]:
         """Cancelled (``POST /v1/responses/{id}/cancel``): close the item, then an ``error`` event with
         code ``response_cancelled``; :meth:`response` has status ``cancelled``."""
-        events = self._close_item("incomplete")
-        self._end("cancelled", "incomplete")
+        events = self._close("incomplete")
+        self._end("cancelled")
         err = APIError(400, f"Response '{self.id}' was cancelled.", code=CANCELLED_CODE)
         return events + [self._event("error", code=err.code, message=err.message, param=None)]
 
@@ -561,3 +710,8 @@ class ResponseEvents:
 def response_from_events(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Fold a response's log (its events, in order) into its ``Response`` object now."""
     return ResponseEvents.from_events(events).response()
+
+
+def delta_text(event: dict[str, Any]) -> str:
+    """The generated text an event carries (any ``*.delta``), for the stream's accounting."""
+    return event["delta"] if event["type"] in DELTA_EVENTS else ""

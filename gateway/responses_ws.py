@@ -29,9 +29,9 @@ from typing import Any, Generic, TypeVar
 
 import orjson
 
-from engine_worker import protocol as p
 from gateway.errors import APIError
 from gateway.responses_api import CANCELLED_CODE, CreateRequest, decode_create, unsupported
+from gateway.responses_chat import Message, transcript_chars
 
 STREAM_ID = re.compile(r"[A-Za-z0-9_.-]{1,256}")
 CLIENT_EVENTS = ("response.create",)
@@ -247,15 +247,15 @@ class TranscriptCache:
     def __init__(self, max_entries: int = 64, max_chars: int = 4_000_000) -> None:
         self.max_entries = max_entries
         self.max_chars = max_chars
-        self._items: OrderedDict[str, tuple[list[p.ChatMessage], int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[list[Message], int]] = OrderedDict()
         self._chars = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, response_id: str, transcript: list[p.ChatMessage]) -> None:
+    def put(self, response_id: str, transcript: list[Message]) -> None:
         self.evict(response_id)
-        size = sum(len(m.content) for m in transcript)
+        size = transcript_chars(transcript)
         if size > self.max_chars:
             return
         self._items[response_id] = (transcript, size)
@@ -264,7 +264,7 @@ class TranscriptCache:
             _, (_, dropped) = self._items.popitem(last=False)
             self._chars -= dropped
 
-    def get(self, response_id: str) -> list[p.ChatMessage] | None:
+    def get(self, response_id: str) -> list[Message] | None:
         hit = self._items.get(response_id)
         if hit is None:
             return None

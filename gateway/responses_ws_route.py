@@ -16,12 +16,12 @@ from typing import Any
 import orjson
 from starlette.websockets import WebSocket
 
-from engine_worker import protocol as p
 from gateway.delivery import read, release
 from gateway.edge import gateway_of
 from gateway.errors import APIError, EngineError, to_api_error
 from gateway.framing import ResponsesWs
 from gateway.responses_api import ResponseEvents, build_request, new_response_id
+from gateway.responses_chat import Message
 from gateway.responses_ws import (
     Lanes,
     TranscriptCache,
@@ -66,7 +66,7 @@ class ResponsesSession(WsSession):
     def send_event(self, event: dict[str, Any], err: APIError | None = None) -> None:
         self.send_text(orjson.dumps(event).decode(), err)
 
-    async def _history(self, previous: str | None) -> list[p.ChatMessage]:
+    async def _history(self, previous: str | None) -> list[Message]:
         cached = self.cache.get(previous) if previous else None
         return list(cached) if cached is not None else await history(self.gw, previous)
 
@@ -80,7 +80,7 @@ class ResponsesSession(WsSession):
             if not create.generate:  # warmup: state for a later previous_response_id, no output
                 events = ResponseEvents(new_response_id(), gw.check_model(rr.chat.model), request=rr)
                 framing = ResponsesWs(lane, self.timing)
-                for pl in events.created() + events.in_progress(item=False) + events.finish("stop", None):
+                for pl in events.created() + events.in_progress() + events.finish("stop", None):
                     await self.write(framing.build_payload(pl))
                 self.cache.put(events.id, rr.transcript(None))
                 return
@@ -93,7 +93,7 @@ class ResponsesSession(WsSession):
             if isinstance(outcome.ending.frame, str):
                 await self.write(outcome.ending.frame)
             if events.status in ("completed", "incomplete"):
-                self.cache.put(events.id, rr.transcript(events.text))
+                self.cache.put(events.id, rr.transcript(events.turn()))
             elif create.request.previous_response_id:
                 self.cache.evict(create.request.previous_response_id)
         except (APIError, EngineError) as exc:

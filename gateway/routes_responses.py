@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -24,7 +25,7 @@ from engine_worker import protocol as p
 from gateway import sse
 from gateway.delivery import Finalizer, Source, SseResponse, cancel, start_generation
 from gateway.edge import gateway_of, read_body
-from gateway.errors import APIError
+from gateway.errors import APIError, EngineError
 from gateway.framing import RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesSse
 from gateway.generation import ChunkEvent
 from gateway.responses_api import (
@@ -32,26 +33,26 @@ from gateway.responses_api import (
     ResponsesRequest,
     build_request,
     decode_create,
-    decode_transcript,
-    encode_transcript,
+    delta_text,
     new_response_id,
     previous_response_not_found,
     response_from_events,
     response_not_found,
 )
+from gateway.responses_chat import Message, decode_transcript, encode_transcript, responses_param
 from gateway.state import Gateway
 from gateway.streams import Stream, StreamHub
 
 ENDPOINT = "responses"
 
 
-def retained_transcript(hub: StreamHub, response_id: str) -> list[p.ChatMessage] | None:
+def retained_transcript(hub: StreamHub, response_id: str) -> list[Message] | None:
     """The transcript of a finished response this gateway ran and still retains (see :func:`keep_transcript`)."""
     s = hub.streams.get(response_id)
     return s.meta.get("transcript") if s is not None and s.endpoint == ENDPOINT and not s.mirrored else None
 
 
-async def history(gw: Gateway, previous_response_id: str | None) -> list[p.ChatMessage]:
+async def history(gw: Gateway, previous_response_id: str | None) -> list[Message]:
     """The transcript a ``previous_response_id`` continues: while that response is retained here, or, with
     ``--broker``, kept in Redis by the replica that ran it."""
     if not previous_response_id:
@@ -65,7 +66,8 @@ async def history(gw: Gateway, previous_response_id: str | None) -> list[p.ChatM
 
 
 def response_source(events: ResponseEvents) -> Source:
-    """Engine deltas -> Responses events: the lifecycle events, one ``output_text.delta`` per delta, the end."""
+    """Engine deltas -> Responses events: the lifecycle events, the items' events per engine step (from the
+    text of the plain path or the chat chunk of vLLM's layer), the end."""
 
     async def source(handle: Any, _builder: Any) -> AsyncIterator[ChunkEvent]:
         now = p.now_ns()
@@ -73,14 +75,14 @@ def response_source(events: ResponseEvents) -> Source:
             yield ChunkEvent(pl, now, "", 0)
         finish: str | None = None
         usage: p.Usage | None = None
-        held = 0  # tokens of steps whose text the detokenizer held back: no event (OpenAI sends no empty
-        # deltas), so they are counted with the next one
+        held = 0  # tokens of steps that added no event (text held back by the detokenizer, a tool call's
+        # name before its arguments): counted with the next event, as OpenAI sends no empty deltas
         async for d in handle.deltas():
             if d is None:
                 continue
             held += d.token_count
-            for pl in events.delta(d.text):
-                yield ChunkEvent(pl, d.emit_ns, d.text, held)
+            for pl in events.chunk(orjson.loads(d.chunk)) if d.chunk else events.delta(d.text):
+                yield ChunkEvent(pl, d.emit_ns, delta_text(pl), held)
                 held = 0
             if d.finish_reason is not None:
                 finish, usage = d.finish_reason, d.usage
@@ -97,8 +99,6 @@ def response_finalizer(events: ResponseEvents) -> Finalizer:
     def close(stream: Stream, err: APIError | None) -> list[ChunkEvent]:
         if events.done:
             return []
-        if not events.started and err is None:
-            pass  # cancelled before any output: still closed below with the cancel event
         payloads = events.fail(err) if err is not None else events.cancel()
         return [ChunkEvent(pl, p.now_ns(), "", 0) for pl in payloads]
 
@@ -111,16 +111,20 @@ async def start_response(gw: Gateway, rr: ResponsesRequest, scope: Any, *, lane:
     rid = new_response_id()
     model = gw.check_model(rr.chat.model)
     events = ResponseEvents(rid, model, request=rr)
-    stream = await start_generation(gw, rr.chat, scope, listed=rr.store, detached=rr.background,
-                                    source=response_source(events), finalizer=response_finalizer(events),
-                                    stream_id=rid, endpoint=ENDPOINT)
+    try:
+        stream = await start_generation(gw, rr.chat, scope, listed=rr.store, detached=rr.background,
+                                        source=response_source(events), finalizer=response_finalizer(events),
+                                        stream_id=rid, endpoint=ENDPOINT)
+    except (APIError, EngineError) as exc:
+        exc.param = responses_param(exc.param)  # the engine validated the chat body: name the Responses field
+        raise
     stream.meta["events"] = events
     if stream.task is not None:
-        stream.task.add_done_callback(lambda _t: keep_transcript(gw, stream, rr.transcript(events.text), rr.store))
+        stream.task.add_done_callback(lambda _t: keep_transcript(gw, stream, rr.transcript(events.turn()), rr.store))
     return stream, events
 
 
-def keep_transcript(gw: Gateway, stream: Stream, transcript: list[p.ChatMessage], store: bool) -> None:
+def keep_transcript(gw: Gateway, stream: Stream, transcript: list[Message], store: bool) -> None:
     """A finished response can be continued (``previous_response_id``) here, and, if stored, on every replica."""
     stream.meta["transcript"] = transcript
     if store and gw.broker is not None:

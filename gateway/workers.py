@@ -46,7 +46,7 @@ from gateway.delivery import SseResponse, cancel
 from gateway.edge import gateway_of
 from gateway.errors import APIError
 from gateway.framing import Ending, Framing
-from gateway.responses_api import encode_transcript
+from gateway.responses_chat import encode_transcript
 from gateway.routes_responses import retained_transcript
 from gateway.streams import Event, Stream, StreamHub
 

@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 import httpx2
+import msgspec
 import openai
 import pytest
 from openai import BaseModel as SDKModel
@@ -29,8 +30,6 @@ from gateway.responses_api import (
     ResponseEvents,
     build_request,
     decode_create,
-    decode_transcript,
-    encode_transcript,
     error_event,
     parse_create,
     previous_response_not_found,
@@ -39,6 +38,7 @@ from gateway.responses_api import (
     response_not_found,
     starting_after,
 )
+from gateway.responses_chat import decode_transcript, encode_transcript
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 LIMITS = Limits(default_max_tokens=64, max_tokens_cap=512)
@@ -87,7 +87,7 @@ def run(builder: ResponseEvents, deltas: list[str], finish: str = "stop", usage:
 def test_string_input_becomes_one_user_message_after_the_instructions() -> None:
     req = parse_create(body(instructions="Be brief.", max_output_tokens=20, temperature=0.5, top_p=0.9), LIMITS)
     chat = req.chat
-    assert chat.endpoint == "chat.completions" and chat.model == "m" and not chat.stream
+    assert chat.endpoint == "chat.completions" and chat.model == "m" and chat.stream  # the engine always streams
     assert chat.submit_fields["messages"] == [p.ChatMessage("system", "Be brief."), p.ChatMessage("user", "hi")]
     s = chat.submit_fields["sampling"]
     assert (s.max_tokens, s.temperature, s.top_p) == (20, 0.5, 0.9)
@@ -96,19 +96,22 @@ def test_string_input_becomes_one_user_message_after_the_instructions() -> None:
 def test_a_responses_request_submits_exactly_what_the_equivalent_chat_request_submits() -> None:
     responses = parse_create(json.dumps({
         "model": "m", "instructions": "sys", "max_output_tokens": 33, "temperature": 0.2, "top_p": 0.5,
-        "stream": True,
+        "stream": False,
         "input": [{"role": "developer", "content": "dev"},
                   {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
                                                                   {"type": "input_text", "text": "b"}]},
                   {"role": "assistant", "content": [{"type": "output_text", "text": "c", "annotations": []}]},
                   {"role": "user", "content": "d"}]}).encode(), LIMITS)
-    chat = parse_request("chat.completions", json.dumps({
+    chat_body = {
         "model": "m", "max_tokens": 33, "temperature": 0.2, "top_p": 0.5, "stream": True,
-        "messages": [{"role": "system", "content": "sys"}, {"role": "developer", "content": "dev"},
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "system", "content": "sys"}, {"role": "system", "content": "dev"},
                      {"role": "user", "content": "ab"}, {"role": "assistant", "content": "c"},
-                     {"role": "user", "content": "d"}]}).encode(), LIMITS)
-    assert responses.chat.to_submit("r", "t") == chat.to_submit("r", "t")
-    assert responses.stream and responses.chat.stream
+                     {"role": "user", "content": "d"}]}
+    ours, chat = responses.chat.to_submit("r", "t"), parse_request("chat.completions", chat_body, LIMITS).to_submit("r", "t")
+    assert json.loads(ours.body) == json.loads(chat.body) == chat_body  # the engine streams: events are built per step
+    assert msgspec.structs.replace(ours, body=b"") == msgspec.structs.replace(chat, body=b"")
+    assert ours.messages is not None and ours.stream and not responses.stream
 
 
 def test_max_output_tokens_defaults_and_limits() -> None:
@@ -127,13 +130,14 @@ def test_sampling_out_of_range_names_the_field(field: str, value: float) -> None
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "name": "f"}, {"type": "custom", "name": "g"}]}, "tools[1]"),
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning.summary"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"text": {"format": {"type": "grammar", "grammar": "x"}}}, "text.format"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"truncation": "auto"}, "truncation"),
@@ -145,8 +149,11 @@ def test_sampling_out_of_range_names_the_field(field: str, value: float) -> None
      "input[0].content[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
                                              {"type": "input_file", "file_id": "file_1"}]}]}, "input[0].content[1]"),
-    ({"input": [{"role": "user", "content": "a"}, {"type": "function_call_output", "call_id": "c", "output": "o"}]},
-     "input[1]"),
+    ({"input": [{"role": "user", "content": "a"}, {"type": "web_search_call", "id": "ws_1"}]}, "input[1]"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]},
+     "input[0].output[0]"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "x"}]},
+     "input[0].encrypted_content"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
 ])
 def test_unsupported_fields_get_a_400_naming_the_field(fields: dict[str, Any], param: str) -> None:
@@ -157,7 +164,7 @@ def test_unsupported_fields_get_a_400_naming_the_field(fields: dict[str, Any], p
 
 
 def test_harmless_values_of_unsupported_fields_are_accepted() -> None:
-    req = parse_create(body(tools=[], tool_choice="auto", reasoning=None, include=[], truncation="disabled",
+    req = parse_create(body(tools=[], tool_choice="auto", reasoning={"effort": None, "summary": None}, include=[], truncation="disabled",
                             text={"format": {"type": "text"}, "verbosity": "medium"}, parallel_tool_calls=False,
                             service_tier="flex", user="u", safety_identifier="s", prompt_cache_key="k",
                             store=True, metadata={"k": "v"}, stream_options={"include_obfuscation": False},
@@ -193,15 +200,22 @@ def test_malformed_requests_get_a_400(raw: bytes, param: str | None, code: str) 
 
 def test_previous_response_history_goes_between_the_instructions_and_the_new_input() -> None:
     first = parse_create(body(input="What is 2+2?", instructions="Answer in digits."), LIMITS)
-    history = decode_transcript(encode_transcript(first.transcript("4")))
-    assert history == [p.ChatMessage("user", "What is 2+2?"), p.ChatMessage("assistant", "4")]
+    history = decode_transcript(encode_transcript(first.transcript({"role": "assistant", "content": "4"})))
+    assert history == [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]
     req = decode_create(body(input="And 3+3?", instructions="Answer in words.", previous_response_id="resp_1"))
     second = build_request(req, LIMITS, history)
     assert second.chat.submit_fields["messages"] == [
-        p.ChatMessage("system", "Answer in words."), *history, p.ChatMessage("user", "And 3+3?")]
-    assert second.transcript("six")[-2:] == [p.ChatMessage("user", "And 3+3?"), p.ChatMessage("assistant", "six")]
+        p.ChatMessage("system", "Answer in words."), p.ChatMessage("user", "What is 2+2?"),
+        p.ChatMessage("assistant", "4"), p.ChatMessage("user", "And 3+3?")]
+    assert second.transcript({"role": "assistant", "content": "six"})[-2:] == [
+        {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "six"}]
     only_history = build_request(decode_create(b'{"previous_response_id": "resp_1"}'), LIMITS, history)
-    assert only_history.input_messages == [] and only_history.chat.submit_fields["messages"] == history
+    assert only_history.input_messages == [] and json.loads(only_history.chat.submit_fields["body"])["messages"] == history
+
+
+def test_a_transcript_from_an_older_gateway_still_decodes() -> None:
+    old = msgspec.msgpack.encode([p.ChatMessage("user", "hi"), p.ChatMessage("assistant", "yo")])
+    assert decode_transcript(old) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
 
 
 def test_previous_response_not_found_is_the_documented_error() -> None:
@@ -298,7 +312,7 @@ def test_a_background_response_is_queued_until_in_progress() -> None:
 
 def test_a_warmup_completes_with_no_output() -> None:
     b = ResponseEvents("resp_1", "m", 0, parse_create(body(), LIMITS))
-    events = b.created() + b.in_progress(item=False) + b.finish("stop", p.Usage(3, 0))
+    events = b.created() + b.in_progress() + b.finish("stop", p.Usage(3, 0))
     assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.completed"]
     assert validate_event(events[-1]).response.output == []
 
@@ -470,6 +484,5 @@ def test_sdk_cancel_returns_the_cancelled_response() -> None:
 def test_sdk_sees_an_unsupported_field_as_a_bad_request_naming_it() -> None:
     client = sdk_client(_Server(["a"]))
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="m", input="hi", tools=[{"type": "function", "name": "f", "parameters": {},
-                                                              "strict": True}])
-    assert e.value.param == "tools" and e.value.code == "unsupported_parameter"
+        client.responses.create(model="m", input="hi", tools=[{"type": "web_search"}])
+    assert e.value.param == "tools[0]" and e.value.code == "unsupported_parameter"

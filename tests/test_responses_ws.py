@@ -74,7 +74,7 @@ def test_the_sdks_response_create_parses_into_a_request() -> None:
         max_output_tokens=5, store=False, previous_response_id="resp_0", stream_id="lane-1"))
     assert msg.stream_id == "lane-1" and msg.generate
     assert (msg.request.previous_response_id, msg.request.store) == ("resp_0", False)
-    req = build_request(msg.request, Limits(), [p.ChatMessage("user", "before")])
+    req = build_request(msg.request, Limits(), [{"role": "user", "content": "before"}])
     assert req.chat.submit_fields["messages"] == [p.ChatMessage("system", "x"), p.ChatMessage("user", "before"),
                                                   p.ChatMessage("user", "hi")]
     assert req.max_tokens == 5
@@ -98,7 +98,7 @@ def test_a_default_lane_create_and_a_warmup() -> None:
     ('{"type": "response.create", "input": "x", "stream_id": ""}', "invalid_stream_id", "stream_id"),
     ('{"type": "response.create", "input": "x", "generate": "no"}', "invalid_type", "generate"),
     ('{"type": "response.create", "input": "x", "tools": [{"type": "web_search"}]}', "unsupported_parameter",
-     "tools"),
+     "tools[0]"),
     ('{"type": "response.create", "input": "x", "temperature": "hot"}', "invalid_type", "temperature"),
 ])
 def test_bad_client_messages_get_the_protocols_error_event(raw: str, code: str, param: str | None) -> None:
@@ -197,15 +197,17 @@ def test_lane_limits_give_the_documented_errors() -> None:
 
 def test_transcript_cache_is_lru_bounded_by_entries_and_characters() -> None:
     cache = TranscriptCache(max_entries=2, max_chars=10)
-    t = [p.ChatMessage("user", "abc")]
+    t = [{"role": "user", "content": "abc"}]
     cache.put("r1", t)
     cache.put("r2", t)
     assert cache.get("r1") == t  # r1 is now the most recent
     cache.put("r3", t)
     assert cache.get("r2") is None and cache.get("r1") == t and cache.get("r3") == t
-    cache.put("big", [p.ChatMessage("user", "x" * 8)])  # 8 + 3 + 3 > 10: oldest go
+    call = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "fn", "arguments": "{}" + " " * 4}}]}]
+    cache.put("big", call)  # 2 + 6 (name and arguments) + 3 + 3 > 10: oldest go
     assert cache.get("big") is not None and len(cache) == 1
-    cache.put("huge", [p.ChatMessage("user", "x" * 11)])  # larger than the whole cache: not kept
+    cache.put("huge", [{"role": "user", "content": "x" * 11}])  # larger than the whole cache: not kept
     assert cache.get("huge") is None
     cache.evict("big")
     assert len(cache) == 0

@@ -36,6 +36,7 @@ from gateway.responses_api import (
     response_not_found,
     starting_after,
 )
+from gateway.responses_chat import Message
 from gateway.responses_ws import (
     Lanes,
     TranscriptCache,
@@ -77,7 +78,7 @@ class Stub:
     def __init__(self, delta_interval: float = 0.03) -> None:
         self.interval = delta_interval
         self.entries: dict[str, Entry] = {}
-        self.transcripts: dict[str, list[p.ChatMessage]] = {}
+        self.transcripts: dict[str, list[Message]] = {}
         self.limits = Limits(default_max_tokens=16, max_tokens_cap=4096)
 
     def start(self, req: ResponsesRequest, generate: bool = True) -> Entry:
@@ -91,7 +92,7 @@ class Stub:
 
     async def _generate(self, e: Entry, generate: bool) -> None:
         if not generate:
-            e.append(e.builder.in_progress(item=False) + e.builder.finish("stop", p.Usage(1, 0)))
+            e.append(e.builder.in_progress() + e.builder.finish("stop", p.Usage(1, 0)))
             self.transcripts[e.builder.id] = e.req.transcript(None)
             return
         n = min(e.req.max_tokens, MAX_DELTAS)
@@ -100,7 +101,7 @@ class Stub:
             await asyncio.sleep(self.interval)
             e.append(e.builder.delta(f"tok{i} "))
         e.append(e.builder.finish("length" if n == e.req.max_tokens else "stop", p.Usage(5, n)))
-        self.transcripts[e.builder.id] = e.req.transcript(e.builder.text)
+        self.transcripts[e.builder.id] = e.req.transcript(e.builder.turn())
 
     def cancel(self, e: Entry) -> None:
         if not e.builder.done and e.task is not None:
@@ -109,7 +110,7 @@ class Stub:
 
     def parse(self, body: bytes | dict[str, Any]) -> ResponsesRequest:
         req = decode_create(body)
-        history: list[p.ChatMessage] = []
+        history: list[Message] = []
         if req.previous_response_id:
             found = self.transcripts.get(req.previous_response_id)
             if found is None:
@@ -182,7 +183,7 @@ class Stub:
 
         async def run(lane: str | None, msg: WsCreate) -> None:
             try:
-                history: list[p.ChatMessage] = []
+                history: list[Message] = []
                 pid = msg.request.previous_response_id
                 if pid:
                     found = cache.get(pid) or self.transcripts.get(pid)
@@ -193,7 +194,7 @@ class Stub:
                 e = self.start(req, msg.generate)
                 async for ev in e.follow(-1):
                     await send(ws_text(orjson.dumps(ev), lane))
-                cache.put(e.builder.id, req.transcript(None if not msg.generate else e.builder.text))
+                cache.put(e.builder.id, req.transcript(None if not msg.generate else e.builder.turn()))
             except APIError as err:
                 await send(orjson.dumps(ws_error(err, lane)).decode())
             for nxt in lanes.finished(lane):

@@ -156,7 +156,7 @@ async function scenarioUnsupported(url) {
   const client = clientFor(url);
   try {
     await client.responses.create({ model: await modelOf(client), input: "x",
-                                    tools: [{ type: "function", name: "f", parameters: {}, strict: true }] });
+                                    tools: [{ type: "web_search" }] });  // built-in tools are refused
   } catch (err) {
     if (err instanceof OpenAI.BadRequestError) return { status: err.status, param: err.param, code: err.code };
     throw err;

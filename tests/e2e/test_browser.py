@@ -10,10 +10,12 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import jsonschema
 import pytest
-from playwright.sync_api import Browser, Page, Route, sync_playwright
+from playwright.sync_api import Browser, Page, Request, Route, sync_playwright
 
 from tests.e2e.browser_fixtures import (
     CHROMIUM,
@@ -471,4 +473,185 @@ def test_ab_run_on_real_vllm_gives_identical_texts(page: Page, console: ConsoleL
     assert text_a and text_a == page.text_content("#pane-B .text")
     assert page.get_attribute("#verdict", "data-identical") == "true"
     shot(page, "vllm-ab.png", full_page=True)
+    assert console.errors == []
+
+
+# -- tool calls, reasoning, JSON and n > 1 choices ----------------------------------------------------
+
+
+def sse_body(*events: dict[str, object]) -> str:
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+
+def open_output_options(page: Page) -> None:
+    page.click(".output-options summary")
+
+
+def test_chat_renders_reasoning_tool_cards_json_and_choices_as_text(page: Page, console: ConsoleLog,
+                                                                    gateway_url: str) -> None:
+    evil = '<img src=x onerror="window.__pwned=1">'
+    args = json.dumps({"x": evil})
+
+    def choice(index: int, finish: str | None = None, **d: object) -> dict[str, object]:
+        return {"choices": [{"index": index, "delta": d, "finish_reason": finish}]}
+
+    body = sse_body(
+        choice(0, reasoning="think " + evil), choice(1, content='{"a": [1, '),
+        choice(0, tool_calls=[{"index": 0, "id": "call_1", "type": "function", "function": {"name": evil}}]),
+        choice(0, tool_calls=[{"index": 0, "function": {"arguments": args[:-1]}}]),
+        choice(1, content='"<b>"]}'), choice(0, tool_calls=[{"index": 0, "function": {"arguments": "}"}}]),
+        choice(0, tool_calls=[{"index": 1, "id": "call_2", "type": "function",
+                               "function": {"name": "cut", "arguments": '{"y": 1'}}]),
+        choice(0, "length"), choice(1, "stop"))
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, content_type="text/event-stream", body=body))
+    page.goto(f"{gateway_url}/?transport=fetch")
+    page.fill("#n", "2")
+    page.fill("#temperature", "1")
+    ask(page)
+    assert wait_answer_settled(page) == "done"
+    answer = page.locator(ANSWER).last
+    first, second = answer.locator(".choice").all()
+    assert first.locator(".choice-label").text_content() == "choice 0"
+    assert first.locator(".reasoning-text").text_content() == "think " + evil
+    cards = first.locator(".tool-call").all()
+    assert cards[0].locator(".tool-name").text_content() == evil
+    assert cards[0].locator(".tool-args").text_content() == json.dumps({"x": evil}, indent=2)
+    assert cards[0].get_attribute("data-complete") == "true"
+    assert cards[1].locator(".tool-args").text_content() == '{"y": 1'  # cut: shown as it came
+    assert cards[1].get_attribute("data-complete") == "false"
+    assert first.get_attribute("data-finish") == "length"
+    assert second.locator(".text").text_content() == json.dumps({"a": [1, "<b>"]}, indent=2)
+    assert second.locator(".text").get_attribute("data-json") == "valid"
+    assert second.locator(".finish").text_content() == "finish: stop"
+    assert answer.locator(".choices img, .choices b:not(.tool-name)").count() == 0
+    assert page.evaluate("window.__pwned === undefined")
+    shot(page, "chat-rendered-output.png")
+    assert console.errors == []
+
+
+def test_responses_function_call_and_reasoning_events_render_like_chat_chunks(page: Page, gateway_url: str) -> None:
+    item = {"type": "function_call", "id": "fc_1", "call_id": "call_9", "name": "get_weather", "arguments": ""}
+    events: list[dict[str, Any]] = [{"type": "response.reasoning_text.delta", "delta": "hmm"},
+              {"type": "response.output_item.added", "output_index": 1, "item": item},
+              {"type": "response.function_call_arguments.delta", "output_index": 1, "delta": '{"city":'},
+              {"type": "response.function_call_arguments.delta", "output_index": 1, "delta": '"Paris"}'},
+              {"type": "response.completed", "response": {"usage": None}}]
+    page.route("**/v1/responses", lambda route: route.fulfill(status=200, content_type="text/event-stream", body="".join(
+        f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events)))
+    page.goto(f"{gateway_url}/?transport=responses-sse")
+    ask(page)
+    assert wait_answer_settled(page) == "done"
+    answer = page.locator(ANSWER).last
+    assert answer.locator(".reasoning-text").text_content() == "hmm"
+    assert answer.locator(".tool-name").text_content() == "get_weather"
+    assert json.loads(answer.locator(".tool-args").text_content() or "") == {"city": "Paris"}
+
+
+def test_settings_refuse_bad_json_and_fields_the_responses_api_lacks(page: Page, gateway_url: str) -> None:
+    page.goto(f"{gateway_url}/?transport=fetch")
+    open_output_options(page)
+    page.select_option("#tool-choice", "auto")
+    page.fill("#tools", "[{")
+    ask(page)
+    page.wait_for_function("!document.querySelector('#banner').hidden")
+    assert (page.text_content("#banner") or "").startswith("Tools: not valid JSON")
+    page.select_option("#tool-choice", "")
+    page.check('input[name="transport"][value="responses-ws"]')
+    page.fill("#n", "2")
+    ask(page)
+    page.wait_for_function("/Responses API has no n/.test(document.querySelector('#banner').textContent)")
+    assert page.locator(ANSWER).count() == 0  # nothing was sent
+
+
+# On the parser-configured tiny model (random weights): structured outputs force the tool call and the JSON,
+# and thinking is off, or the qwen3 reasoning parser would take the whole output as reasoning.
+STRUCTURED_TRANSPORTS = ["fetch", "ws", "sse"]
+
+
+def sent_bodies(page: Page) -> list[dict[str, Any]]:
+    """The chat bodies the page sends, over any transport (POST body, /v1/streams body, /v1/ws request)."""
+    bodies: list[dict[str, Any]] = []
+
+    def on_request(req: Request) -> None:
+        if req.method == "POST" and req.url.endswith(("/v1/chat/completions", "/v1/streams")):
+            bodies.append(json.loads(req.post_data or "null"))
+
+    def on_frame(payload: str | bytes) -> None:
+        msg = json.loads(payload)
+        if msg.get("type") == "request":
+            bodies.append(msg["body"])
+
+    page.on("request", on_request)
+    page.on("websocket", lambda ws: ws.on("framesent", on_frame))
+    return bodies
+
+
+def ask_structured(page: Page, max_tokens: int) -> dict[str, Any]:
+    """Ask with greedy sampling and thinking off; returns the request body the page sent, as a direct
+    non-streamed request (stream fields and the /v1/streams endpoint dropped)."""
+    bodies = sent_bodies(page)
+    page.fill("#temperature", "0")
+    page.select_option("#thinking", "off")
+    ask(page, "What is the weather in Paris?", max_tokens=max_tokens)
+    assert wait_answer_settled(page, timeout=120_000) == "done", page.text_content(f"{ANSWER} .error")
+    assert len(bodies) == 1, bodies
+    return {k: v for k, v in bodies[0].items() if k not in ("stream", "stream_options", "endpoint")}
+
+
+def direct(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]  # type: ignore[no-any-return]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("transport", STRUCTURED_TRANSPORTS)
+def test_forced_tool_call_renders_as_a_card_equal_to_the_direct_response(
+    page: Page, console: ConsoleLog, parser_gateway: str, transport: str,
+) -> None:
+    page.goto(f"{parser_gateway}/?transport={transport}")
+    open_output_options(page)
+    page.select_option("#tool-choice", "required")
+    page.uncheck("#parallel-calls")  # else the tiny model calls again and again until max tokens
+    body = ask_structured(page, max_tokens=60)
+    tools = json.loads(page.input_value("#tools"))
+    assert body == {"model": "tiny", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                    "max_tokens": 60, "temperature": 0, "tools": tools, "tool_choice": "required",
+                    "parallel_tool_calls": False, "chat_template_kwargs": {"enable_thinking": False}}
+    expected = direct(parser_gateway, body)
+    [call] = expected["message"]["tool_calls"]
+    card = page.locator(f"{ANSWER} .tool-call")
+    assert card.count() == 1
+    assert card.locator(".tool-name").text_content() == call["function"]["name"] == "get_weather"
+    assert json.loads(card.locator(".tool-args").text_content() or "") == json.loads(call["function"]["arguments"])
+    assert card.get_attribute("data-complete") == "true"
+    [got] = page.evaluate("window.__tokenfan.choices")
+    assert got["tool_calls"][0]["function"] == call["function"]  # the raw arguments string, not just its value
+    assert got["finish_reason"] == expected["finish_reason"] == "tool_calls"
+    assert page.locator(f"{ANSWER} .finish").text_content() == "finish: tool_calls"
+    shot(page, f"vllm-tool-call-{transport}.png")
+    assert console.errors == []
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("transport", STRUCTURED_TRANSPORTS)
+def test_json_schema_answer_is_pretty_printed_and_matches_the_schema(
+    page: Page, console: ConsoleLog, parser_gateway: str, transport: str,
+) -> None:
+    page.goto(f"{parser_gateway}/?transport={transport}")
+    open_output_options(page)
+    page.select_option("#response-format", "json_schema")
+    body = ask_structured(page, max_tokens=40)
+    schema = json.loads(page.input_value("#json-schema"))
+    assert body["response_format"] == {"type": "json_schema",
+                                       "json_schema": {"name": "answer", "strict": True, "schema": schema}}
+    text = page.locator(f"{ANSWER} .text")
+    assert text.get_attribute("data-json") == "valid"
+    shown = text.text_content() or ""
+    value = json.loads(shown)
+    jsonschema.validate(value, schema)
+    assert shown == json.dumps(value, indent=2, ensure_ascii=False)
+    assert value == json.loads(direct(parser_gateway, body)["message"]["content"])
+    shot(page, f"vllm-json-schema-{transport}.png")
     assert console.errors == []

@@ -413,19 +413,44 @@ class WebSocketChat extends SocketChat {
 
 // -- the Responses API over both transports --------------------------------------------------
 
-/** The Responses request for a chat body (messages -> input, max_tokens -> max_output_tokens). */
+/** The Responses request for a chat body (messages -> input, max_tokens -> max_output_tokens, tools and
+ *  response_format in the Responses API's shapes; whatever the gateway cannot serve it refuses by name). */
 function responsesBody(body) {
   const out = { input: body.messages, stream: true };
   if (body.max_tokens != null) out.max_output_tokens = body.max_tokens;
   for (const k of ["model", "temperature", "top_p"]) if (body[k] != null) out[k] = body[k];
+  if (body.parallel_tool_calls != null) out.parallel_tool_calls = body.parallel_tool_calls;
+  if (body.tools) out.tools = body.tools.map((t) => (t.function ? { type: t.type, ...t.function } : t));
+  if (body.tool_choice) {
+    const c = body.tool_choice;
+    out.tool_choice = c.function ? { type: "function", name: c.function.name } : c;
+  }
+  const format = body.response_format;
+  if (format && format.type === "json_schema") out.text = { format: { type: "json_schema", ...format.json_schema } };
+  else if (format) out.text = { format };
   return out;
 }
 
-/** Feed one Responses event to a generation: text deltas become chunk-shaped callbacks (so the page
- *  renders them like every other transport), the terminal event ends it. Returns true at the end. */
+/** One delta of choice 0 in a chat chunk's shape. */
+function chunkOf(delta, tokenfan) {
+  return { choices: [{ index: 0, delta }], tokenfan };
+}
+
+/** Feed one Responses event to a generation: text, reasoning and function-call deltas become chat
+ *  chunks (a call's index is its output_index), so the page renders them like every other transport;
+ *  the terminal event ends it. Returns true at the end. */
 function responsesEvent(gen, ev, recvMs) {
   if (ev.type === "response.output_text.delta") {
-    gen.chunk({ choices: [{ index: 0, delta: { content: ev.delta } }], tokenfan: ev.tokenfan }, recvMs);
+    gen.chunk(chunkOf({ content: ev.delta }, ev.tokenfan), recvMs);
+  } else if (ev.type === "response.reasoning_text.delta") {
+    gen.chunk(chunkOf({ reasoning: ev.delta }, ev.tokenfan), recvMs);
+  } else if (ev.type === "response.output_item.added" && ev.item.type === "function_call") {
+    const call = { index: ev.output_index, id: ev.item.call_id, type: "function",
+      function: { name: ev.item.name, arguments: ev.item.arguments || "" } };
+    gen.chunk(chunkOf({ tool_calls: [call] }, ev.tokenfan), recvMs);
+  } else if (ev.type === "response.function_call_arguments.delta") {
+    const call = { index: ev.output_index, function: { arguments: ev.delta } };
+    gen.chunk(chunkOf({ tool_calls: [call] }, ev.tokenfan), recvMs);
   } else if (ev.type === "response.completed" || ev.type === "response.incomplete") {
     const u = ev.response.usage;
     if (u) gen.chunk({ choices: [], usage: { prompt_tokens: u.input_tokens, completion_tokens: u.output_tokens,

@@ -566,37 +566,56 @@ def test_settings_refuse_bad_json_and_fields_the_responses_api_lacks(page: Page,
 
 # On the parser-configured tiny model (random weights): structured outputs force the tool call and the JSON,
 # and thinking is off, or the qwen3 reasoning parser would take the whole output as reasoning.
-STRUCTURED_TRANSPORTS = ["fetch", "ws", "sse"]
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def sent_bodies(page: Page) -> list[dict[str, Any]]:
-    """The chat bodies the page sends, over any transport (POST body, /v1/streams body, /v1/ws request)."""
+    """The request bodies the page sends, over any transport: the POST body (chat, /v1/streams, Responses),
+    a /v1/ws request's body or a Responses WebSocket ``response.create`` (its ``type`` dropped)."""
     bodies: list[dict[str, Any]] = []
 
     def on_request(req: Request) -> None:
-        if req.method == "POST" and req.url.endswith(("/v1/chat/completions", "/v1/streams")):
+        if req.method == "POST" and req.url.endswith(("/v1/chat/completions", "/v1/streams", "/v1/responses")):
             bodies.append(json.loads(req.post_data or "null"))
 
     def on_frame(payload: str | bytes) -> None:
         msg = json.loads(payload)
         if msg.get("type") == "request":
             bodies.append(msg["body"])
+        elif msg.get("type") == "response.create":
+            bodies.append({k: v for k, v in msg.items() if k != "type"})
 
     page.on("request", on_request)
     page.on("websocket", lambda ws: ws.on("framesent", on_frame))
     return bodies
 
 
-def ask_structured(page: Page, max_tokens: int) -> dict[str, Any]:
-    """Ask with greedy sampling and thinking off; returns the request body the page sent, as a direct
-    non-streamed request (stream fields and the /v1/streams endpoint dropped)."""
+def as_sent(transport: str, chat: dict[str, Any]) -> dict[str, Any]:
+    """What the page sends for the chat request ``chat`` over ``transport`` (stream fields aside): the chat
+    body itself, or the Responses API's shapes of the same fields."""
+    if not transport.startswith("responses"):
+        return chat
+    out = {"model": chat["model"], "input": chat["messages"], "max_output_tokens": chat["max_tokens"],
+           "temperature": chat["temperature"], "chat_template_kwargs": chat["chat_template_kwargs"]}
+    if "tools" in chat:
+        out |= {"tools": [{"type": "function", **t["function"]} for t in chat["tools"]],
+                "tool_choice": chat["tool_choice"], "parallel_tool_calls": chat["parallel_tool_calls"]}
+    if "response_format" in chat:
+        out["text"] = {"format": {"type": "json_schema", **chat["response_format"]["json_schema"]}}
+    return out
+
+
+def ask_structured(page: Page, transport: str, chat: dict[str, Any]) -> None:
+    """Ask the question with greedy sampling and thinking off; checks that the page sent exactly ``chat``
+    (in the transport's API)."""
     bodies = sent_bodies(page)
     page.fill("#temperature", "0")
     page.select_option("#thinking", "off")
-    ask(page, "What is the weather in Paris?", max_tokens=max_tokens)
+    ask(page, QUESTION[0]["content"], max_tokens=chat["max_tokens"])
     assert wait_answer_settled(page, timeout=120_000) == "done", page.text_content(f"{ANSWER} .error")
-    assert len(bodies) == 1, bodies
-    return {k: v for k, v in bodies[0].items() if k not in ("stream", "stream_options", "endpoint")}
+    drop = ("stream", "stream_options", "endpoint")
+    assert [{k: v for k, v in b.items() if k not in drop} for b in bodies] == [as_sent(transport, chat)]
 
 
 def direct(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -606,7 +625,7 @@ def direct(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("transport", STRUCTURED_TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_forced_tool_call_renders_as_a_card_equal_to_the_direct_response(
     page: Page, console: ConsoleLog, parser_gateway: str, transport: str,
 ) -> None:
@@ -614,11 +633,9 @@ def test_forced_tool_call_renders_as_a_card_equal_to_the_direct_response(
     open_output_options(page)
     page.select_option("#tool-choice", "required")
     page.uncheck("#parallel-calls")  # else the tiny model calls again and again until max tokens
-    body = ask_structured(page, max_tokens=60)
-    tools = json.loads(page.input_value("#tools"))
-    assert body == {"model": "tiny", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-                    "max_tokens": 60, "temperature": 0, "tools": tools, "tool_choice": "required",
-                    "parallel_tool_calls": False, "chat_template_kwargs": {"enable_thinking": False}}
+    body = {"model": "tiny", "messages": QUESTION, "max_tokens": 60, "temperature": 0, **NO_THINKING,
+            "tools": json.loads(page.input_value("#tools")), "tool_choice": "required", "parallel_tool_calls": False}
+    ask_structured(page, transport, body)
     expected = direct(parser_gateway, body)
     [call] = expected["message"]["tool_calls"]
     card = page.locator(f"{ANSWER} .tool-call")
@@ -628,24 +645,26 @@ def test_forced_tool_call_renders_as_a_card_equal_to_the_direct_response(
     assert card.get_attribute("data-complete") == "true"
     [got] = page.evaluate("window.__tokenfan.choices")
     assert got["tool_calls"][0]["function"] == call["function"]  # the raw arguments string, not just its value
-    assert got["finish_reason"] == expected["finish_reason"] == "tool_calls"
-    assert page.locator(f"{ANSWER} .finish").text_content() == "finish: tool_calls"
+    if not transport.startswith("responses"):  # the Responses API has no finish reason
+        assert got["finish_reason"] == expected["finish_reason"] == "tool_calls"
+        assert page.locator(f"{ANSWER} .finish").text_content() == "finish: tool_calls"
     shot(page, f"vllm-tool-call-{transport}.png")
     assert console.errors == []
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("transport", STRUCTURED_TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_json_schema_answer_is_pretty_printed_and_matches_the_schema(
     page: Page, console: ConsoleLog, parser_gateway: str, transport: str,
 ) -> None:
     page.goto(f"{parser_gateway}/?transport={transport}")
     open_output_options(page)
     page.select_option("#response-format", "json_schema")
-    body = ask_structured(page, max_tokens=40)
     schema = json.loads(page.input_value("#json-schema"))
-    assert body["response_format"] == {"type": "json_schema",
-                                       "json_schema": {"name": "answer", "strict": True, "schema": schema}}
+    body = {"model": "tiny", "messages": QUESTION, "max_tokens": 40, "temperature": 0, **NO_THINKING,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "strict": True,
+                                                                       "schema": schema}}}
+    ask_structured(page, transport, body)
     text = page.locator(f"{ANSWER} .text")
     assert text.get_attribute("data-json") == "valid"
     shown = text.text_content() or ""

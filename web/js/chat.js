@@ -148,11 +148,10 @@ class AnswerMetrics {
 }
 
 /** The settings' tools, tool_choice, parallel_tool_calls, response_format, thinking and n, as chat request
- *  fields (none when unset). Throws an Error naming the setting whose JSON does not parse, or a setting
- *  the Responses API has no field for. */
+ *  fields (none when unset). Throws an Error naming the setting whose JSON does not parse, or n > 1 on the
+ *  Responses API, which has no n. */
 function outputOptions(transport) {
   const out = {};
-  const responses = transport.startsWith("responses");
   const choice = els.toolChoice.value;
   if (choice) {
     out.tools = settingJSON(els.tools, "Tools");
@@ -161,7 +160,6 @@ function outputOptions(transport) {
     if (!els.parallelCalls.checked) out.parallel_tool_calls = false;
   }
   if (els.thinking.value) {
-    if (responses) throw new Error("Thinking: the Responses API has no chat_template_kwargs; pick a chat transport.");
     out.chat_template_kwargs = { enable_thinking: els.thinking.value === "on" };
   }
   const format = els.responseFormat.value;
@@ -171,7 +169,7 @@ function outputOptions(transport) {
       json_schema: { name: "answer", strict: true, schema: settingJSON(els.jsonSchema, "JSON schema") } };
   }
   const n = Number(els.n.value) || 1;
-  if (n > 1 && responses) {
+  if (n > 1 && transport.startsWith("responses")) {
     throw new Error("Choices (n): the Responses API has no n; pick a chat transport for n > 1.");
   }
   if (n > 1) out.n = n;

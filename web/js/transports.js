@@ -413,12 +413,12 @@ class WebSocketChat extends SocketChat {
 
 // -- the Responses API over both transports --------------------------------------------------
 
-/** The Responses request for a chat body (messages -> input, max_tokens -> max_output_tokens, tools and
- *  response_format in the Responses API's shapes; whatever the gateway cannot serve it refuses by name). */
+/** The Responses request for a chat body (messages -> input items, max_tokens -> max_output_tokens, tools,
+ *  tool_choice and response_format in the Responses API's shapes, vLLM's chat_template_kwargs as is). */
 function responsesBody(body) {
-  const out = { input: body.messages, stream: true };
+  const out = { input: responsesInput(body.messages), stream: true };
   if (body.max_tokens != null) out.max_output_tokens = body.max_tokens;
-  for (const k of ["model", "temperature", "top_p"]) if (body[k] != null) out[k] = body[k];
+  for (const k of ["model", "temperature", "top_p", "chat_template_kwargs"]) if (body[k] != null) out[k] = body[k];
   if (body.parallel_tool_calls != null) out.parallel_tool_calls = body.parallel_tool_calls;
   if (body.tools) out.tools = body.tools.map((t) => (t.function ? { type: t.type, ...t.function } : t));
   if (body.tool_choice) {
@@ -429,6 +429,15 @@ function responsesBody(body) {
   if (format && format.type === "json_schema") out.text = { format: { type: "json_schema", ...format.json_schema } };
   else if (format) out.text = { format };
   return out;
+}
+
+/** Chat messages as Responses input items: an assistant's tool calls become function_call items. */
+function responsesInput(messages) {
+  return messages.flatMap((m) => [
+    ...(m.content != null ? [{ role: m.role, content: m.content }] : []),
+    ...(m.tool_calls || []).map((c) =>
+      ({ type: "function_call", call_id: c.id, name: c.function.name, arguments: c.function.arguments })),
+  ]);
 }
 
 /** One delta of choice 0 in a chat chunk's shape. */

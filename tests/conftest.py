@@ -17,6 +17,7 @@ from tests.procs import (
     PARSER_FLAGS,
     Proc,
     free_port,
+    npm_ci,
     spawn,
     start_engine,
     start_gateway,
@@ -89,3 +90,12 @@ def parser_gateway(tiny_model: Path, ipc_dir: Path) -> Iterator[str]:
         yield url
     finally:
         proc.stop(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def node_dir() -> Path:
+    """``tests/node`` with the npm packages of its lockfile installed (``npm ci`` when they are not)."""
+    try:
+        return npm_ci()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -10,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -18,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NO_CLIENT_LIMITS = ("--max-generations-per-client", "0", "--max-connections-per-client", "0",
                     "--max-subscriptions-per-client", "0")
 ARTIFACTS = ROOT / "test-artifacts"
+NODE_DIR = ROOT / "tests" / "node"  # the npm SDKs the Node harnesses import, pinned in its package-lock.json
 # vLLM's tool, reasoning and structured-output flags, as the parser-configured servers take them (the
 # `parser_gateway` fixture and `vllm serve` in tests/e2e/test_vllm_parity.py): without whitespace, a
 # constrained tiny model writes a JSON object or a tool call in a few tokens.
@@ -89,3 +93,37 @@ def wait_healthy(url: str, proc: Proc, timeout: float) -> None:
             pass
         time.sleep(0.1)
     raise TimeoutError(f"{url} not healthy after {timeout}s:\n{proc.log()[-4000:]}")
+
+
+def node_modules_current(node_dir: Path = NODE_DIR) -> bool:
+    """Whether ``node_modules`` holds every package of the lockfile at its locked version (npm's own record
+    of what it installed, ``node_modules/.package-lock.json``): a tree installed before a package was added
+    to ``package.json`` is not current."""
+    installed_record = node_dir / "node_modules" / ".package-lock.json"
+    if not installed_record.is_file():
+        return False
+    locked = json.loads((node_dir / "package-lock.json").read_text())["packages"]
+    installed = json.loads(installed_record.read_text())["packages"]
+    return all(installed.get(path, {}).get("version") == entry.get("version")
+               for path, entry in locked.items() if path and not entry.get("optional"))
+
+
+def npm_ci(node_dir: Path = NODE_DIR) -> Path:
+    """``npm ci`` from the lockfile, unless ``node_modules`` is already current; returns ``node_dir``."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        raise RuntimeError("node and npm are needed for the Node SDK tests")
+    if not node_modules_current(node_dir):
+        proc = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--prefix", str(node_dir)],
+                              timeout=600, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"npm ci failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return node_dir
+
+
+def run_node(script: Path, url: str, *scenarios: str) -> dict[str, Any]:
+    """Run a Node harness (``node SCRIPT URL SCENARIO...``) and return the JSON object it prints; a
+    non-zero exit fails with its output."""
+    proc = subprocess.run(["node", str(script), url, *scenarios], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "NODE_NO_WARNINGS": "1"}, check=False)
+    assert proc.returncode == 0, f"node harness failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout)  # type: ignore[no-any-return]

@@ -37,3 +37,10 @@ def test_a_malformed_script_is_refused_with_the_reason(tmp_path: Path, value: ob
 def test_a_missing_script_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--synthetic-script .*nope.json"):
         load_script(tmp_path / "nope.json")
+
+
+def test_the_synthetic_engines_table_of_vllm_fields_is_vllms() -> None:
+    """The synthetic engine refuses by this table (no vLLM import on its request path): it must be vLLM's."""
+    from engine_worker.backends import vllm_fields
+
+    assert vllm_fields.DEFAULTS == vllm_fields.from_vllm(), "regenerate: see engine_worker/backends/vllm_fields.py"

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from engine_worker.backends import vllm_openai
+from engine_worker.backends import vllm_fields, vllm_openai
 from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, Step
 from engine_worker.backends.vllm_openai import PLAIN_FIELDS, decode_body, is_plain
 from engine_worker.config import EngineConfig
@@ -196,12 +196,9 @@ def _refuse_model_fields(endpoint: str, body: dict[str, Any]) -> None:
     field vllm serve knows, set to something else than its default. Fields vllm serve ignores are ignored."""
     if is_plain(body):
         return
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-
-    fields = (ChatCompletionRequest if endpoint == "chat.completions" else CompletionRequest).model_fields
+    defaults = vllm_fields.DEFAULTS[endpoint]
     for name in sorted(body):
-        if name in PLAIN_FIELDS or name not in fields or body[name] == fields[name].get_default(call_default_factory=True):
+        if name in PLAIN_FIELDS or name not in defaults or body[name] == defaults[name]:
             continue
         _refuse(name)
     if body.get("n", 1) not in (1, None):

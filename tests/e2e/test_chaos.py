@@ -22,7 +22,8 @@ PER_KIND = 25  # x2 kinds per transport = 50 SSE clients and 50 WebSocket client
 def test_engine_kill_under_load_errors_every_client_and_service_recovers(ipc_dir) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
     proc = spawn(["-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", str(port),
-                  "--synthetic-tokens-per-s", "20", "--engine-address", f"ipc://{ipc_dir / 'chaos.sock'}"], "chaos")
+                  "--synthetic-tokens-per-s", "20", "--engine-address", f"ipc://{ipc_dir / 'chaos.sock'}",
+                  "--max-generations-per-client", str(4 * PER_KIND)], "chaos")  # one address holds 75
     url = f"http://127.0.0.1:{port}"
     wsurl = url.replace("http", "ws")
     try:
@@ -37,7 +38,8 @@ def test_engine_kill_under_load_errors_every_client_and_service_recovers(ipc_dir
         async def post_sse(c: httpx.AsyncClient) -> None:
             async with c.stream("POST", url + "/v1/completions", json={**long, "stream": True}) as r:
                 body = (await r.aread()).decode()
-            assert any(e.get("event") == "error" and "engine_unavailable" in e["data"] for e in sse_events(body))
+            assert any(e.get("event") == "error" and "engine_unavailable" in e["data"] for e in sse_events(body)), \
+                (r.status_code, body[-300:])
             record("sse")
 
         async def stream_sse(c: httpx.AsyncClient, events_url: str) -> None:
@@ -75,7 +77,11 @@ def test_engine_kill_under_load_errors_every_client_and_service_recovers(ipc_dir
                 clients = asyncio.gather(
                     *(post_sse(c) for _ in range(PER_KIND)), *(stream_sse(c, s["events_url"]) for s in streams),
                     *(mux_ws() for _ in range(PER_KIND)), *(stream_ws(s["ws_url"]) for s in streams))
-                await asyncio.sleep(1.5)
+                for _ in range(300):  # every generation streaming before the kill (not a fixed sleep: CI load)
+                    engine = (await c.get(url + "/health")).json()["engine"]
+                    if engine and engine["running"] >= 3 * PER_KIND:
+                        break
+                    await asyncio.sleep(0.1)
                 children = Path(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children").read_text().split()
                 killed_at.append(time.monotonic())
                 os.kill(int(children[0]), signal.SIGKILL)

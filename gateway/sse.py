@@ -1,9 +1,14 @@
-"""Server-Sent Events framing (pure: values in, bytes out).
+"""Server-Sent Events: the one encoder (values in, bytes out) and the one decoder (bytes in, events out).
 
-Data passed in must be a single line (JSON from orjson never contains a raw newline).
+Data passed to the encoder must be a single line (JSON from orjson never contains a raw newline). The
+decoder reads what tokenfan writes (LF line endings): the bench's clients, the workers' peer link and the
+tests use it; browsers use their ``EventSource`` (and ``web/js/sse.js``, which takes any line ending).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
 
 DONE = b"data: [DONE]\n\n"
 
@@ -34,3 +39,70 @@ def parse_last_event_id(raw: str | None) -> int | None:
     if value < -1:
         raise ValueError("negative event id")
     return value
+
+
+class SseEvent(NamedTuple):
+    event: str  # "message" unless an ``event:`` field says otherwise
+    id: str | None
+    data: bytes
+
+
+@dataclass(slots=True)
+class SseDecoder:
+    """Incremental SSE parser: ``feed(bytes) -> complete events``; comments are dropped.
+
+    Only what tokenfan sends is supported: LF line endings, one ``data:`` line per event (a second
+    one is joined with ``\\n`` as the spec says).
+    """
+
+    _buf: bytes = b""
+
+    def feed(self, data: bytes) -> list[SseEvent]:
+        """The events completed by ``data`` (a block still open waits for the next feed)."""
+        buf = self._buf + data if self._buf else data
+        end = buf.find(b"\n\n")
+        if end >= 0 and end == len(buf) - 2:  # the common case: exactly one whole event
+            self._buf = b""
+            ev = parse_block(buf[:end])
+            return [ev] if ev is not None else []
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self._buf = buf
+            return []
+        self._buf = buf[end + 2:]
+        out: list[SseEvent] = []
+        for block in buf[:end].split(b"\n\n"):
+            ev = parse_block(block)
+            if ev is not None:
+                out.append(ev)
+        return out
+
+
+def parse_block(block: bytes) -> SseEvent | None:
+    if block[:4] == b"id: ":  # the gateway's chunk events: "id: N\ndata: {...}", parsed without splitting
+        nl = block.find(b"\n")
+        if block[nl + 1:nl + 7] == b"data: " and block.find(b"\n", nl + 1) < 0:
+            return SseEvent("message", block[4:nl].decode(), block[nl + 7:])
+    event, eid, data = "message", None, []
+    for line in block.split(b"\n"):
+        if not line or line[:1] == b":":
+            continue
+        name, _, value = line.partition(b":")
+        if value[:1] == b" ":
+            value = value[1:]
+        if name == b"data":
+            data.append(value)
+        elif name == b"id":
+            eid = value.decode()
+        elif name == b"event":
+            event = value.decode()
+    if not data:
+        return None  # a comment, or a retry:-only block
+    return SseEvent(event, eid, data[0] if len(data) == 1 else b"\n".join(data))
+
+
+def decode(body: bytes | str) -> list[SseEvent]:
+    """The events of a whole SSE body (a last block without its blank line counts: the body ended)."""
+    raw = body.encode() if isinstance(body, str) else body
+    return SseDecoder().feed(raw if raw.endswith(b"\n\n") else raw + b"\n\n")
+

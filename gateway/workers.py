@@ -208,17 +208,10 @@ async def _request(path: Path, method: str, target: str) -> tuple[int, asyncio.S
 
 async def _sse_events(reader: asyncio.StreamReader) -> Any:
     """(event, data) pairs of an SSE body until EOF."""
-    kind, data = "message", b""
-    while line := await reader.readline():
-        line = line.rstrip(b"\r\n")
-        if not line:
-            if data:
-                yield kind, data
-            kind, data = "message", b""
-        elif line.startswith(b"event: "):
-            kind = line[7:].decode()
-        elif line.startswith(b"data: "):
-            data = line[6:]
+    decoder = sse.SseDecoder()
+    while data := await reader.read(1 << 16):
+        for ev in decoder.feed(data):
+            yield ev.event, ev.data
 
 
 class PeerBroker:

@@ -41,7 +41,7 @@ from tokenfan_bench.fastclient import (
 )
 from tokenfan_bench.http1 import ResponseHead, request
 from tokenfan_bench.record import Recorder
-from tokenfan_bench.wire import ChunkSample
+from tokenfan_bench.wire import ChunkSample, SseDecoder
 
 RESPONSES_TRANSPORTS = ("resp-sse", "resp-ws")
 DELTA = "response.output_text.delta"
@@ -126,11 +126,12 @@ def response_body(max_tokens: int) -> dict[str, Any]:
 
 class ResponseSse(Sink):
     """The SSE answer of one ``POST /v1/responses``. Events are ``event: <type>\\ndata: {…}`` blocks;
-    the type is also in the data, so only the ``data:`` line is decoded."""
+    the type is also in the data, so only the ``data:`` field is decoded."""
 
     def __init__(self, rec: ResponseRecorder, fut: asyncio.Future[None]) -> None:
         self.rec, self.fut = rec, fut
-        self._buf = b""
+        self._buf = b""  # the body of an error answer
+        self._dec = SseDecoder()
         self._status = 0
         self._ended = False
 
@@ -144,19 +145,9 @@ class ResponseSse(Sink):
             return
         if rec.error is not None or self._ended:
             return
-        buf = self._buf + data if self._buf else data
-        end = buf.rfind(b"\n\n")
-        if end < 0:
-            self._buf = buf
-            return
-        self._buf = buf[end + 2:]
         try:
-            for block in buf[:end].split(b"\n\n"):
-                i = block.find(b"data: ")
-                if i < 0 or (i and block[i - 1] != 0x0A):
-                    continue  # a comment or keep-alive
-                j = block.find(b"\n", i)
-                if on_response_event(rec, t, block[i + 6:] if j < 0 else block[i + 6:j]):
+            for ev in self._dec.feed(data):
+                if on_response_event(rec, t, ev.data):
                     self._ended = True
                     return
         except PARSE_ERRORS as exc:

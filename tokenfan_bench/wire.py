@@ -1,6 +1,6 @@
 """What a subscriber receives, decoded (pure: bytes in, values out; no I/O, no event loop).
 
-:class:`SseDecoder` splits an SSE byte stream into events; :func:`sample_sse` / :func:`sample_ws`
+:class:`SseDecoder` (from :mod:`gateway.sse`) splits an SSE byte stream into events; :func:`sample_sse` / :func:`sample_ws`
 reduce a chunk (JSON bytes) to the few numbers the bench records, decoding only those fields
 (msgspec, typed: ~1 µs a chunk); :func:`chunk_sample` does the same for an already decoded chunk.
 Both transports carry the same chunk JSON. :class:`WsDecoder` and :func:`ws_frame` are the
@@ -14,64 +14,9 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from gateway.sse import SseDecoder, SseEvent, parse_block
 
-class SseEvent(NamedTuple):
-    event: str  # "message" unless an ``event:`` field says otherwise
-    id: str | None
-    data: bytes
-
-
-@dataclass(slots=True)
-class SseDecoder:
-    """Incremental SSE parser: ``feed(bytes) -> complete events``; comments are dropped.
-
-    Only what tokenfan sends is supported: LF line endings, one ``data:`` line per event (a second
-    one is joined with ``\\n`` as the spec says).
-    """
-
-    _buf: bytes = b""
-
-    def feed(self, data: bytes) -> list[SseEvent]:
-        buf = self._buf + data if self._buf else data
-        end = buf.find(b"\n\n")
-        if end >= 0 and end == len(buf) - 2:  # the common case: exactly one whole event
-            self._buf = b""
-            ev = parse_block(buf[:end])
-            return [ev] if ev is not None else []
-        end = buf.rfind(b"\n\n")
-        if end < 0:
-            self._buf = buf
-            return []
-        self._buf = buf[end + 2:]
-        out: list[SseEvent] = []
-        for block in buf[:end].split(b"\n\n"):
-            ev = parse_block(block)
-            if ev is not None:
-                out.append(ev)
-        return out
-
-
-def parse_block(block: bytes) -> SseEvent | None:
-    if block[:4] == b"id: ":  # the gateway's chunk events: "id: N\ndata: {...}", parsed without splitting
-        nl = block.find(b"\n")
-        if block[nl + 1:nl + 7] == b"data: " and block.find(b"\n", nl + 1) < 0:
-            return SseEvent("message", block[4:nl].decode(), block[nl + 7:])
-    event, eid, data = "message", None, []
-    for line in block.split(b"\n"):
-        if not line or line[:1] == b":":
-            continue
-        name, _, value = line.partition(b":")
-        if value[:1] == b" ":
-            value = value[1:]
-        if name == b"data":
-            data.append(value)
-        elif name == b"id":
-            eid = value.decode()
-        elif name == b"event":
-            event = value.decode()
-    if not data:
-        return None  # a comment, or a retry:-only block
-    return SseEvent(event, eid, data[0] if len(data) == 1 else b"\n".join(data))
+__all__ = ["ChunkSample", "SseDecoder", "SseEvent", "parse_block"]  # the SSE decoder lives with the encoder
 
 
 class ChunkSample(NamedTuple):

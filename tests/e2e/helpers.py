@@ -12,23 +12,19 @@ from pathlib import Path
 
 import httpx
 
+from gateway import sse
 from tests.procs import start_engine, start_gateway
 
 
 def sse_events(text: str) -> list[dict[str, str]]:
-    """Parse an SSE body into events ({"id","event","data"}); comments skipped."""
-    events = []
-    for block in text.split("\n\n"):
-        ev: dict[str, str] = {}
-        for line in block.split("\n"):
-            if not line or line.startswith(":"):
-                continue
-            key, _, value = line.partition(":")
-            value = value.removeprefix(" ")
-            ev[key] = ev.get(key, "") + value if key == "data" and key in ev else value
-        if ev:
-            events.append(ev)
-    return events
+    """An SSE body's events (the gateway's decoder, :func:`gateway.sse.decode`; comments and data-less
+    blocks such as ``retry:`` are not events)."""
+    return [event_dict(ev) for ev in sse.decode(text)]
+
+
+def event_dict(ev: sse.SseEvent) -> dict[str, str]:
+    """``{"event", "data"[, "id"]}`` of a decoded event."""
+    return {"event": ev.event, "data": ev.data.decode(), **({"id": ev.id} if ev.id is not None else {})}
 
 
 def chunk_text(chunk: dict) -> str:

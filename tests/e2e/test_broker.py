@@ -27,11 +27,12 @@ import redis
 import websockets
 
 from gateway import broker_codec as codec
+from gateway import sse
 from gateway.broker import Broker, BrokerTimings
 from gateway.errors import APIError
 from gateway.generation import ChunkEvent
 from gateway.streams import Retention, Stream, StreamHub
-from tests.e2e.helpers import chunk_text, sse_events, wait_until
+from tests.e2e.helpers import chunk_text, event_dict, sse_events, wait_until
 from tests.procs import Proc, free_port, start_engine, start_gateway
 from tests.system import require
 
@@ -339,13 +340,9 @@ async def sse_reader(url: str, out: list[dict[str, str]], timeout: float = 120) 
     """Collect every SSE event of ``url`` into ``out`` until the response ends."""
     async with httpx.AsyncClient(timeout=timeout) as client, client.stream("GET", url) as r:
         assert r.status_code == 200, r.status_code
-        buf = ""
-        async for text in r.aiter_text():
-            buf += text
-            *done, buf = buf.split("\n\n")
-            for block in done:
-                out.extend(sse_events(block + "\n\n"))
-        out.extend(sse_events(buf))
+        decoder = sse.SseDecoder()
+        async for data in r.aiter_bytes():
+            out.extend(event_dict(ev) for ev in decoder.feed(data))
 
 
 async def ws_reader(url: str, out: list[dict[str, Any]]) -> int | None:

@@ -6,28 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from tests.procs import ROOT
-
-NODE_DIR = ROOT / "tests" / "node"
-SCRIPT = "chat_accumulate.mjs"
-
-
-@pytest.fixture(scope="module")
-def node_dir() -> Path:
-    """``tests/node`` with the ``openai`` package of its lockfile installed (``npm ci`` when it is not)."""
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.fail("node and npm are needed to compare with the openai npm package")
-    if not (NODE_DIR / "node_modules" / "openai").is_dir():
-        subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--prefix", str(NODE_DIR)], check=True,
-                       timeout=600, capture_output=True)
-    return NODE_DIR
+SCRIPT = "chat_accumulate.mjs"  # in tests/node: the session's ``node_dir`` fixture installs its packages
 
 
 def chunk(*choices: dict[str, Any], usage: dict[str, int] | None = None) -> dict[str, Any]:

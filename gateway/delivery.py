@@ -19,12 +19,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from gateway import sse
 from gateway.conn import HttpConn, WsConn
 from gateway.errors import APIError, EngineError, error_class, to_api_error
 from gateway.framing import Ending, Framing
@@ -127,6 +129,35 @@ def cancel(stream: Stream) -> bool:
         return False
     stream.task.cancel()
     return True
+
+
+async def stop(gw: Gateway, stream: Stream) -> bool:
+    """Cancel a stream's generation wherever it runs and wait for its end: here, or on the replica or worker
+    that owns it (through the broker, waiting at most 5 s for its end to arrive). False if it had ended."""
+    if stream.mirrored and not stream.finished:
+        assert gw.broker is not None and stream.task is not None
+        if not await gw.broker.cancel_remote(stream.id):
+            return False
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(stream.task), 5.0)
+        return True
+    if not cancel(stream):
+        return False
+    assert stream.task is not None
+    with contextlib.suppress(asyncio.CancelledError):
+        await stream.task
+    return True
+
+
+def resume_point(raw: str | None, param: str) -> int:
+    """The ``seq`` a reader resumes after (``Last-Event-ID``, ``?after=``, ``starting_after``): an integer
+    ≥ -1, or -1 (from the start) when absent; else a 400 naming ``param``."""
+    try:
+        value = sse.parse_last_event_id(raw)
+    except ValueError as exc:
+        raise APIError(400, f"{param} must be an integer event id >= -1 (-1: from the start), got {raw!r}.",
+                       param=param, code="invalid_value") from exc
+    return -1 if value is None else value
 
 
 def release(stream: Stream, cut: bool) -> None:

@@ -19,7 +19,6 @@ and close 4429), as is one more than ``--max-subscribers`` on one stream (``too_
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from typing import Any
@@ -32,7 +31,15 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from gateway import sse
 from gateway.clients import refuse
 from gateway.conn import WsConn
-from gateway.delivery import SseResponse, cancel, read, release, start_generation, until_disconnect
+from gateway.delivery import (
+    SseResponse,
+    read,
+    release,
+    resume_point,
+    start_generation,
+    stop,
+    until_disconnect,
+)
 from gateway.edge import gateway_of, read_body
 from gateway.errors import APIError
 from gateway.framing import FANOUT_SSE, FANOUT_WS
@@ -91,29 +98,8 @@ async def stream_status(request: Request) -> Response:
 async def delete_stream(request: Request) -> Response:
     gw: Gateway = gateway_of(request)
     s = await find_stream(gw, request.path_params["id"])
-    deleted = False
-    if s.mirrored and not s.finished:
-        # Another replica runs it: ask the owner, then wait for its end to arrive through the broker.
-        assert gw.broker is not None and s.task is not None
-        deleted = bool(await gw.broker.cancel_remote(s.id))
-        if deleted:
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(s.task), 5.0)
-    elif cancel(s):
-        deleted = True
-        assert s.task is not None
-        with contextlib.suppress(asyncio.CancelledError):
-            await s.task
+    deleted = await stop(gw, s)
     return JSONResponse({"id": s.id, "object": "tokenfan.stream", "state": s.state, "deleted": deleted})
-
-
-def _after(raw: str | None, what: str) -> int:
-    try:
-        value = sse.parse_last_event_id(raw)
-    except ValueError as exc:
-        raise APIError(400, f"{what} must be a non-negative integer event id, got {raw!r}.", param=what,
-                       code="invalid_value") from exc
-    return -1 if value is None else value
 
 
 async def _subscribe_check(gw: Gateway, stream_id: str) -> Stream:
@@ -137,8 +123,8 @@ def _subscribe(gw: Gateway, scope: Any) -> str:
 
 async def stream_events(request: Request) -> Any:
     gw: Gateway = gateway_of(request)
-    after = _after(request.headers.get("last-event-id") or request.query_params.get("last_event_id"),
-                   "last_event_id")
+    after = resume_point(request.headers.get("last-event-id") or request.query_params.get("last_event_id"),
+                         "last_event_id")
     stream = await _subscribe_check(gw, request.path_params["id"])
     if stream.finished and after >= len(stream.events) - 1 and stream.state == "done":
         return Response(status_code=204)
@@ -172,7 +158,7 @@ async def stream_ws(ws: WebSocket) -> None:
     gw: Gateway = gateway_of(ws)
     await ws.accept()
     try:
-        after = _after(ws.query_params.get("after"), "after")
+        after = resume_point(ws.query_params.get("after"), "after")
         stream = await _subscribe_check(gw, ws.path_params["id"])
         client = _subscribe(gw, ws.scope)
     except APIError as exc:

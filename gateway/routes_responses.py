@@ -22,8 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine_worker import protocol as p
-from gateway import sse
-from gateway.delivery import Finalizer, Source, SseResponse, cancel, start_generation
+from gateway.delivery import Finalizer, Source, SseResponse, cancel, resume_point, start_generation, stop
 from gateway.edge import gateway_of, read_body
 from gateway.errors import APIError, EngineError
 from gateway.framing import RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesSse
@@ -177,20 +176,12 @@ def _sse_framing(request: Request) -> ResponsesSse:
     return RESPONSES_SSE_TIMING if request.query_params.get("tokenfan_timing") in ("1", "true") else RESPONSES_SSE
 
 
-def _after(raw: str | None) -> int:
-    try:
-        value = sse.parse_last_event_id(raw)
-    except ValueError as exc:
-        raise APIError(400, f"starting_after must be a non-negative integer sequence number, got {raw!r}.",
-                       param="starting_after", code="invalid_value") from exc
-    return -1 if value is None else value
-
-
 async def retrieve_response(request: Request) -> Any:
     gw: Gateway = gateway_of(request)
     s = await _find(gw, request.path_params["id"])
     if request.query_params.get("stream") in ("true", "1"):
-        after = _after(request.query_params.get("starting_after") or request.headers.get("last-event-id"))
+        after = resume_point(request.query_params.get("starting_after") or request.headers.get("last-event-id"),
+                             "starting_after")
         return SseResponse(gw, s, _sse_framing(request), after)
     if not s.events:  # its pump has not run yet: the builder knows the response as created
         events = s.meta.get("events")
@@ -206,15 +197,7 @@ async def cancel_response(request: Request) -> Response:
     if not s.detached:
         raise APIError(400, "Only background responses can be cancelled.", param="response_id",
                        code="invalid_value")
-    if s.mirrored and not s.finished:
-        assert gw.broker is not None and s.task is not None
-        if await gw.broker.cancel_remote(s.id):
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(s.task), 5.0)
-    elif cancel(s):
-        assert s.task is not None
-        with contextlib.suppress(asyncio.CancelledError):
-            await s.task
+    await stop(gw, s)
     return JSONResponse(response_from_events(e.payload for e in s.events))
 
 

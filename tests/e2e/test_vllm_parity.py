@@ -10,7 +10,9 @@ thinking on, the qwen3 parser puts the whole output in ``reasoning``.
 Compared: text, reasoning, tool calls (name and arguments), logprobs (to 1e-3), finish reasons, usage and
 every choice of ``n``, for the non-streamed response and for the streamed chunks one by one (ids, times,
 fingerprints and tool-call ids aside); refusals by status. Then the same structured streams through
-tokenfan's other transports: ``/v1/ws``, a ``/v1/streams`` subscriber and a resume from the middle.
+tokenfan's other transports: ``/v1/ws``, a ``/v1/streams`` subscriber and a resume from the middle. Last, the
+same turns on ``/v1/responses`` (output items, tool names and arguments, text, status, usage; see that section
+for the one difference vllm serve's own Responses prompt has).
 """
 
 from __future__ import annotations
@@ -304,3 +306,132 @@ def test_the_gateway_hot_path_is_untouched_for_plain_requests(servers: dict[str,
     theirs = _post(servers["vllm"], "chat", {"messages": USER, "max_tokens": 3, "temperature": 0}).json()
     assert ours["choices"][0]["message"]["reasoning"] == theirs["choices"][0]["message"]["reasoning"]
 
+
+
+# -- /v1/responses ---------------------------------------------------------------------------------------
+# The chat cases above as Responses requests. vllm serve's /v1/responses tokenizes its rendered prompt with
+# add_special_tokens left on (its chat path turns it off: ChatCompletionRequest.build_tok_params), so its
+# prompt has a second BOS token: one more input token, and different free text. tokenfan's /v1/responses
+# serves the turn as its chat path does. So it is compared with vllm serve's /v1/responses on the output
+# items (types, tool names, arguments), the status, and the text and output tokens where structured outputs
+# decide them (input tokens one apart); and with vllm serve's /v1/chat/completions on the same conversation
+# (the chat case of the same name) on everything: items, text, reasoning, arguments, status and usage.
+
+
+def _responses_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", **tool["function"]}
+
+
+R_TOOLS = [_responses_tool(WEATHER), _responses_tool(TIME)]
+QUESTION = USER[0]["content"]
+# name -> (body, constrained: whether structured outputs decide the whole output); each name is a chat case
+RESPONSES: dict[str, tuple[dict[str, Any], bool]] = {
+    "plain": ({"input": QUESTION, "max_output_tokens": 8, "temperature": 0, **NO_THINK}, False),
+    "reasoning": ({"input": QUESTION, "max_output_tokens": 8, "temperature": 0}, False),
+    "json_schema": ({"input": QUESTION, "max_output_tokens": 40, "temperature": 0, **NO_THINK, "text": {"format": {
+        "type": "json_schema", "name": "verdict", "strict": True, "schema": SCHEMA}}}, True),
+    "tool_auto": ({"input": QUESTION, "max_output_tokens": 80, "temperature": 0, **NO_THINK, "tools": R_TOOLS,
+                   "tool_choice": "auto", "structured_outputs": {"regex": HERMES_CALL}}, True),
+    "tool_named": ({"input": QUESTION, "max_output_tokens": 64, "temperature": 0, **NO_THINK, "tools": R_TOOLS,
+                    "tool_choice": {"type": "function", "name": "get_weather"}}, True),
+    "tool_required": ({"input": QUESTION, "max_output_tokens": 60, "temperature": 0, **NO_THINK, "tools": R_TOOLS,
+                       "tool_choice": "required", "parallel_tool_calls": False}, True),
+    "tool_result_turn": ({"max_output_tokens": 6, "temperature": 0, **NO_THINK, "tools": [R_TOOLS[0]], "input": [
+        {"role": "user", "content": QUESTION},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C, sunny"}]}, False),
+}
+RESPONSES_REFUSALS: dict[str, dict[str, Any]] = {
+    "required_without_tools": {"input": QUESTION, "tool_choice": "required"},
+    "named_unknown_tool": {"input": QUESTION, "tools": [R_TOOLS[0]], "tool_choice": {"type": "function",
+                                                                                      "name": "nope"}},
+    "tool_without_name": {"input": QUESTION, "tools": [{"type": "function"}]},
+    "json_schema_without_schema": {"input": QUESTION, "text": {"format": {"type": "json_schema", "name": "v"}}},
+}
+
+
+def _respond(url: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url + "/v1/responses", json={"model": "tiny", **body}, timeout=120)
+
+
+def _response_view(r: dict[str, Any]) -> dict[str, Any]:
+    """A Response object as compared: its items (type, name, arguments, text), status and usage."""
+    items = []
+    for o in r["output"]:
+        text = "".join(c.get("text") or "" for c in o.get("content") or [])
+        items.append({"type": o["type"], "name": o.get("name"), "arguments": o.get("arguments"),
+                      "text": None if o["type"] == "function_call" else text})
+    usage = r.get("usage") or {}
+    return {"items": items, "status": r["status"], "input_tokens": usage.get("input_tokens"),
+            "output_tokens": usage.get("output_tokens")}
+
+
+def _chat_view(c: dict[str, Any]) -> dict[str, Any]:
+    """The same view of a chat completion: reasoning, content and tool calls are the items vLLM makes of them."""
+    choice = c["choices"][0]
+    message = choice["message"]
+    items: list[dict[str, Any]] = []
+    if message.get("reasoning"):
+        items.append({"type": "reasoning", "name": None, "arguments": None, "text": message["reasoning"]})
+    if message.get("content"):
+        items.append({"type": "message", "name": None, "arguments": None, "text": message["content"]})
+    items += [{"type": "function_call", "name": t["function"]["name"], "arguments": t["function"]["arguments"],
+               "text": None} for t in message.get("tool_calls") or []]
+    return {"items": items, "status": "incomplete" if choice["finish_reason"] == "length" else "completed",
+            "input_tokens": c["usage"]["prompt_tokens"], "output_tokens": c["usage"]["completion_tokens"]}
+
+
+def _streamed_view(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The view a client assembles from the SSE events (each item as its ``output_item.done`` has it), and the
+    event types."""
+    r = _respond(url, {**body, "stream": True})
+    assert r.status_code == 200, r.text
+    events = [json.loads(e["data"]) for e in sse_events(r.text) if e.get("data")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = dict(events[-1]["response"])
+    final["output"] = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    return _response_view(final), [e["type"] for e in events]
+
+
+def _comparable(view: dict[str, Any], constrained: bool) -> dict[str, Any]:
+    """What two servers whose prompts differ by a BOS token still agree on."""
+    items = [{**i, "text": i["text"] if constrained else None} for i in view["items"]]
+    return {"items": items, "output_tokens": view["output_tokens"] if constrained else None}
+
+
+@pytest.mark.parametrize("case", sorted(RESPONSES))
+def test_same_response_objects_as_vllm_serve(servers: dict[str, str], case: str) -> None:
+    body, constrained = RESPONSES[case]
+    answers = {name: _respond(url, body) for name, url in servers.items()}
+    assert answers["vllm"].status_code == 200, answers["vllm"].text
+    assert answers["tokenfan"].status_code == 200, answers["tokenfan"].text
+    ours, theirs = _response_view(answers["tokenfan"].json()), _response_view(answers["vllm"].json())
+    assert _comparable(ours, constrained) == _comparable(theirs, constrained)
+    assert ours["input_tokens"] == theirs["input_tokens"] - 1  # their second BOS token
+    if constrained:
+        assert ours["status"] == theirs["status"] == "completed"
+    chat_endpoint, chat_body = CASES[case]
+    assert _chat_view(_post(servers["vllm"], chat_endpoint, chat_body).json()) == ours
+
+
+@pytest.mark.parametrize("case", sorted(RESPONSES))
+def test_same_response_events_as_vllm_serve(servers: dict[str, str], case: str) -> None:
+    body, constrained = RESPONSES[case]
+    ours, our_types = _streamed_view(servers["tokenfan"], body)
+    theirs, their_types = _streamed_view(servers["vllm"], body)
+    assert _comparable(ours, constrained) == _comparable(theirs, constrained)
+    # the same kinds of events before the end (vllm serve ends a max_output_tokens stream with response.completed
+    # although its object says incomplete; tokenfan sends response.incomplete in both)
+    ends = {"response.completed", "response.incomplete"}
+    assert set(our_types) - ends == set(their_types) - ends
+    assert our_types[-1] == ("response.incomplete" if ours["status"] == "incomplete" else "response.completed")
+    assert ours == _response_view(_respond(servers["tokenfan"], body).json())  # streamed = not streamed
+
+
+@pytest.mark.parametrize("case", sorted(RESPONSES_REFUSALS))
+def test_same_responses_refusals_as_vllm_serve(servers: dict[str, str], case: str) -> None:
+    body = RESPONSES_REFUSALS[case]
+    answers = {name: _respond(url, body) for name, url in servers.items()}
+    assert answers["tokenfan"].status_code == answers["vllm"].status_code == 400, (
+        answers["tokenfan"].text, answers["vllm"].text)
+    assert answers["tokenfan"].json()["error"]["message"]

@@ -20,8 +20,7 @@ from pydantic import BaseModel
 
 from tests.e2e.test_responses_sdk import TERMINAL, client_for
 
-# the first test also waits for parser_gateway to boot, which its fixture allows 600 s on a loaded host
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.vllm
 
 WEATHER: Any = {"type": "function", "name": "get_weather", "description": "Current weather of a city",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

@@ -8,7 +8,7 @@
 * Compose: parsed with PyYAML (shared IPC volume, one uid, health check); ``docker compose config``
   (or the older ``docker-compose config``) runs when installed: it needs no Docker daemon.
 * Commands and settings in Dockerfiles, compose and manifests: every ``--flag`` and ``TOKENFAN_*``
-  variable is looked up in the real ``tokenfan <sub> --help``.
+  variable is looked up in the real ``tokenfan <sub> --help-all``.
 * Grafana: every metric in the dashboard's PromQL is one the gateway exports (``Metrics().render()``).
 """
 
@@ -68,10 +68,10 @@ def flag_value(argv: list[str], flag: str) -> str:
 
 @functools.cache
 def cli_help(sub: str) -> str:
-    """``tokenfan <sub> --help``, from the real CLI."""
+    """``tokenfan <sub> --help-all`` (every setting, the advanced ones too), from the real CLI."""
     env = {**os.environ, "COLUMNS": "300"}
     env = {k: v for k, v in env.items() if not k.startswith("TOKENFAN_")}  # required-flag defaults
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", sub, "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", sub, "--help-all"], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=30, check=True)
     return out.stdout
 

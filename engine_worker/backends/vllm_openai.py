@@ -258,7 +258,9 @@ class OpenAILayer:
         obj = result.model_dump()
         for choice in obj.get("choices", ()):
             run.finish = _FINISH.get(str(choice.get("finish_reason")), "stop")
-        return Step(text="", token_count=run.tokens, finish_reason=run.finish, chunk=orjson.dumps(obj))
+        # OPT_NON_STR_KEYS: prompt_logprobs are keyed by token id (vllm serve's json.dumps makes them strings)
+        return Step(text="", token_count=run.tokens, finish_reason=run.finish,
+                    chunk=orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS))
 
     @staticmethod
     def _note_finish(chunk: bytes, run: _Run) -> None:

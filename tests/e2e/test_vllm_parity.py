@@ -81,6 +81,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "completion_logprobs": ("completion", {"prompt": "The weather", "max_tokens": 6, "temperature": 0,
                                            "logprobs": 2}),
     "completion_echo": ("completion", {"prompt": "The weather", "max_tokens": 4, "temperature": 0, "echo": True}),
+    "completion_echo_logprobs": ("completion", {"prompt": "The weather", "max_tokens": 3, "temperature": 0,
+                                                "echo": True, "logprobs": 1}),
+    "chat_echo": ("chat", {"messages": USER, "max_tokens": 3, "temperature": 0, **NO_THINK, "echo": True}),
     "completion_token_ids": ("completion", {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}),
     "completion_json": ("completion", {"prompt": "Answer:", "max_tokens": 30, "temperature": 0,
                                        "response_format": {"type": "json_schema", "json_schema": {

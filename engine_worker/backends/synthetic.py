@@ -98,13 +98,10 @@ class SyntheticBackend:
                     "tokenizer", config.synthetic_script, len(script), model_dir)
 
     async def prepare(self, submit: Submit) -> Prepared:
-        if submit.body and self._openai is not None:
-            body = decode_body(submit.body)
-            if self._openai.wants(submit.endpoint, body):
-                started = await self._openai.start(submit, body)
-                return Prepared(submit=submit, prompt_tokens=started.prompt_tokens, payload=started, openai=True)
         if submit.body:
             body = decode_body(submit.body)
+            if self._openai is not None and (prepared := await self._openai.prepare(submit, body)) is not None:
+                return prepared  # --synthetic-script: the scripted model under vLLM's layer
             _refuse_model_fields(submit.endpoint, body)
             if submit.messages is None and submit.prompt is None:  # forwarded whole: only ignored fields added
                 submit = _plain_submit(submit, body)

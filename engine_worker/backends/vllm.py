@@ -171,10 +171,9 @@ class VllmBackend:
 
     async def prepare(self, submit: Submit) -> Prepared:
         if submit.body and self._openai is not None:
-            body = vllm_openai.decode_body(submit.body)
-            if self._openai.wants(submit.endpoint, body):
-                started = await self._openai.start(submit, body)
-                return Prepared(submit=submit, prompt_tokens=started.prompt_tokens, payload=started, openai=True)
+            prepared = await self._openai.prepare(submit, vllm_openai.decode_body(submit.body))
+            if prepared is not None:
+                return prepared
         sampling = submit.sampling
         if submit.messages is not None and self._chat_stop:
             sampling = msgspec.structs.replace(sampling, stop=[*sampling.stop, *self._chat_stop])

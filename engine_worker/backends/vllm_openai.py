@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from engine_worker.backends.base import RequestRejected, Step
+from engine_worker.backends.base import Prepared, RequestRejected, Step
 from engine_worker.protocol import Endpoint, FinishReason, Submit
 
 if TYPE_CHECKING:
@@ -178,6 +178,13 @@ class OpenAILayer:
     def wants(self, endpoint: Endpoint, body: dict[str, Any]) -> bool:
         """Whether this request takes vLLM's layer: it is not plain, or a parser reads every chat output."""
         return (self.parsers and endpoint == "chat.completions") or not is_plain(body)
+
+    async def prepare(self, submit: Submit, body: dict[str, Any]) -> Prepared | None:
+        """``submit`` started in this layer (:meth:`start`), or None when it takes the backend's plain path."""
+        if not self.wants(submit.endpoint, body):
+            return None
+        started = await self.start(submit, body)
+        return Prepared(submit=submit, prompt_tokens=started.prompt_tokens, payload=started, openai=True)
 
     async def start(self, submit: Submit, body: dict[str, Any]) -> Started:
         """Validate, render and submit ``body``; returns once vLLM handed the request to the engine.

@@ -1,8 +1,9 @@
 """Session fixtures: real engine processes and real gateways on loopback ports.
 
 One synthetic engine and one vLLM engine (tiny random-weight Llama built locally) are shared by
-the whole session: each vLLM start costs ~30 s. A second vLLM engine, configured with vLLM's tool,
-reasoning and structured-output flags (``parser_gateway``), starts only when a test asks for it.
+the whole session. A second vLLM engine, configured with vLLM's tool, reasoning and structured-output
+flags (``parser_gateway``), and ``vllm serve`` (the differential suite's reference) are started only when a
+collected test needs them; all of them boot together (:class:`VllmBoot`).
 """
 
 from __future__ import annotations
@@ -55,13 +56,69 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+# The three vLLM processes a session may need; each boot costs ~35 s of one core (importing torch and vLLM
+# in the front, EngineCore and worker processes), so the first test that needs any of them starts every
+# one the session's collected tests need, and they boot side by side instead of one after another.
+VLLM_FIXTURES = ("vllm_engine", "parser_gateway", "vllm_serve")
+
+
+class VllmBoot:
+    """Starts the session's vLLM processes together on first use; each fixture waits for its own."""
+
+    def __init__(self, session: pytest.Session, tiny_model: Path, ipc_dir: Path) -> None:
+        self.model, self.ipc_dir = tiny_model, ipc_dir
+        needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+        self.procs: dict[str, tuple[Proc, str]] = {}
+        for name in VLLM_FIXTURES:
+            if name in needed:
+                self.procs[name] = getattr(self, "_start_" + name.removeprefix("vllm_"))()
+
+    def _start_engine(self) -> tuple[Proc, str]:
+        address = f"ipc://{self.ipc_dir / 'vllm.sock'}"
+        return start_engine(address, "--engine", "vllm", "--model", str(self.model), "--max-model-len", "512",
+                            name="engine-vllm"), address
+
+    def _start_parser_gateway(self) -> tuple[Proc, str]:
+        port = free_port()
+        proc = spawn(["-m", "gateway.cli", "serve", "--engine", "vllm", "--model", str(self.model),
+                      "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
+                      "--kv-cache-gib", "1", "--engine-address", f"ipc://{self.ipc_dir / 'parser.sock'}",
+                      "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *PARSER_FLAGS],
+                     "tokenfan-parser", env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+        return proc, f"http://127.0.0.1:{port}"
+
+    def _start_serve(self) -> tuple[Proc, str]:
+        port = free_port()
+        env = {"VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        proc = spawn(["-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+                      "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
+                      "--enforce-eager", "--disable-log-stats", "--host", "127.0.0.1", "--port", str(port),
+                      *PARSER_FLAGS], "vllm-serve", env=env)
+        return proc, f"http://127.0.0.1:{port}"
+
+    def get(self, name: str) -> tuple[Proc, str]:
+        if name not in self.procs:  # a fixture requested dynamically (getfixturevalue) by no collected test
+            self.procs[name] = getattr(self, "_start_" + name.removeprefix("vllm_"))()
+        return self.procs[name]
+
+    def stop(self) -> None:
+        for proc, _ in self.procs.values():
+            proc.stop(timeout=30)
+
+
 @pytest.fixture(scope="session")
-def vllm_engine(ipc_dir: Path, tiny_model: Path) -> Iterator[tuple[str, Proc]]:
-    address = f"ipc://{ipc_dir / 'vllm.sock'}"
-    proc = start_engine(address, "--engine", "vllm", "--model", str(tiny_model), "--max-model-len", "512",
-                        name="engine-vllm")
-    yield address, proc
-    proc.stop(timeout=30)
+def vllm_boot(request: pytest.FixtureRequest, tiny_model: Path, ipc_dir: Path) -> Iterator[VllmBoot]:
+    boot = VllmBoot(request.session, tiny_model, ipc_dir)
+    try:
+        yield boot
+    finally:
+        boot.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(vllm_boot: VllmBoot) -> tuple[str, Proc]:
+    proc, address = vllm_boot.get("vllm_engine")
+    return address, proc
 
 
 @pytest.fixture(scope="session")
@@ -75,21 +132,20 @@ def vllm_gateway_url(vllm_engine: tuple[str, Proc]) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def parser_gateway(tiny_model: Path, ipc_dir: Path) -> Iterator[str]:
+def parser_gateway(vllm_boot: VllmBoot) -> str:
     """``tokenfan serve`` on the tiny model with :data:`~tests.procs.PARSER_FLAGS` (float32): the
     differential suite against ``vllm serve`` and the agent SDK tests share this one process."""
-    port = free_port()
-    proc = spawn(["-m", "gateway.cli", "serve", "--engine", "vllm", "--model", str(tiny_model),
-                  "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
-                  "--kv-cache-gib", "1", "--engine-address", f"ipc://{ipc_dir / 'parser.sock'}",
-                  "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *PARSER_FLAGS],
-                 "tokenfan-parser", env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, timeout=600)
-        yield url
-    finally:
-        proc.stop(timeout=30)
+    proc, url = vllm_boot.get("parser_gateway")
+    wait_healthy(url, proc, timeout=600)
+    return url
+
+
+@pytest.fixture(scope="session")
+def vllm_serve(vllm_boot: VllmBoot) -> str:
+    """``vllm serve`` on the same model and flags as :func:`parser_gateway`: the differential suite's reference."""
+    proc, url = vllm_boot.get("vllm_serve")
+    wait_healthy(url, proc, timeout=600)
+    return url
 
 
 @pytest.fixture(scope="session")

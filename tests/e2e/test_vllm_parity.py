@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,7 +26,6 @@ import pytest
 import websockets
 
 from tests.e2e.helpers import sse_events
-from tests.procs import PARSER_FLAGS, Proc, free_port, spawn, wait_healthy
 
 pytestmark = pytest.mark.vllm
 
@@ -112,25 +109,10 @@ PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 IGNORED = {"id", "created", "system_fingerprint"}
 
 
-def _start_vllm_serve(model: Path, port: int) -> Proc:
-    env = {"VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    return spawn(["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
-                  "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--disable-log-stats",
-                  "--host", "127.0.0.1", "--port", str(port), *PARSER_FLAGS], "vllm-serve", env=env)
-
-
 @pytest.fixture(scope="module")
-def servers(tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
-    """``vllm serve`` and the session's ``tokenfan serve`` (``parser_gateway``) on the same model and flags;
-    vllm serve starts first, so the two boot together when the gateway is not up yet."""
-    port = free_port()
-    proc = _start_vllm_serve(tiny_model, port)
-    try:
-        urls = {"vllm": f"http://127.0.0.1:{port}", "tokenfan": request.getfixturevalue("parser_gateway")}
-        wait_healthy(urls["vllm"], proc, timeout=600)
-        yield urls
-    finally:
-        proc.stop(timeout=30)
+def servers(vllm_serve: str, parser_gateway: str) -> dict[str, str]:
+    """``vllm serve`` and the session's ``tokenfan serve`` (``parser_gateway``) on the same model and flags."""
+    return {"vllm": vllm_serve, "tokenfan": parser_gateway}
 
 
 def _post(url: str, endpoint: str, body: dict[str, Any]) -> httpx.Response:

@@ -84,6 +84,21 @@ def test_summary_has_a_ratio_row_against_vllm() -> None:
     assert cells[9] == "**0.50×**"  # CPU-s
 
 
+def test_cpu_per_token_is_reported_per_role_and_for_each_front_end() -> None:
+    per = v.cpu_per_token_by_role({"gateway": 1.0, "engine_worker": 0.5, "engine_core": 2.0, "total": 3.5}, 10_000)
+    assert per is not None
+    assert per["gateway"] == pytest.approx(100.0) and per["engine_worker"] == pytest.approx(50.0)
+    assert per["front_end"] == pytest.approx(150.0) and per["total"] == pytest.approx(350.0)
+    assert v.cpu_per_token_by_role({"api_server": 1.0}, 0) is None
+    runs = [{**_run("tokenfan", "tokenfan", 8, 0, 300.0, 30.0, 2.0),
+             "cpu_us_per_token": v.cpu_per_token_by_role({"gateway": 0.2, "engine_worker": 0.1}, 10_000)},
+            {**_run("vllm", "vllm", 8, 0, 200.0, 20.0, 4.0),
+             "cpu_us_per_token": v.cpu_per_token_by_role({"api_server": 1.2}, 10_000)}]
+    md = v.summary_md(_results(runs))
+    row = next(line for line in md.splitlines() if line.startswith("| tokenfan | 8 | 20.0 | 10.0 |"))
+    assert row.endswith("| 30.0 | **0.25×** |")
+
+
 def test_events_per_request_counts_the_first_chunk_and_every_gap() -> None:
     assert v.events_per_request([[1.0, 2.0, 3.0], [4.0]]) == 3.0
     assert v.events_per_request([]) is None

@@ -159,6 +159,16 @@ def content_latencies(ttfts: list[float], itls: list[list[float]]) -> dict[str, 
     return out
 
 
+def cpu_per_token_by_role(cpu_s: dict[str, float], tokens: int) -> dict[str, float] | None:
+    """CPU µs per output token of each process role, plus ``front_end`` (tokenfan: gateway + engine
+    worker; vllm serve: its API server) and ``total``. None without tokens."""
+    if not tokens:
+        return None
+    out = {role: 1e6 * s / tokens for role, s in cpu_s.items()}
+    out["front_end"] = 1e6 * sum(s for role, s in cpu_s.items() if role in FRONT_END) / tokens
+    return out
+
+
 def _median(values: list[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return statistics.median(vals) if vals else None
@@ -179,6 +189,10 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]
             agg["rss_mb"] = _median([r["rss_mb"]["total_peak"] for r in rs])
             agg["cpu_by_role"] = {role: _median([r["cpu_s"].get(role) for r in rs])
                                   for role in ROLE_ORDER if any(role in r["cpu_s"] for r in rs)}
+            per_tok = [r.get("cpu_us_per_token") or {} for r in rs]
+            agg["cpu_us_per_token"] = {role: _median([p.get(role) for p in per_tok])
+                                       for role in (*ROLE_ORDER, "front_end", "total")
+                                       if any(role in p for p in per_tok)}
             agg["load1"] = _median([r["load_before"][0] for r in rs])
             agg["failed"] = sum(r["client"].get("failed", 0) for r in rs)
             agg["events_per_request"] = _median([r["client"].get("events_per_request") for r in rs])
@@ -237,6 +251,19 @@ def summary_md(results: dict[str, Any]) -> str:
                 lines.append(f"| {s['label']} | {c} | "
                              + " | ".join(_fmt(a["cpu_by_role"].get(role), 2) for role in ROLE_ORDER)
                              + f" | {_fmt(a['events_per_request'])} | {_fmt(a['p99_tpot_ms'])} | {a['failed']} |")
+    lines += ["", ("CPU µs per output token by process role (median; front end = gateway + engine worker for "
+                   "tokenfan, the API server for vllm serve; the ratio is each front end's against the reference's):"),
+              "", "| server | C | " + " | ".join(ROLE_ORDER) + " | front end | front end ratio |",
+              "|" + "---|" * (len(ROLE_ORDER) + 4)]
+    for c in results["meta"]["concurrency"]:
+        r = agg.get(ref or "", {}).get(c)
+        for s in servers:
+            a = agg.get(s["label"], {}).get(c)
+            if a is not None:
+                us = a["cpu_us_per_token"]
+                ratio = _ratio(us.get("front_end"), (r or {}).get("cpu_us_per_token", {}).get("front_end"))
+                lines.append(f"| {s['label']} | {c} | " + " | ".join(_fmt(us.get(role), 1) for role in ROLE_ORDER)
+                             + f" | {_fmt(us.get('front_end'), 1)} | {ratio if s['label'] != ref else ''} |")
     return "\n".join(lines) + "\n"
 
 
@@ -509,6 +536,7 @@ def measure(srv: Running, model: Model, ns: argparse.Namespace, out: Path, concu
            "load_after": os.getloadavg(), "client": client, "client_cpu_s": round(client_cpu, 2),
            "cpu_s": {k: round(v, 3) for k, v in tree.cpu_s.items()},
            "cpu_ms_per_token": 1000 * tree.cpu_s["total"] / tokens if tokens else None,
+           "cpu_us_per_token": cpu_per_token_by_role(tree.cpu_s, tokens),
            "rss_mb": tree.rss_mb, "processes": tree.by_pid}
     print(f"  {srv.spec.label} C={concurrency}: {client.get('output_throughput', 0):,.0f} tok/s, "
           f"TTFT p50/p99 {client.get('p50_ttft_ms', 0):.0f}/{client.get('p99_ttft_ms', 0):.0f} ms, "

@@ -3,7 +3,13 @@
 One socket (ROUTER, bound). Each gateway connects a DEALER; the ROUTER identity of the
 frame that submitted a request is where that request's deltas go, so several gateways
 share one engine and each sees only its own requests. Deltas produced in the same event-loop
-turn (one engine step) are sent to each gateway as one :class:`DeltaBatch`.
+turn (one engine step) are sent to each gateway as one :class:`DeltaBatch`, encoded once.
+
+The token path is one synchronous pass per engine step: the backend calls each request's
+:class:`Emitter` (a :class:`~engine_worker.backends.base.StepSink`) from its own per-step loop, the
+emitter appends a :class:`~engine_worker.protocol.Delta` to its gateway's outbox, and the flush loop
+sends each outbox as one batch. All deltas of a step share one clock read (``emit_ns``). Figures
+(engine CPU per token before and after this shape): docs/vs-vllm.md.
 
 ``stream_interval`` N > 1 (like vLLM's ``--stream-interval``) merges the steps of one request into
 deltas of at least N tokens; the first and the finishing step are sent at once. A merged delta keeps
@@ -74,6 +80,41 @@ class IntervalMerger:
 
 
 @dataclass(slots=True)
+class Emitter:
+    """One request's deltas (the backend's :class:`~engine_worker.backends.base.StepSink`): numbers them,
+    counts tokens, merges steps for ``--stream-interval`` and queues each delta for its gateway."""
+
+    server: EngineServer
+    identity: bytes
+    request_id: str
+    prompt_tokens: int
+    merger: IntervalMerger | None = None  # None: every step is sent (interval 1)
+    seq: int = 0
+    completion: int = 0
+    held_ns: int = 0  # when the oldest text held back by the merger left the backend
+    finish_reason: p.FinishReason | None = None
+
+    def __call__(self, text: str, token_count: int, finish_reason: p.FinishReason | None = None,
+                 chunk: bytes = b"") -> None:
+        self.completion += token_count
+        if self.merger is not None:
+            step = self.merger.push(Step(text=text, token_count=token_count, finish_reason=finish_reason, chunk=chunk))
+            if step is None:
+                self.held_ns = self.held_ns or self.server.step_ns()
+                return
+            text, token_count, finish_reason, chunk = step.text, step.token_count, step.finish_reason, step.chunk
+        usage = None
+        if finish_reason is not None:
+            usage = p.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion)
+            self.finish_reason = finish_reason
+        self.server.queue(self.identity, p.Delta(
+            request_id=self.request_id, seq=self.seq, text=text, token_count=token_count,
+            emit_ns=self.held_ns or self.server.step_ns(), finish_reason=finish_reason, usage=usage, chunk=chunk))
+        self.held_ns = 0
+        self.seq += 1
+
+
+@dataclass(slots=True)
 class ServerStats:
     bad_frames: int = 0
     submitted: int = 0
@@ -98,6 +139,7 @@ class EngineServer:
         self._requests: dict[str, _Request] = {}
         self._outbox: dict[bytes, list[p.Delta]] = {}
         self._outbox_ready = asyncio.Event()
+        self._step_ns = 0  # the clock of the deltas queued since the last flush (0: not read yet)
         self._last_ping: dict[bytes, float] = {}
         self._last_bad_log = 0.0
         # Preparing (chat template, tokenizer) is synchronous CPU work: one at a time, one per loop turn,
@@ -221,35 +263,13 @@ class EngineServer:
             await self._send(identity, p.Accepted(request_id=rid, prompt_tokens=prepared.prompt_tokens,
                                                   openai=prepared.openai))
             log.info("accepted %s trace=%s prompt_tokens=%d", rid, submit.trace_id, prepared.prompt_tokens)
-            seq = 0
-            completion = 0
-            emit_ns = 0  # when the oldest text held back by the merger left the backend
-            merger = IntervalMerger(self.stream_interval)
-            gen = self.backend.generate(prepared)
-            try:
-                async for raw in gen:
-                    completion += raw.token_count
-                    step = merger.push(raw)
-                    if step is None:
-                        if emit_ns == 0:
-                            emit_ns = p.now_ns()
-                        continue
-                    usage = None
-                    if step.finish_reason is not None:
-                        usage = p.Usage(prompt_tokens=prepared.prompt_tokens, completion_tokens=completion)
-                    self._queue(identity, p.Delta(
-                        request_id=rid, seq=seq, text=step.text, token_count=step.token_count,
-                        emit_ns=emit_ns or p.now_ns(), finish_reason=step.finish_reason, usage=usage,
-                        chunk=step.chunk,
-                    ))
-                    emit_ns = 0
-                    seq += 1
-                    if step.finish_reason is not None:
-                        log.info("finished %s trace=%s reason=%s completion_tokens=%d", rid, submit.trace_id,
-                                 step.finish_reason, completion)
-                        break
-            finally:
-                await gen.aclose()  # type: ignore[attr-defined]
+            emitter = Emitter(self, identity, rid, prepared.prompt_tokens,
+                              IntervalMerger(self.stream_interval) if self.stream_interval > 1 else None)
+            await self.backend.stream(prepared, emitter)
+            if emitter.finish_reason is None:  # the backend ended without a last step: stopped from outside
+                emitter("", 0, "abort")
+            log.info("finished %s trace=%s reason=%s completion_tokens=%d", rid, submit.trace_id,
+                     emitter.finish_reason, emitter.completion)
         except asyncio.CancelledError:
             await self.backend.abort(rid)
             raise
@@ -270,9 +290,19 @@ class EngineServer:
 
     # -- sending ---------------------------------------------------------------------------
 
-    def _queue(self, identity: bytes, delta: p.Delta) -> None:
-        self._outbox.setdefault(identity, []).append(delta)
-        self._outbox_ready.set()
+    def step_ns(self) -> int:
+        """The emit time of every delta of this step: one clock read per step, not per delta."""
+        if not self._step_ns:
+            self._step_ns = p.now_ns()
+        return self._step_ns
+
+    def queue(self, identity: bytes, delta: p.Delta) -> None:
+        box = self._outbox.get(identity)
+        if box is None:
+            self._outbox[identity] = [delta]
+            self._outbox_ready.set()
+        else:
+            box.append(delta)
 
     async def _flush_loop(self) -> None:
         while True:
@@ -281,6 +311,7 @@ class EngineServer:
             await asyncio.sleep(0)
             self._outbox_ready.clear()
             outbox, self._outbox = self._outbox, {}
+            self._step_ns = 0
             for identity, deltas in outbox.items():
                 await self._send(identity, p.DeltaBatch(deltas=deltas))
 

@@ -1,8 +1,9 @@
 """The contract every engine backend fulfils.
 
-A backend turns one validated request into an async stream of :class:`Step`s
-(new text since the last step). The engine server owns sequencing, timestamps,
-batching and sockets; the backend only generates.
+A backend turns one validated request into calls of a :class:`StepSink`, one per engine step (new text
+since the last step), made synchronously from the backend's own per-step pass over all its requests:
+no task wake-up, generator or object per token. The engine server owns the sink (sequencing,
+timestamps, batching and sockets); the backend only generates.
 """
 
 from __future__ import annotations
@@ -52,6 +53,28 @@ class Step:
     chunk: bytes = b""  # a whole OpenAI chunk (vLLM's OpenAI layer, engine_worker.backends.vllm_openai)
 
 
+class StepSink(Protocol):
+    """Where a request's steps go (the engine server's per-request emitter). Called once per engine step,
+    synchronously; the step carrying a ``finish_reason`` is the last."""
+
+    def __call__(self, text: str, token_count: int, finish_reason: FinishReason | None = None,
+                 chunk: bytes = b"") -> None: ...
+
+
+async def feed(steps: AsyncIterator[Step], sink: StepSink) -> None:
+    """Pass an async stream of steps to ``sink``, up to the finishing one (the path of requests served by
+    vLLM's OpenAI layer, whose chunks come from its own generator)."""
+    try:
+        async for step in steps:
+            sink(step.text, step.token_count, step.finish_reason, step.chunk)
+            if step.finish_reason is not None:
+                return
+    finally:
+        aclose = getattr(steps, "aclose", None)
+        if aclose is not None:  # an async generator: its own cleanup (vLLM's abort of an unfinished request) now
+            await aclose()
+
+
 class Backend(Protocol):
     """An LLM engine. All methods are called from the engine server's event loop."""
 
@@ -64,8 +87,10 @@ class Backend(Protocol):
     async def prepare(self, submit: Submit) -> Prepared:
         """Validate and tokenize; raises :class:`RequestRejected`."""
 
-    def generate(self, prepared: Prepared) -> AsyncIterator[Step]:
-        """Yield steps until one carries a ``finish_reason``. Closing the iterator aborts."""
+    async def stream(self, prepared: Prepared, sink: StepSink) -> None:
+        """Generate, calling ``sink`` once per engine step; returns after the step with a ``finish_reason``.
+        Raises :class:`RequestRejected` or the engine's error; cancelling it stops the request (the server
+        then calls :meth:`abort`)."""
 
     async def abort(self, request_id: str) -> None:
         """Stop a request now (idempotent)."""

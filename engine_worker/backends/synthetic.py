@@ -7,6 +7,10 @@ request produces exactly ``max_tokens`` tokens unless a stop string ends it earl
 Tokens are scheduled on an absolute clock, so a late wake-up emits every token that is due
 in one step (as a real engine step would) instead of drifting.
 
+One timer drives every request, like an engine's step loop: :meth:`SyntheticBackend._tick` runs when
+the earliest token is due and emits every token due by then, for all requests, in one synchronous pass
+(a heap of next-due times; no task, sleep or generator per request and token).
+
 With ``--synthetic-script`` it also plays a model for vLLM's OpenAI layer (tools, reasoning): see
 :mod:`engine_worker.backends.scripted`.
 """
@@ -14,21 +18,22 @@ With ``--synthetic-script`` it also plays a model for vLLM's OpenAI layer (tools
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import re
-import time
 import zlib
-from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from engine_worker.backends import vllm_fields, vllm_openai
-from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, Step
+from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, StepSink, feed
 from engine_worker.backends.vllm_openai import PLAIN_FIELDS, decode_body, is_plain
 from engine_worker.config import EngineConfig
-from engine_worker.protocol import ChatMessage, Submit
+from engine_worker.protocol import ChatMessage, FinishReason, Submit
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +49,29 @@ CORPUS = (
     "message. A small model on a small machine can still teach us how the whole path behaves."
 )
 _WORDS = re.findall(r"\s*\S+", CORPUS)
+TIMER_RESOLUTION = 0.001  # seconds: uvloop's clock (libuv's uv_now) moves in whole milliseconds
 _WORD = re.compile(r"\w+|[^\w\s]")
 
 
 def count_tokens(text: str) -> int:
     """The synthetic tokenizer: words and punctuation marks."""
     return len(_WORD.findall(text))
+
+
+@dataclass(eq=False, slots=True)
+class _Paced:
+    """One request on the pacing heap."""
+
+    sink: StepSink
+    done: asyncio.Future[None]
+    offset: int  # corpus word of the first token
+    max_tokens: int
+    stops: list[str]
+    start: float  # loop time of the first token
+    emitted: int = 0
+    tail: str = ""  # the last text, as long as the longest stop string (a stop may span steps)
+    started: bool = False
+    gone: bool = False  # finished or cancelled: dropped when its heap entry comes up
 
 
 class SyntheticBackend:
@@ -65,6 +87,11 @@ class SyntheticBackend:
         self._waiting = 0
         self._running = 0
         self._openai: vllm_openai.OpenAILayer | None = None
+        self._interval = 1.0 / config.synthetic_tokens_per_s
+        self._due: list[tuple[float, int, _Paced]] = []  # (loop time of the next token, tie-breaker, request)
+        self._tie = itertools.count()
+        self._timer: asyncio.Handle | None = None  # the pending tick (uvloop's handles have no when())
+        self._timer_at = 0.0
 
     @property
     def info(self) -> BackendInfo:
@@ -122,52 +149,85 @@ class SyntheticBackend:
         seed = submit.sampling.seed if submit.sampling.seed is not None else zlib.crc32(text.encode())
         return Prepared(submit=submit, prompt_tokens=prompt_tokens, payload=seed % len(_WORDS))
 
-    async def generate(self, prepared: Prepared) -> AsyncIterator[Step]:
+    async def stream(self, prepared: Prepared, sink: StepSink) -> None:
         if prepared.openai:
             assert self._openai is not None
             self._running += 1
             try:
-                async for step in self._openai.steps(prepared.payload):  # type: ignore[arg-type]
-                    yield step
+                await feed(self._openai.steps(prepared.payload), sink)  # type: ignore[arg-type]
             finally:
                 self._running -= 1
             return
         sampling = prepared.submit.sampling
-        offset = int(prepared.payload)  # type: ignore[call-overload]
-        interval = 1.0 / self._config.synthetic_tokens_per_s
-        start = time.monotonic() + self._config.synthetic_ttft_ms / 1000.0
-        emitted = 0
-        text_so_far = ""
+        if sampling.max_tokens == 0:
+            sink("", 0, "length")
+            return
+        loop = asyncio.get_running_loop()
+        req = _Paced(sink=sink, done=loop.create_future(), offset=int(prepared.payload),  # type: ignore[call-overload]
+                     max_tokens=sampling.max_tokens, stops=list(sampling.stop),
+                     start=loop.time() + self._config.synthetic_ttft_ms / 1000.0)
         self._waiting += 1
-        started = False
+        self._push(req, req.start)
         try:
-            while emitted < sampling.max_tokens:
-                due = start + emitted * interval
-                delay = due - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if not started:
-                    started = True
-                    self._waiting -= 1
-                    self._running += 1
-                # Every token due by now goes out in this step.
-                now = time.monotonic()
-                n = min(sampling.max_tokens - emitted, 1 + max(0, int((now - due) / interval)))
-                piece = "".join(self._token(offset + emitted + i) for i in range(n))
-                emitted += n
-                stop_at = _find_stop(text_so_far, piece, sampling.stop)
-                if stop_at is not None:
-                    yield Step(text=piece[:stop_at], token_count=n, finish_reason="stop")
-                    return
-                text_so_far += piece
-                yield Step(text=piece, token_count=n, finish_reason="length" if emitted >= sampling.max_tokens else None)
-            if sampling.max_tokens == 0:
-                yield Step(text="", token_count=0, finish_reason="length")
+            await req.done
         finally:
-            if started:
+            req.gone = True
+            if req.started:
                 self._running -= 1
             else:
                 self._waiting -= 1
+
+    def _push(self, req: _Paced, due: float) -> None:
+        heapq.heappush(self._due, (due, next(self._tie), req))
+        if self._timer is None or due < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._schedule(due)
+
+    def _schedule(self, due: float) -> None:
+        self._timer = asyncio.get_running_loop().call_at(due, self._tick)
+        self._timer_at = due
+
+    def _tick(self) -> None:
+        """The step: every token due by now, for every request, in one pass."""
+        self._timer = None
+        # Tokens due within the timer resolution go now: uvloop's clock moves in whole milliseconds, so a
+        # timer for a later instant of the same millisecond would fire again at once, and again (a spin).
+        now = asyncio.get_running_loop().time() + TIMER_RESOLUTION
+        due = self._due
+        while due and due[0][0] <= now:
+            at, _, req = heapq.heappop(due)
+            if not req.gone:
+                self._step(req, at, now)
+        if due and self._timer is None:
+            self._schedule(due[0][0])
+
+    def _step(self, req: _Paced, at: float, now: float) -> None:
+        if not req.started:
+            req.started = True
+            self._waiting -= 1
+            self._running += 1
+        n = min(req.max_tokens - req.emitted, 1 + max(0, int((now - at) / self._interval)))
+        first = req.offset + req.emitted
+        piece = self._token(first) if n == 1 else "".join(self._token(first + i) for i in range(n))
+        req.emitted += n
+        finish: FinishReason | None = "length" if req.emitted >= req.max_tokens else None
+        if req.stops:
+            stop_at = _find_stop(req.tail, piece, req.stops)
+            if stop_at is not None:
+                piece, finish = piece[:stop_at], "stop"
+            req.tail = (req.tail + piece)[-max(len(s) for s in req.stops):]
+        try:
+            req.sink(piece, n, finish)
+        except Exception as exc:  # noqa: BLE001 - the request fails, the other requests of the step go on
+            req.gone = True
+            req.done.set_exception(exc)
+            return
+        if finish is not None:
+            req.gone = True
+            req.done.set_result(None)
+        else:  # the tick that runs this schedules the next one (no timer per request)
+            heapq.heappush(self._due, (req.start + req.emitted * self._interval, next(self._tie), req))
 
     def _token(self, i: int) -> str:
         word = _WORDS[i % len(_WORDS)]

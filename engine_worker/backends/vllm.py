@@ -21,26 +21,32 @@ Deliberate choices:
   on the front end's CPU, which needs little at their token rates). Binding the OpenMP pool to every
   CPU (the previous default, chosen on single-stream speed) doubled the engine's CPU time under load
   and lost to ``vllm serve`` 0.45-0.5x; figures in docs/vs-vllm.md.
-* ``load()`` counts requests itself: *waiting* from the start of :meth:`generate` until vLLM's first
+* ``load()`` counts requests itself: *waiting* from the start of :meth:`stream` until vLLM's first
   output, *running* after it. vLLM keeps scheduler counts only when stat logging is on.
+* One pass per engine step (:meth:`VllmBackend._drain`): a plain request is added with
+  ``AsyncLLM.add_request`` and its ``RequestOutputCollector`` shares one ``ready`` event with every other
+  one, so vLLM's output handler wakes one task per step (not one per request), which hands each request's
+  new text to its sink. ``AsyncLLM.generate`` would wake a task and resume two generators per request and
+  step. Requests served by vLLM's OpenAI layer keep its own generator (their chunks are built there).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
 from engine_worker.backends import vllm_openai
-from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, Step
+from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, StepSink, feed
 from engine_worker.config import EngineConfig
 from engine_worker.models import DEFAULT_MODEL_DIRNAME, SERVING_HINTS, resolve_model
 from engine_worker.protocol import FinishReason, Sampling, Submit
@@ -48,6 +54,7 @@ from engine_worker.protocol import FinishReason, Sampling, Submit
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.output_processor import RequestOutputCollector
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +69,25 @@ SPLIT_BELOW_WEIGHT_BYTES = 256 << 20
 # Hosts with more CPUs than this (or with tensor/pipeline parallelism) always get vLLM's NUMA-aware "auto".
 SMALL_HOST_CPUS = 8
 PLUGIN_NAME = "tokenfan_cpu_amx"  # the vllm.general_plugins entry point in pyproject.toml
+
+
+@dataclass(eq=False, slots=True)
+class _Live:
+    """A plain request between its first and its last output (see :meth:`VllmBackend._drain`)."""
+
+    collector: RequestOutputCollector
+    sink: StepSink
+    done: asyncio.Future[None]
+    started: bool = False
+
+
+@dataclass(eq=False)
+class _Outputs:
+    """The requests whose outputs the drain task hands on, and the event vLLM sets when any has one."""
+
+    live: dict[str, _Live] = field(default_factory=dict)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
 
 
 class VllmBackend:
@@ -79,6 +105,7 @@ class VllmBackend:
         self._running: set[str] = set()
         self._placement = CpuPlacement("auto")
         self._openai: vllm_openai.OpenAILayer | None = None
+        self._outputs: _Outputs | None = None  # created in the serving loop (its event belongs to that loop)
 
     @property
     def info(self) -> BackendInfo:
@@ -149,6 +176,9 @@ class VllmBackend:
                                "see the engine log above") from exc
 
     async def shutdown(self) -> None:
+        if self._outputs is not None and self._outputs.task is not None:
+            self._outputs.task.cancel()
+            self._outputs = None
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
@@ -236,45 +266,74 @@ class VllmBackend:
         except TemplateError as exc:  # includes the template's own raise_exception(...)
             raise RequestRejected(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
-    async def generate(self, prepared: Prepared) -> AsyncIterator[Step]:
-        """Deltas from vLLM. Closing or cancelling this generator aborts the request in vLLM."""
+    async def stream(self, prepared: Prepared, sink: StepSink) -> None:
+        """Run one request; cancelling it leaves the abort to :meth:`abort` (the server calls it)."""
         rid = prepared.submit.request_id
-        if prepared.openai:
-            assert self._openai is not None
-            self._waiting.add(rid)
-            try:
-                async for step in self._openai.steps(cast("vllm_openai.Started", prepared.payload)):
-                    self._waiting.discard(rid)
-                    self._running.add(rid)
-                    yield step
-            finally:
-                self._waiting.discard(rid)
-                self._running.discard(rid)
-            return
-        engine = self._require_engine()
-        ids, params = cast("tuple[list[int], SamplingParams]", prepared.payload)
-        stream = engine.generate(_engine_input(ids), params, rid)
         self._waiting.add(rid)
-        final: Step | None = None
         try:
-            async for out in stream:
-                self._waiting.discard(rid)
-                self._running.add(rid)
-                completion = out.outputs[0]
-                step = Step(text=completion.text, token_count=len(completion.token_ids))
-                if out.finished:
-                    # vLLM's stream ends right after this output: let it end on its own (closing it
-                    # early would send a needless abort), then report the end.
-                    reason = _FINISH.get(str(completion.finish_reason), "stop")
-                    final = Step(text=step.text, token_count=step.token_count, finish_reason=reason)
-                    continue
-                yield step
-            # No finished output: the request was aborted from outside (abort()).
-            yield final or Step(text="", token_count=0, finish_reason="abort")
+            if prepared.openai:
+                assert self._openai is not None
+                await feed(self._openai.steps(cast("vllm_openai.Started", prepared.payload)), self._running_sink(rid, sink))
+                return
+            engine = self._require_engine()
+            ids, params = cast("tuple[list[int], SamplingParams]", prepared.payload)
+            collector = await engine.add_request(rid, _engine_input(ids), params)
+            outputs = self._drainer()
+            collector.ready = outputs.ready  # put() now wakes the one drain task (see the module docstring)
+            if collector.output is not None:
+                outputs.ready.set()
+            live = _Live(collector, sink, asyncio.get_running_loop().create_future())
+            outputs.live[rid] = live
+            try:
+                await live.done
+            finally:
+                outputs.live.pop(rid, None)
+                collector.close()
         finally:
             self._waiting.discard(rid)
             self._running.discard(rid)
-            await stream.aclose()  # no-op if exhausted; otherwise vLLM aborts the request
+
+    def _running_sink(self, rid: str, sink: StepSink) -> StepSink:
+        def counted(text: str, token_count: int, finish_reason: FinishReason | None = None, chunk: bytes = b"") -> None:
+            self._waiting.discard(rid)
+            self._running.add(rid)
+            sink(text, token_count, finish_reason, chunk)
+        return counted
+
+    def _drainer(self) -> _Outputs:
+        if self._outputs is None:
+            self._outputs = _Outputs()
+        if self._outputs.task is None or self._outputs.task.done():
+            self._outputs.task = asyncio.create_task(self._drain(self._outputs), name="vllm-outputs")
+        return self._outputs
+
+    async def _drain(self, outputs: _Outputs) -> None:
+        """Once per batch of vLLM outputs (one engine step): every live request's new text to its sink."""
+        live, ready = outputs.live, outputs.ready
+        while True:
+            await ready.wait()
+            ready.clear()
+            for rid, req in list(live.items()):
+                try:
+                    out = req.collector.get_nowait()  # raises what vLLM put there (engine dead, ...)
+                    if out is None:
+                        continue
+                    if not req.started:
+                        req.started = True
+                        self._waiting.discard(rid)
+                        self._running.add(rid)
+                    completion = out.outputs[0]  # type: ignore[index]
+                    finish = _FINISH.get(str(completion.finish_reason), "stop") if out.finished else None
+                    req.sink(completion.text, len(completion.token_ids), finish)
+                except Exception as exc:  # noqa: BLE001 - this request fails, the others of the step go on
+                    del live[rid]
+                    if not req.done.done():
+                        req.done.set_exception(exc)
+                    continue
+                if finish is not None:
+                    del live[rid]  # vLLM has dropped it too: no abort needed
+                    if not req.done.done():
+                        req.done.set_result(None)
 
     async def abort(self, request_id: str) -> None:
         if self._engine is not None:

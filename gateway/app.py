@@ -67,13 +67,14 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
         if config.broker_url:
             from gateway.broker import Broker
 
-            gw.broker = Broker(config.broker_url, gw.hub, idle_timeout=config.broker_idle_timeout,
-                               local_cancel=gw.cancel_local_stream, timings=config.broker)
-        elif config.workers > 1:
-            gw.broker = workers.PeerBroker(gw.hub, port=config.port, workers=config.workers,
-                                           me=workers.worker_index(), local_cancel=gw.cancel_local_stream)
-        if gw.broker is not None:
-            await gw.broker.start()
+            redis = Broker(config.broker_url, gw.hub, idle_timeout=config.broker_idle_timeout,
+                           local_cancel=gw.cancel_local_stream, timings=config.broker)
+            await redis.start()
+            gw.broker = gw.publisher = redis
+        if config.workers > 1:
+            gw.peers = workers.PeerBroker(gw.hub, port=config.port, workers=config.workers, me=workers.worker_index())
+            gw.broker = gw.broker or gw.peers  # with --broker, Redis mirrors across workers too
+        others = [b for b in dict.fromkeys((gw.broker, gw.peers)) if b is not None]
         for transport, delay in config.inject_delay.items():
             log.warning("DIAGNOSTIC --inject-delay: every %s write is delayed by %.3f ms (benchmark calibration "
                         "only; never in production)", transport, delay * 1000)
@@ -86,8 +87,8 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
         finally:
             gw.watchdog.stop()
             gw.loop.stop()
-            if gw.broker is not None:
-                await gw.broker.close()
+            for other in others:
+                await other.close()
             await engine.close()
 
     routes: list[Any] = [

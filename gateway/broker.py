@@ -44,7 +44,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis
@@ -62,20 +62,6 @@ log = logging.getLogger(__name__)
 KNOWN_TTL_S = 24 * 3600  # the 410-vs-404 marker, and the bound on a key whose owner died mid-stream
 ACK_TTL_S = 30
 REDIS_ERRORS = (RedisError, OSError, TimeoutError)  # redis-py's errors; sockets; asyncio timeouts
-
-
-class StreamBroker(Protocol):
-    """What the routes and the pump use of a broker."""
-
-    async def start(self) -> None: ...
-    async def close(self) -> None: ...
-    async def created(self, stream: Stream) -> None: ...
-    def published(self, stream: Stream, event: Event) -> None: ...
-    def ended(self, stream: Stream) -> None: ...
-    async def mirror(self, stream_id: str) -> Stream: ...
-    async def cancel_remote(self, stream_id: str) -> bool: ...
-    def put_transcript(self, response_id: str, data: bytes, ttl: float) -> None: ...
-    async def transcript(self, response_id: str) -> bytes | None: ...
 
 
 def broker_unavailable(exc: BaseException) -> APIError:

@@ -72,9 +72,9 @@ async def start_generation(
     stream = gw.hub.create(endpoint or parsed.endpoint, builder.model, stream_id=stream_id or handle.request_id,
                            listed=listed)
     stream.detached = listed if detached is None else detached
-    if listed and gw.broker is not None:
+    if listed and gw.publisher is not None:
         try:
-            await gw.broker.created(stream)  # announced before its id is handed out
+            await gw.publisher.created(stream)  # announced before its id is handed out
         except BaseException:
             handle.close()
             gw.hub.forget(stream)
@@ -87,13 +87,13 @@ async def start_generation(
 async def pump(gw: Gateway, stream: Stream, handle: RequestHandle, payloads: AsyncIterator[ChunkEvent],
                finalizer: Finalizer | None = None) -> None:
     """Engine deltas -> stream events, until the generation ends, fails or is cancelled."""
-    broker = gw.broker if stream.listed else None
+    publisher = gw.publisher if stream.listed else None
     tokens = gw.metrics.tokens
 
     def publish(ev: ChunkEvent) -> None:
         event = stream.publish(ev)
-        if broker is not None:
-            broker.published(stream, event)
+        if publisher is not None:
+            publisher.published(stream, event)
         if ev.tokens:
             tokens.inc(ev.tokens)
 
@@ -117,8 +117,8 @@ async def pump(gw: Gateway, stream: Stream, handle: RequestHandle, payloads: Asy
         raise
     finally:
         handle.close()  # aborts the engine request if it had not finished
-        if broker is not None:
-            broker.ended(stream)
+        if publisher is not None:
+            publisher.ended(stream)
         gw.hub.mark_finished(stream)
         gw.metrics.retained.set(gw.hub.total_bytes)
 

@@ -109,3 +109,28 @@ def to_api_error(exc: EngineError | APIError) -> APIError:
 def engine_unavailable(detail: str = "the engine is not answering heartbeats") -> APIError:
     return APIError(503, f"Service unavailable: {detail}; retry shortly.", type="server_error",
                     code="engine_unavailable", retry_after=1.0)
+
+
+# A stream's lookup and loss, wherever it is served (a gateway's own hub, a mirror of another's):
+# one wording and one code each, so a reader gets the same answer from every replica and worker.
+
+
+def stream_not_found(stream_id: str) -> APIError:
+    return APIError(404, f"No stream with id {stream_id}.", code="stream_not_found", param="id")
+
+
+def stream_expired(stream_id: str, detail: str = "") -> APIError:
+    """The 410: the id existed, its stream is no longer retained (``detail``: why, or for how long streams are kept)."""
+    return APIError(410, f"Stream {stream_id} is no longer retained{detail}.", code="stream_expired", param="id")
+
+
+def stream_lost(stream_id: str, detail: str, *, status: int = 502) -> APIError:
+    """Part of the stream is gone: it ends with this error, never with a normal end (410: it cannot be served)."""
+    return APIError(status, f"Stream {stream_id} is incomplete: {detail}.", type="server_error", code="stream_lost",
+                    param="id" if status == 410 else None)
+
+
+def owner_lost(stream_id: str, detail: str) -> APIError:
+    """The gateway (replica or worker) that ran the stream is gone before its end."""
+    return APIError(502, f"The gateway running stream {stream_id} is gone: {detail}.", type="server_error",
+                    code="owner_lost")

@@ -126,8 +126,8 @@ async def start_response(gw: Gateway, rr: ResponsesRequest, scope: Any, *, lane:
 def keep_transcript(gw: Gateway, stream: Stream, transcript: list[Message], store: bool) -> None:
     """A finished response can be continued (``previous_response_id``) here, and, if stored, on every replica."""
     stream.meta["transcript"] = transcript
-    if store and gw.broker is not None:
-        gw.broker.put_transcript(stream.id, encode_transcript(transcript), gw.config.retention.finished_ttl)
+    if store and gw.publisher is not None:
+        gw.publisher.put_transcript(stream.id, encode_transcript(transcript), gw.config.retention.finished_ttl)
 
 
 async def create_response(request: Request) -> Any:

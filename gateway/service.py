@@ -44,8 +44,9 @@ async def metrics(request: Request) -> Response:
     gw: Gateway = gateway_of(request)
     refresh_metrics(gw)
     own = gw.metrics.render()
-    merge = getattr(gw.broker, "merged_metrics", None)  # --workers: every worker's metrics in one scrape
-    return Response(await merge(own) if merge is not None else own, media_type=gw.metrics.content_type)
+    if gw.peers is not None:  # --workers: every worker's metrics in one scrape
+        own = await gw.peers.merged_metrics(own)
+    return Response(own, media_type=gw.metrics.content_type)
 
 
 def refresh_metrics(gw: Gateway) -> None:

@@ -18,8 +18,9 @@ from gateway.openai_api import ChunkBuilder, ParsedRequest, new_id
 from gateway.streams import SlowConsumerPolicy, StreamHub, Watchdog
 
 if TYPE_CHECKING:
-    from gateway.broker import StreamBroker
     from gateway.engine_client import RequestHandle
+    from gateway.scaleout import Publisher, StreamBroker
+    from gateway.workers import PeerBroker
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,9 @@ class Gateway:
     hub: StreamHub = field(init=False)
     policy: SlowConsumerPolicy = field(init=False)
     watchdog: Watchdog = field(init=False)
-    broker: StreamBroker | None = None  # Redis (--broker) or the workers' peer broker (--workers)
+    broker: StreamBroker | None = None  # other gateways' streams: Redis (--broker) or the peer workers (--workers)
+    publisher: Publisher | None = None  # --broker: this gateway's listed streams, written to Redis
+    peers: PeerBroker | None = None  # --workers: the other workers (their metrics merged into /metrics)
     draining: bool = False
     listening: bool = field(init=False)  # --workers: on the shared port yet (gateway.server.listen_when_ready)
     clients: Holdings = field(default_factory=Holdings)  # per client: connections, generations, subscriptions

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import orjson
 
 from engine_worker import protocol as p
-from gateway.errors import APIError
+from gateway.errors import APIError, stream_expired, stream_lost, stream_not_found
 from gateway.generation import ChunkEvent
 
 log = logging.getLogger(__name__)
@@ -478,9 +478,8 @@ class StreamHub:
         if stream is not None:
             return stream
         if stream_id in self._gone:
-            raise APIError(410, f"Stream {stream_id} is no longer retained (finished streams are kept "
-                                f"{self.retention.finished_ttl:g}s).", code="stream_expired", param="id")
-        raise APIError(404, f"No stream with id {stream_id}.", code="stream_not_found", param="id")
+            raise stream_expired(stream_id, f" (finished streams are kept {self.retention.finished_ttl:g}s)")
+        raise stream_not_found(stream_id)
 
     def mark_finished(self, stream: Stream) -> None:
         """Start the retention clock of a stream that ended (a still running one is ended as lost
@@ -488,8 +487,7 @@ class StreamHub:
         if not stream.listed or self.streams.get(stream.id) is not stream or stream.id in self._finished:
             return
         if not stream.finished:
-            stream.finish("error", APIError(502, "The stream ended without an end marker.", type="server_error",
-                                            code="stream_lost"))
+            stream.finish("error", stream_lost(stream.id, "it ended without an end marker"))
         self._finished[stream.id] = None
         self.total_bytes += stream.size
         self.evict()

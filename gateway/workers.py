@@ -30,7 +30,6 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -215,33 +214,19 @@ async def _sse_events(reader: asyncio.StreamReader) -> Any:
 
 
 class PeerBroker:
-    """The broker interface (see :mod:`gateway.broker`) between the workers of one server."""
+    """The other workers of this server: mirrors of their streams, cancels and transcripts sent to them
+    (:class:`gateway.scaleout.StreamBroker`), and their metrics."""
 
-    def __init__(self, hub: StreamHub, *, port: int, workers: int, me: int,
-                 local_cancel: Callable[[str], bool] | None = None) -> None:
+    def __init__(self, hub: StreamHub, *, port: int, workers: int, me: int) -> None:
         self.hub = hub
         self.peers = {k: worker_socket(port, k) for k in range(workers) if k != me}
-        self.local_cancel = local_cancel
         self._owner: dict[str, int] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-
-    async def start(self) -> None:
-        pass
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    # The owner serves its own log: nothing to publish.
-    async def created(self, stream: Stream) -> None:
-        pass
-
-    def published(self, stream: Stream, event: Event) -> None:
-        pass
-
-    def ended(self, stream: Stream) -> None:
-        pass
 
     async def mirror(self, stream_id: str) -> Stream:
         """A local mirror of the stream a peer runs, or APIError 404 / 410."""
@@ -329,9 +314,6 @@ class PeerBroker:
             caught_up.set()
             writer.close()
             self.hub.mark_finished(stream)
-
-    def put_transcript(self, response_id: str, data: bytes, ttl: float) -> None:
-        """Nothing to do: the worker that ran a response keeps it, and peers ask it (:meth:`transcript`)."""
 
     async def transcript(self, response_id: str) -> bytes | None:
         """The transcript of a response retained by a peer worker, or None."""

@@ -268,8 +268,9 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("broker_url", STR, None, "Redis URL (redis://host:6379/0): share fan-out streams across gateway "
         "replicas through Redis Streams", flag="--broker", env="TOKENFAN_BROKER"),
     _gw("broker_idle_timeout", FLOAT, 60.0,
-        "a mirrored stream with no new entry for this long checks its owner: owner_lost if that gateway is "
-        "gone (its lease expired), broker_unavailable if Redis was unreachable all that time"),
+        "a mirrored stream (--broker or --workers) with no new entry for this long checks its owner: owner_lost "
+        "if that gateway is gone (its lease expired, or its worker's socket refuses), broker_unavailable if Redis "
+        "was unreachable all that time"),
     _gw("broker_op_timeout", FLOAT, 2.0, "connect and reply timeout of an ordinary Redis command",
         field="broker.op_timeout"),
     _gw("broker_block", FLOAT, 2.0, "longest blocking Redis read (XREAD BLOCK / BLPOP); its socket timeout is this "

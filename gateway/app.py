@@ -72,7 +72,10 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
             await redis.start()
             gw.broker = gw.publisher = redis
         if config.workers > 1:
-            gw.peers = workers.PeerBroker(gw.hub, port=config.port, workers=config.workers, me=workers.worker_index())
+            from gateway.peers import Peers
+
+            gw.peers = Peers(gw.hub, port=config.port, workers=config.workers, me=workers.worker_index(),
+                             idle_timeout=config.broker_idle_timeout, recheck=config.broker.lease_interval)
             gw.broker = gw.broker or gw.peers  # with --broker, Redis mirrors across workers too
         others = [b for b in dict.fromkeys((gw.broker, gw.peers)) if b is not None]
         for transport, delay in config.inject_delay.items():

@@ -1,4 +1,8 @@
-"""The broker's Redis records, as pure functions: field dicts in, typed entries out (no I/O).
+"""The mirror's records, as pure functions: field dicts in, typed entries out (no I/O).
+
+One record format for every link a mirror reads (:mod:`gateway.mirror`): Redis stores each record as a
+stream entry; a peer worker's socket carries each one as an SSE event whose data is the same fields as
+one JSON object (:func:`pack` / :func:`decode_line`).
 
 Keys:
   ``tokenfan:s:<id>``    the stream: a Redis stream of entries, always starting with its header
@@ -8,7 +12,9 @@ Keys:
   ``tokenfan:t:<id>``    a finished stored response's transcript (msgpack), for ``previous_response_id``
 
 Entries of ``tokenfan:s:<id>`` (field names are bytes; values UTF-8):
-  header  ``created`` = model, ``endpoint``, ``owner`` = gateway id
+  header  ``created`` = model, ``endpoint``, ``owner`` = gateway id (or worker index), ``detached`` = 1 | 0,
+          ``held`` = how many records (events, and the end) the owner's log held when it wrote the header
+          (0 in Redis, written at creation; a peer writes one per connection: the mirror waits for those)
   event   ``seq``, ``data`` = the chunk JSON with its ``tokenfan`` object, ``text``, ``fin`` = finish reason or ""
   end     ``end`` = done | error | cancelled, ``events`` = how many events the stream has,
           ``error`` = {"status": n, "error": {message, type, param, code}} or ""
@@ -20,11 +26,14 @@ idempotent, so the owner may re-send after a failure), a hole is an explicit los
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
-from gateway.errors import APIError
+from gateway.errors import APIError, stream_lost
+
+if TYPE_CHECKING:
+    from gateway.streams import Event, Stream
 
 Fields = dict[bytes, bytes]
 EndState = Literal["done", "error", "cancelled"]
@@ -64,6 +73,8 @@ class Header:
     endpoint: str
     model: str
     owner: str  # gateway id of the replica running the generation ("" if unknown)
+    detached: bool = True  # the generation outlives its readers (fan-out streams, background responses)
+    held: int = 0  # records (events, and the end) the owner held when it wrote this header
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +95,9 @@ class EndEntry:
 Entry = Header | EventEntry | EndEntry
 
 
-def encode_header(endpoint: str, model: str, owner: str) -> Fields:
-    return {b"created": model.encode(), b"endpoint": endpoint.encode(), b"owner": owner.encode()}
+def encode_header(endpoint: str, model: str, owner: str, *, detached: bool = True, held: int = 0) -> Fields:
+    return {b"created": model.encode(), b"endpoint": endpoint.encode(), b"owner": owner.encode(),
+            b"detached": b"1" if detached else b"0", b"held": b"%d" % held}
 
 
 def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str | None) -> Fields:
@@ -99,6 +111,19 @@ def encode_end(state: EndState, events: int | None, error: APIError | None) -> F
     return {b"end": state.encode(), b"events": b"" if events is None else b"%d" % events, b"error": err}
 
 
+def encode_event_of(ev: Event) -> Fields:
+    return encode_event(ev.seq, ev.chunk, ev.text, ev.finish_reason)
+
+
+def encode_end_of(stream: Stream) -> Fields:
+    """The end record of a stream that ended (one still running gets ``stream_lost``: its generation
+    ended without an end state, so mirrors must never take it for a normal end)."""
+    if stream.state == "running":
+        return encode_end("error", len(stream.events),
+                          stream_lost(stream.id, "its generation ended without an end state"))
+    return encode_end(stream.state, len(stream.events), stream.error)
+
+
 def decode(fields: Fields) -> Entry:
     """The typed entry of one Redis stream record; :class:`CodecError` if it is not one of ours."""
     try:
@@ -108,7 +133,8 @@ def decode(fields: Fields) -> Entry:
             return _decode_end(fields)
         if b"created" in fields:
             return Header(fields.get(b"endpoint", b"").decode(), fields[b"created"].decode(),
-                          fields.get(b"owner", b"").decode())
+                          fields.get(b"owner", b"").decode(), fields.get(b"detached", b"1") != b"0",
+                          int(fields.get(b"held") or 0))
     except (KeyError, ValueError, TypeError) as exc:  # UnicodeDecodeError and orjson's error are ValueErrors
         raise CodecError(f"malformed broker entry ({exc!r}): {sorted(fields)}") from exc
     raise CodecError(f"unknown broker entry with fields {sorted(fields)}")
@@ -137,6 +163,32 @@ def _decode_end(fields: Fields) -> EndEntry:
         error = APIError(int(obj.get("status", 502)), e["message"], type=e["type"], param=e.get("param"),
                          code=e.get("code"))
     return EndEntry(state, events, error)
+
+
+def pack(fields: Fields) -> bytes:
+    """One record as one line, what a peer worker's socket carries: a JSON object of the same fields, the
+    event's ``data`` embedded as JSON rather than as a string (no second escaping)."""
+    return orjson.dumps({k.decode(): orjson.Fragment(v) if k == b"data" else v.decode() for k, v in fields.items()})
+
+
+def pack_event(ev: Event) -> bytes:
+    """``pack(encode_event_of(ev))`` in one ``orjson.dumps``: the peer link's per-event path."""
+    return orjson.dumps({"seq": str(ev.seq), "data": ev.chunk, "text": ev.text, "fin": ev.finish_reason or ""})
+
+
+def decode_line(line: bytes) -> Entry:
+    """The typed entry of a record :func:`pack` wrote; :class:`CodecError` if it is not one of ours."""
+    try:
+        obj = orjson.loads(line)
+        if "seq" in obj:  # the common case, decoded without a detour through Fields
+            seq, chunk, text, fin = int(obj["seq"]), obj["data"], obj["text"], obj.get("fin")
+            if seq < 0 or not isinstance(chunk, dict) or not isinstance(text, str):
+                raise ValueError(f"seq {seq}, data {type(chunk).__name__}, text {type(text).__name__}")
+            return EventEntry(seq, chunk, text, fin or None)
+        fields = {k.encode(): v.encode() for k, v in obj.items()}
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise CodecError(f"malformed peer record ({exc!r}): {line[:200]!r}") from exc
+    return decode(fields)
 
 
 Placement = Literal["append", "repeat", "hole"]

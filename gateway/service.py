@@ -25,7 +25,8 @@ async def health(request: Request) -> Response:
     extra: dict[str, Any] = {}
     ready = gw.engine.healthy and hb is not None
     if gw.config.workers > 1:
-        from gateway.workers import peers_ready, worker_index
+        from gateway.peers import peers_ready
+        from gateway.workers import worker_index
 
         listening, serving = await peers_ready(gw.config.port, gw.config.workers, worker_index())
         ready = ready and serving == listening

@@ -19,8 +19,8 @@ from gateway.streams import SlowConsumerPolicy, StreamHub, Watchdog
 
 if TYPE_CHECKING:
     from gateway.engine_client import RequestHandle
+    from gateway.peers import Peers
     from gateway.scaleout import Publisher, StreamBroker
-    from gateway.workers import PeerBroker
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Gateway:
     watchdog: Watchdog = field(init=False)
     broker: StreamBroker | None = None  # other gateways' streams: Redis (--broker) or the peer workers (--workers)
     publisher: Publisher | None = None  # --broker: this gateway's listed streams, written to Redis
-    peers: PeerBroker | None = None  # --workers: the other workers (their metrics merged into /metrics)
+    peers: Peers | None = None  # --workers: the other workers (their metrics merged into /metrics)
     draining: bool = False
     listening: bool = field(init=False)  # --workers: on the shared port yet (gateway.server.listen_when_ready)
     clients: Holdings = field(default_factory=Holdings)  # per client: connections, generations, subscriptions

@@ -197,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         from tokenfan_bench.vs_vllm import main as vs_vllm_main
 
         return vs_vllm_main(argv[1:])
+    if argv[:1] == ["cpu"]:  # gateway CPU per delivered token, steady state, beside the raw floor
+        from tokenfan_bench.cpu import main as cpu_main
+
+        return cpu_main(argv[1:])
     ap = parser()
     ns = ap.parse_args(argv)
     if not ns.spawn and not ns.url:

@@ -84,8 +84,8 @@ def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float,
     raise TimeoutError(f"{url} not healthy after {timeout:g}s; see {log}")
 
 
-def spawn_synthetic(tokens_per_s: float, ttft_ms: float, log_dir: Path, gateway_args: list[str] = ()  # type: ignore[assignment]
-                    ) -> Spawned:
+def spawn_synthetic(tokens_per_s: float, ttft_ms: float, log_dir: Path, gateway_args: list[str] = (),  # type: ignore[assignment]
+                    engine_args: list[str] = ()) -> Spawned:  # type: ignore[assignment]
     """``python -m engine_worker --engine synthetic`` + ``python -m gateway.cli gateway`` on a free port."""
     tmp = tempfile.TemporaryDirectory(prefix="tokenfan-bench-")
     address = f"ipc://{tmp.name}/engine.sock"
@@ -96,7 +96,7 @@ def spawn_synthetic(tokens_per_s: float, ttft_ms: float, log_dir: Path, gateway_
     try:
         spawned.procs.append(_popen(["-m", "engine_worker", "--engine", "synthetic", "--address", address,
                                      "--synthetic-tokens-per-s", str(tokens_per_s),
-                                     "--synthetic-ttft-ms", str(ttft_ms), "--log-level", "WARNING"],
+                                     "--synthetic-ttft-ms", str(ttft_ms), "--log-level", "WARNING", *engine_args],
                                     log_dir / f"engine-{tag}.log"))
         glog = log_dir / f"gateway-{tag}.log"
         spawned.procs.append(_popen(["-m", "gateway.cli", "gateway", "--engine", address, "--host", "127.0.0.1",

@@ -1,9 +1,13 @@
 """The floor: one process writing pre-framed events to N connections in a tight loop.
 
-It speaks just enough of the gateway's fan-out API for the bench clients, on one port:
+It speaks just enough of the gateway's API for the bench clients, on one port:
 ``POST /v1/streams``, ``GET events_url`` (SSE over HTTP/1.1, chunked, keep-alive), ``ws_url``
-(WebSocket upgrade on the same port), ``/health`` and ``/metrics`` (``process_cpu_seconds_total``),
+(WebSocket upgrade on the same port), ``DELETE /v1/streams/{id}``, ``/health`` and ``/metrics`` (``process_cpu_seconds_total``),
 and paces every stream like the synthetic engine (TTFT, then one token every ``1/tokens_per_s``).
+For ``tokenfan bench cpu`` (:mod:`tokenfan_bench.cpu`) also the per-request paths, minimally:
+``POST /v1/chat/completions`` and ``POST /v1/responses`` with ``stream: true`` (the chunks, resp. the
+``response.created`` / ``response.output_text.delta`` / ``response.completed`` events, nothing else) and
+``/v1/ws`` (``request`` messages multiplexed on one socket; ``chunk`` and ``done`` messages back).
 
 One timer heap drives every stream. When tokens are due, each is formatted once (a byte template
 with the numbers spliced in), framed once per wire format (an HTTP chunk holding the SSE event, a
@@ -46,9 +50,14 @@ WORDS = [b" The", b" gateway", b" writes", b" every", b" token", b" to", b" each
 CHUNK = (b'{"id":"%s","object":"chat.completion.chunk","created":%d,"model":"raw","system_fingerprint":null,'
          b'"choices":[{"index":0,"delta":{%s},"logprobs":null,"finish_reason":%s}],'
          b'"tokenfan":{"seq":%d,"emit_ns":%d,"sent_ns":%d}}')
+PLAIN_CHUNK = (b'{"id":"%s","object":"chat.completion.chunk","created":%d,"model":"raw","system_fingerprint":null,'
+               b'"choices":[{"index":0,"delta":{%s},"logprobs":null,"finish_reason":%s}]}')
+RESP_DELTA = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","item_id":"msg_%s",'
+              b'"output_index":0,"content_index":0,"delta":"%s","logprobs":[],"sequence_number":%d}\n\n')
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
             b"transfer-encoding: chunked\r\n\r\n")
 MAX_HEAD = 64 * 1024
+TIMER_RESOLUTION = 0.001  # seconds: uvloop's clock (libuv's uv_now) moves in whole milliseconds
 
 
 def http_chunk(payload: bytes) -> bytes:
@@ -68,7 +77,11 @@ class RawStream:
     ws_frames: list[bytes] = field(default_factory=list)
     sse: list[asyncio.Transport] = field(default_factory=list)
     ws: list[asyncio.Transport] = field(default_factory=list)
+    posts: list[asyncio.Transport] = field(default_factory=list)  # POST /v1/chat/completions, stream
+    responses: list[asyncio.Transport] = field(default_factory=list)  # POST /v1/responses, stream
+    mux: list[tuple[asyncio.Transport, bytes]] = field(default_factory=list)  # /v1/ws: (socket, JSON of the id)
     finished: bool = False
+    fanout: bool = True  # keep frames for late joiners (the per-request paths have no late joiners)
 
 
 def respond(transport: asyncio.Transport, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
@@ -86,7 +99,8 @@ class RawServer:
         self.sent = {"sse": 0, "ws": 0}
         self._due: list[tuple[float, int, RawStream]] = []  # (time, tie-breaker, stream)
         self._tie = itertools.count()
-        self._wake: asyncio.Event | None = None
+        self._timer: asyncio.Handle | None = None  # the pending tick (uvloop's handles have no when())
+        self._timer_at = 0.0
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -99,69 +113,127 @@ class RawServer:
         else:
             delta = b'"content":"%b"' % WORDS[(seq - 1) % len(WORDS)]
             finish = b'"length"' if seq == s.max_tokens else b"null"
-        data = CHUNK % (s.id.encode(), now // 1_000_000_000, delta, finish, seq, now, now)
-        sse = http_chunk(b"id: %d\ndata: %b\n\n" % (seq, data))
-        ws = ws_frame(OP_TEXT, b'{"type":"chunk","seq":%d,"data":%b}' % (seq, data))
-        s.sse_frames.append(sse)
-        s.ws_frames.append(ws)
-        for t in s.sse:
-            t.write(sse)
-        for t in s.ws:
-            t.write(ws)
-        self.sent["sse"] += len(s.sse)
-        self.sent["ws"] += len(s.ws)
-        if seq == s.max_tokens:
-            s.finished = True
+        if s.fanout:
+            data = CHUNK % (s.id.encode(), now // 1_000_000_000, delta, finish, seq, now, now)
+            sse = http_chunk(b"id: %d\ndata: %b\n\n" % (seq, data))
+            ws = ws_frame(OP_TEXT, b'{"type":"chunk","seq":%d,"data":%b}' % (seq, data))
+            s.sse_frames.append(sse)
+            s.ws_frames.append(ws)
             for t in s.sse:
-                t.write(SSE_DONE)
+                t.write(sse)
             for t in s.ws:
-                t.write(WS_DONE)
-            s.sse.clear()
-            s.ws.clear()
+                t.write(ws)
+            self.sent["sse"] += len(s.sse)
+            self.sent["ws"] += len(s.ws)
+        if s.posts or s.mux:
+            plain = PLAIN_CHUNK % (s.id.encode(), now // 1_000_000_000, delta, finish)
+            if s.posts:
+                frame = http_chunk(b"data: %b\n\n" % plain)
+                for t in s.posts:
+                    t.write(frame)
+            for t, cid in s.mux:
+                t.write(ws_frame(OP_TEXT, b'{"type":"chunk","id":%b,"data":%b}' % (cid, plain)))
+        if s.responses and seq > 0:
+            frame = http_chunk(RESP_DELTA % (s.id.encode(), WORDS[(seq - 1) % len(WORDS)], seq))
+            for t in s.responses:
+                t.write(frame)
+        if seq == s.max_tokens:
+            self.finish(s)
+
+    def finish(self, s: RawStream) -> None:
+        s.finished = True
+        for t in s.sse:
+            t.write(SSE_DONE)
+        for t in s.ws:
+            t.write(WS_DONE)
+        for t in s.posts:
+            t.write(SSE_DONE)
+        for t in s.responses:
+            t.write(http_chunk(b'event: response.completed\ndata: {"type":"response.completed","sequence_number":%d,'
+                               b'"response":{"id":"%s","status":"completed"}}\n\n' % (s.max_tokens + 1, s.id.encode()))
+                    + b"0\r\n\r\n")
+        for t, cid in s.mux:
+            t.write(ws_frame(OP_TEXT, b'{"type":"done","id":%b}' % cid))
+        s.sse.clear()
+        s.ws.clear()
+        s.posts.clear()
+        s.responses.clear()
+        s.mux.clear()
 
     def schedule(self, s: RawStream, at: float) -> None:
         heapq.heappush(self._due, (at, next(self._tie), s))
-        if self._wake is not None:
-            self._wake.set()
+        if self._timer is None or at < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._arm(at)
 
-    async def ticker(self) -> None:
-        """The one loop that writes every event: sleeps until the next token is due, then publishes
-        every due token."""
-        loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
+    def _arm(self, at: float) -> None:
+        self._timer = asyncio.get_running_loop().call_at(at, self.tick)
+        self._timer_at = at
+
+    def tick(self) -> None:
+        """The one callback that writes every event: runs when the earliest token is due and publishes
+        every token due by then (a timer callback: no task, no wake-up event, no timeout context)."""
+        self._timer = None
         due = self._due
-        while True:
-            if not due:
-                await self._wake.wait()
-                self._wake.clear()
+        # Tokens due within the timer resolution go now: uvloop's clock moves in whole milliseconds, so a
+        # timer for a later instant of the same millisecond would fire again at once, and again (a spin).
+        now = asyncio.get_running_loop().time() + TIMER_RESOLUTION
+        while due and due[0][0] <= now:
+            at, _, s = heapq.heappop(due)
+            if s.finished:  # its reader left
                 continue
-            delay = due[0][0] - loop.time()
-            if delay > 0:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(delay):
-                        await self._wake.wait()  # a new stream may be due earlier
-                self._wake.clear()
-                continue
-            now = loop.time()
-            while due and due[0][0] <= now:
-                at, _, s = heapq.heappop(due)
-                self.publish(s)
-                if not s.finished:
-                    heapq.heappush(due, (at + self.interval, next(self._tie), s))
+            self.publish(s)
+            if not s.finished:
+                heapq.heappush(due, (at + self.interval, next(self._tie), s))
+        if due:
+            self._arm(due[0][0])
 
     # -- requests -------------------------------------------------------------------------------
+
+    def start(self, s: RawStream) -> None:
+        self.streams[s.id] = s
+        self.publish(s)  # the role chunk at once, as the gateway does
+        self.schedule(s, asyncio.get_running_loop().time() + self.ttft)
+
+    def generate(self, body: bytes, transport: asyncio.Transport, path: str) -> RawStream:
+        """``POST /v1/chat/completions`` or ``/v1/responses`` with ``stream: true``: this response only."""
+        req = orjson.loads(body or b"{}")
+        s = RawStream(id="raw-" + uuid.uuid4().hex, max_tokens=int(req.get("max_tokens")
+                                                                    or req.get("max_output_tokens") or 16),
+                      fanout=False)
+        transport.write(SSE_HEAD)
+        if path == "/v1/responses":
+            transport.write(http_chunk(b'event: response.created\ndata: {"type":"response.created",'
+                                       b'"sequence_number":0,"response":{"id":"%s","status":"in_progress"}}\n\n'
+                                       % s.id.encode()))
+            s.responses.append(transport)
+        else:
+            s.posts.append(transport)
+        self.start(s)
+        return s
+
+    def mux_request(self, msg: dict[str, Any], transport: asyncio.Transport) -> RawStream:
+        """A ``/v1/ws`` ``request`` message: chunks tagged with its ``id`` on this socket."""
+        body = msg.get("body") or {}
+        s = RawStream(id="raw-" + uuid.uuid4().hex, max_tokens=int(body.get("max_tokens", 16)), fanout=False)
+        s.mux.append((transport, orjson.dumps(str(msg.get("id")))))
+        self.start(s)
+        return s
 
     def create(self, body: bytes, transport: asyncio.Transport) -> None:
         req = orjson.loads(body or b"{}")
         s = RawStream(id="raw-" + uuid.uuid4().hex, max_tokens=int(req.get("max_tokens", 16)))
-        self.streams[s.id] = s
-        now = asyncio.get_running_loop().time()
-        self.publish(s)  # the role chunk at once, as the gateway does
-        self.schedule(s, now + self.ttft)
+        self.start(s)
         respond(transport, 201, orjson.dumps({
             "id": s.id, "object": "tokenfan.stream",
             "events_url": f"http://{self.host}:{self.port}/v1/streams/{s.id}/events",
             "ws_url": f"ws://{self.host}:{self.port}/v1/streams/{s.id}/ws"}))
+
+    def cancel(self, s: RawStream) -> None:
+        """``DELETE /v1/streams/{id}``: the generation stops (its subscribers get their end)."""
+        if not s.finished:
+            self.finish(s)
 
     def subscribe_sse(self, s: RawStream, transport: asyncio.Transport) -> None:
         transport.write(SSE_HEAD + b"".join(s.sse_frames) + (SSE_DONE if s.finished else b""))
@@ -176,12 +248,18 @@ class RawServer:
         if not s.finished:
             s.ws.append(transport)
 
-    def drop(self, transport: asyncio.Transport, sid: str | None) -> None:
-        s = self.streams.get(sid or "")
-        if s is not None:
-            for subs in (s.sse, s.ws):
+    def drop(self, transport: asyncio.Transport, sids: list[str]) -> None:
+        for sid in sids:
+            s = self.streams.get(sid)
+            if s is None:
+                continue
+            for subs in (s.sse, s.ws, s.posts, s.responses):
                 with contextlib.suppress(ValueError):
                     subs.remove(transport)
+            s.mux = [(t, cid) for t, cid in s.mux if t is not transport]
+            if not s.fanout and not (s.posts or s.responses or s.mux):
+                s.finished = True  # its only reader left: stop generating (as the gateway aborts)
+                self.streams.pop(sid, None)
 
     def metrics(self) -> bytes:
         return (b"process_cpu_seconds_total %f\n" % time.process_time()
@@ -192,7 +270,7 @@ class RawServer:
         loop = asyncio.get_running_loop()
         server = await loop.create_server(lambda: RawConnection(self), self.host, self.port, backlog=4096)
         async with server:
-            await self.ticker()
+            await server.serve_forever()
 
 
 class RawConnection(asyncio.Protocol):
@@ -203,14 +281,15 @@ class RawConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buf = b""
         self.ws: WsDecoder | None = None
-        self.sid: str | None = None  # the stream this connection is subscribed to
+        self.mux = False  # a /v1/ws socket (requests come as messages)
+        self.sids: list[str] = []  # the streams this connection reads
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.transport is not None:
-            self.server.drop(self.transport, self.sid)
+            self.server.drop(self.transport, self.sids)
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
@@ -246,15 +325,26 @@ class RawConnection(asyncio.Protocol):
         parts = path.split("/")  # "", "v1", "streams", id, "events" | "ws"
         if method == "POST" and path == "/v1/streams":
             srv.create(body, t)
+        elif method == "POST" and path in ("/v1/chat/completions", "/v1/responses"):
+            self.sids.append(srv.generate(body, t, path).id)
+        elif method == "GET" and path == "/v1/ws" and "sec-websocket-key" in headers:
+            self.ws, self.mux = WsDecoder(), True
+            accept = base64.b64encode(hashlib.sha1(headers["sec-websocket-key"].encode() + WS_GUID).digest())
+            t.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+                    b"sec-websocket-accept: %b\r\n\r\n" % accept)
+        elif method == "DELETE" and len(parts) == 4 and parts[2] == "streams" and parts[3] in srv.streams:
+            srv.cancel(srv.streams[parts[3]])
+            respond(t, 200, b'{"id":"%s","state":"cancelled"}' % parts[3].encode())
         elif method == "GET" and len(parts) == 5 and parts[2] == "streams" and parts[4] in ("events", "ws"):
             s = srv.streams.get(parts[3])
             if s is None:
                 respond(t, 404, b'{"error":"no such stream"}')
             elif parts[4] == "events":
-                self.sid = s.id
+                self.sids.append(s.id)
                 srv.subscribe_sse(s, t)
             elif "sec-websocket-key" in headers:
-                self.sid, self.ws = s.id, WsDecoder()
+                self.sids.append(s.id)
+                self.ws = WsDecoder()
                 srv.subscribe_ws(s, t, headers["sec-websocket-key"])
             else:
                 respond(t, 400, b'{"error":"not a WebSocket upgrade"}')
@@ -278,6 +368,10 @@ class RawConnection(asyncio.Protocol):
                 return
             if f.opcode == OP_PING:
                 self.transport.write(ws_frame(OP_PONG, f.payload))
+            elif f.opcode == OP_TEXT and self.mux:
+                msg = orjson.loads(f.payload)
+                if msg.get("type") == "request":
+                    self.sids.append(self.server.mux_request(msg, self.transport).id)
 
 
 def main(argv: list[str] | None = None) -> int:

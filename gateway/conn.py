@@ -1,8 +1,13 @@
 """The write side of one client connection, as the delivery core needs it.
 
-Two operations: ``write`` (await until the server took the frame; a stalled client makes it block,
-which the :class:`gateway.streams.Watchdog` turns into a cut) and ``cut`` (end the connection with a
-final frame *without waiting on the stalled peer*).
+Three operations: ``write`` (await until the server took the frame; a stalled client makes it block,
+which the :class:`gateway.streams.Watchdog` turns into a cut), ``write_now`` (the publisher's one pass:
+take a frame without awaiting while the transport is writable, else refuse it and let the reader's loop
+send it) and ``cut`` (end the connection with a final frame *without waiting on the stalled peer*).
+
+``write_now`` inside an engine step only collects the frame: the :class:`Step` flushes every connection
+it touched once, at the end of the step, so a connection that carries several generations (``/v1/ws``,
+Responses WebSocket lanes) or several events of one step gets one transport write per step.
 
 ``cut`` needs what ASGI does not give: after a blocked write the server's ``send`` is stuck waiting
 for the peer to drain, so a final frame sent through it would wait as well. Under uvicorn (HTTP/1.1)
@@ -19,11 +24,8 @@ import asyncio
 import contextlib
 import logging
 import struct
-from collections.abc import Callable, MutableMapping
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from gateway.streams import DirectWrite, Event
+from collections.abc import MutableMapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,29 @@ def chunked(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data) if data else b""
 
 
+class Step:
+    """One engine step's pass through the delivery core: its clock, read once (``now``: monotonic
+    seconds for gaps and timeouts; ``wall_ns``: epoch ns for delivery latency), and the connections that
+    took frames during the pass, flushed once each at its end."""
+
+    __slots__ = ("_held", "now", "wall_ns")
+
+    def __init__(self, now: float, wall_ns: int) -> None:
+        self.now = now
+        self.wall_ns = wall_ns
+        self._held: list[HttpConn | WsConn] = []
+
+    def hold(self, conn: HttpConn | WsConn) -> None:
+        """``conn`` has frames to write at the end of this step."""
+        self._held.append(conn)
+
+    def flush(self) -> None:
+        """One transport write per connection for everything the pass gave it."""
+        held, self._held = self._held, []
+        for conn in held:
+            conn.flush()
+
+
 def _server_side(send: Any) -> Any:
     """uvicorn's per-request cycle (HTTP) or protocol (WS) behind its own ``send``, else None."""
     owner = getattr(send, "__self__", None)
@@ -80,6 +105,9 @@ class HttpConn:
         self._safe_send = send
         self.linger = linger
         self.closed = False
+        self._cycle: Any = None  # uvicorn's request cycle, once write_now found it can write into it
+        self._checked = False
+        self._out: list[bytes] = []  # frames taken by write_now, written at flush
 
     async def write(self, data: bytes) -> None:
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
@@ -91,28 +119,41 @@ class HttpConn:
                 await self.send({"type": "http.response.body", "body": data or b"", "more_body": False})
         self.closed = True
 
-    def direct(self, name: str, frame: Callable[[Event], bytes]) -> DirectWrite | None:
-        """A synchronous writer for the publisher's one pass (uvicorn, chunked HTTP/1.1 only): the
-        event's frame, chunk-framed once per event for every reader, straight into the transport while
-        the server's flow control says it is writable; otherwise None/False and the reader's loop sends."""
-        cycle = _server_side(self.send)
-        flow = getattr(cycle, "flow", None)
-        if cycle is None or flow is None or not (getattr(cycle, "chunked_encoding", False) or _h11_chunked(cycle)):
-            return None
-        transport = cycle.transport
-        key = name + "/chunk-head"  # only the small chunk head is kept: the frame itself is not copied
-
-        def write(ev: Event) -> bool:
-            if flow.write_paused or transport.is_closing():
+    def write_now(self, data: bytes, step: Step | None = None) -> bool:
+        """Take ``data`` without awaiting (uvicorn, chunked HTTP/1.1 only) while the server's flow control
+        says the transport is writable; False otherwise (another server, a full buffer, a closing socket):
+        the reader's own loop sends it. Within a ``step`` the frame is written at the step's flush."""
+        cycle = self._cycle
+        if cycle is None:
+            if self._checked:
                 return False
-            data = frame(ev)
-            head = ev.frames.get(key)
-            if head is None:
-                head = ev.frames[key] = b"%x\r\n" % len(data)
-            transport.writelines((head, data, b"\r\n"))
-            return True
+            cycle = self._cycle = self._writable_cycle()
+            self._checked = True
+            if cycle is None:
+                return False
+        if cycle.flow.write_paused or cycle.transport.is_closing():
+            return False
+        self._out.append(data)
+        if step is None:
+            self.flush()
+        elif len(self._out) == 1:
+            step.hold(self)
+        return True
 
-        return write
+    def _writable_cycle(self) -> Any:
+        """The response cycle ``write_now`` writes into: uvicorn's, with flow control, chunked (asked for
+        only once the response started, when the encoding is known)."""
+        cycle = _server_side(self.send)
+        if cycle is None or getattr(cycle, "flow", None) is None:
+            return None
+        return cycle if getattr(cycle, "chunked_encoding", False) or _h11_chunked(cycle) else None
+
+    def flush(self) -> None:
+        """Write what ``write_now`` took as one HTTP chunk."""
+        out, self._out = self._out, []
+        if out and not self._cycle.transport.is_closing():
+            data = out[0] if len(out) == 1 else b"".join(out)
+            self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # one buffer: one send
 
     async def cut(self, data: bytes | None) -> None:
         """End now: ``data`` goes after whatever the peer has not read yet, then the connection closes."""
@@ -140,6 +181,16 @@ class HttpConn:
         _linger_then_abort(transport, self.linger)
 
 
+def _writable_protocol(send: Any) -> Any:
+    """uvicorn's sans-I/O WebSocket protocol behind ``send`` if frames may be written into its transport
+    directly (it has flow control and no compression extension), else None."""
+    proto = _server_side(send)
+    if proto is None or getattr(proto, "writable", None) is None or not hasattr(proto, "close_sent") \
+            or getattr(getattr(proto, "conn", None), "extensions", None):
+        return None
+    return proto
+
+
 def _h11_chunked(cycle: Any) -> bool:
     writer = getattr(getattr(cycle, "conn", None), "_writer", None)
     return type(writer).__name__ == "ChunkedWriter"
@@ -154,6 +205,8 @@ class WsConn:
         self.send = scope.get("tokenfan.raw_send", send)  # accepted already: skip the wrappers
         self.linger = linger
         self.closed = False
+        self._proto: Any = _writable_protocol(self.send)
+        self._out: list[bytes] = []  # frame heads and payloads taken by write_now, written at flush
 
     async def write(self, text: str) -> None:
         await self.send({"type": "websocket.send", "text": text})
@@ -167,29 +220,27 @@ class WsConn:
                 await self.send({"type": "websocket.close", "code": code, "reason": reason})
         self.closed = True
 
-    def direct(self, name: str, frame: Callable[[Event], bytes]) -> DirectWrite | None:
-        """A synchronous writer for the publisher's one pass (uvicorn's sans-I/O WebSocket, no
-        compression only): one pre-built frame per event for every reader, straight into the transport
-        while it is writable."""
-        proto = _server_side(self.send)
-        writable = getattr(proto, "writable", None)
-        if proto is None or writable is None or not hasattr(proto, "close_sent") \
-                or getattr(getattr(proto, "conn", None), "extensions", None):
-            return None
-        transport = proto.transport
-        key = name + "/ws-head"  # only the small frame head is kept: the payload itself is not copied
+    def write_now(self, data: bytes, step: Step | None = None) -> bool:
+        """Take one text message (UTF-8 ``data``) without awaiting (uvicorn's sans-I/O WebSocket, no
+        compression only) while the transport is writable; False otherwise: the reader's loop sends it.
+        Within a ``step`` every message of the step goes out in one write at the step's flush."""
+        proto = self._proto
+        if proto is None or not proto.writable.is_set() or proto.close_sent or proto.transport.is_closing():
+            return False
+        out = self._out
+        out.append(ws_head(0x1, len(data)))
+        out.append(data)
+        if step is None:
+            self.flush()
+        elif len(out) == 2:
+            step.hold(self)
+        return True
 
-        def write(ev: Event) -> bool:
-            if not writable.is_set() or proto.close_sent or transport.is_closing():
-                return False
-            data = frame(ev)
-            head = ev.frames.get(key)
-            if head is None:
-                head = ev.frames[key] = ws_head(0x1, len(data))
-            transport.writelines((head, data))
-            return True
-
-        return write
+    def flush(self) -> None:
+        """Write what ``write_now`` took (whole frames, in order) in one transport write."""
+        out, self._out = self._out, []
+        if out and not self._proto.close_sent and not self._proto.transport.is_closing():
+            self._proto.transport.write(b"".join(out))
 
     async def cut(self, code: int, reason: str, text: str | None = None) -> None:
         """Close with ``code`` now, without waiting for the stalled peer."""

@@ -1,15 +1,18 @@
 """The one delivery core: every generation is a :class:`~gateway.streams.Stream`, every reader a cursor.
 
-    engine deltas ──► pump ──► Stream log ──► reader (follow + Watchdog) ──► Framing ──► Conn
-                                      └─────► reader … (fan-out: any number, any transport)
+    engine step ──► Generation.on_delta ──► Stream.append ──► Reader.write_now ──► Conn (one write per step)
+                                                   └──────► reader's own loop (follow): replay, resume, lag
 
 - :func:`start_generation` admits a request, submits it, creates its stream (listed for fan-out
-  and background responses, unlisted for a POST SSE response or one ``/v1/ws`` request) and starts the
-  one :func:`pump` that appends the generation's payloads.
-- :func:`read` is the only reader loop, for every path: it follows the log through
-  :func:`gateway.streams.follow` (replay, live tail, coalescing when behind, keep-alives), writes the
-  :mod:`gateway.framing` frames to a :mod:`gateway.conn` connection and records the per-transport
-  metrics. A write blocked longer than ``--send-timeout`` ends the reader with the framing's cut
+  and background responses, unlisted for a POST SSE response or one ``/v1/ws`` request) and attaches its
+  :class:`gateway.generation.Generation` to the request: from then on the engine link hands it each
+  delta in the engine step's pass. :func:`pump` only waits for the generation's end (no wake-up per
+  token) and turns a cancel of its task into the generation's cancel.
+- :func:`read` is the only reader, for every path: a :class:`Reader` writes the :mod:`gateway.framing`
+  frames to a :mod:`gateway.conn` connection, in the publisher's pass while it is caught up
+  (:meth:`Reader.write_now`) and from its own loop (:func:`gateway.streams.follow`: replay, live tail,
+  coalescing when behind, keep-alives) otherwise, with one :class:`ReaderMeter` for both. A write blocked
+  longer than ``--send-timeout`` ends the reader with the framing's cut
   (SSE ``event: error`` slow_consumer, WebSocket close 1013), never with a normal end.
 - When a reader ends, :func:`release` aborts the generation if nobody else reads it: always, unless the
   generation is *detached* (fan-out streams, background responses), which only a cut of its last reader
@@ -22,41 +25,39 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from gateway import sse
 from gateway.conn import HttpConn, WsConn
-from gateway.errors import APIError, EngineError, error_class, to_api_error
+from gateway.errors import APIError, error_class
 from gateway.framing import Ending, Framing
-from gateway.generation import ChunkEvent, chunk_events
+from gateway.generation import Generation, Renderer, chat_renderer
 from gateway.openai_api import ParsedRequest
-from gateway.streams import DirectWrite, Event, SlowConsumer, Stream, follow
+from gateway.streams import Event, SlowConsumer, Stream, follow
 
 if TYPE_CHECKING:
+    from gateway.conn import Step
     from gateway.engine_client import RequestHandle
+    from gateway.metrics import TransportMetrics
     from gateway.openai_api import ChunkBuilder
     from gateway.state import Gateway
 
 log = logging.getLogger(__name__)
 
-# (handle, builder) -> the payloads of one generation; the default gives OpenAI chunks.
-Source = Callable[["RequestHandle", "ChunkBuilder"], AsyncIterator[ChunkEvent]]
-# (stream, error or None) -> closing payloads appended to the log when the generation fails or is cancelled
-Finalizer = Callable[[Stream, APIError | None], list[ChunkEvent]]
+# (handle, builder) -> the renderer of one generation's payloads; the default gives OpenAI chunks.
+Source = Callable[["RequestHandle", "ChunkBuilder"], Renderer]
 
 
-async def _chunks(handle: RequestHandle, builder: ChunkBuilder) -> AsyncIterator[ChunkEvent]:
-    async for ev in chunk_events(handle, builder):
-        assert ev is not None
-        yield ev
+def clock() -> tuple[float, int]:
+    """(monotonic seconds, epoch ns): the time of a write outside an engine step."""
+    return time.monotonic(), time.time_ns()
 
 
 async def start_generation(
     gw: Gateway, parsed: ParsedRequest, scope: Any, *, listed: bool, detached: bool | None = None,
-    source: Source = _chunks, finalizer: Finalizer | None = None, stream_id: str | None = None,
-    endpoint: str | None = None,
+    source: Source = chat_renderer, stream_id: str | None = None, endpoint: str | None = None,
 ) -> Stream:
     """Admit, submit and wait for the engine's accept; then the stream exists and its pump runs.
 
@@ -79,41 +80,27 @@ async def start_generation(
             handle.close()
             gw.hub.forget(stream)
             raise
-    stream.task = asyncio.create_task(pump(gw, stream, handle, source(handle, builder), finalizer),
-                                      name=f"pump-{stream.id}")
+    publisher = gw.publisher if listed else None
+    generation = Generation(stream, handle, source(handle, builder), gw.metrics.hot.tokens, publisher)
+    generation.start()
+    stream.task = asyncio.create_task(pump(gw, generation), name=f"pump-{stream.id}")
     return stream
 
 
-async def pump(gw: Gateway, stream: Stream, handle: RequestHandle, payloads: AsyncIterator[ChunkEvent],
-               finalizer: Finalizer | None = None) -> None:
-    """Engine deltas -> stream events, until the generation ends, fails or is cancelled."""
+async def pump(gw: Gateway, generation: Generation) -> None:
+    """Wait for the generation's end (its deltas arrive in the engine link's pass, not here); a cancel of
+    this task cancels the generation. Then the request is released and the stream retained."""
+    stream, handle = generation.stream, generation.handle
     publisher = gw.publisher if stream.listed else None
-    tokens = gw.metrics.tokens
-
-    def publish(ev: ChunkEvent) -> None:
-        event = stream.publish(ev)
-        if publisher is not None:
-            publisher.published(stream, event)
-        if ev.tokens:
-            tokens.inc(ev.tokens)
-
     try:
-        async for ev in payloads:
-            publish(ev)
-        stream.finish("done")
-    except (APIError, EngineError) as exc:
-        err = to_api_error(exc)
-        gw.metrics.errors.labels(error_class(err)).inc()
-        for ev in finalizer(stream, err) if finalizer else ():
-            publish(ev)
-        stream.finish("error", err)
+        err = await asyncio.shield(generation.ended)
+        if err is not None:
+            gw.metrics.errors.labels(error_class(err)).inc()
     except asyncio.CancelledError:
         if not handle.done:
             gw.metrics.aborted.inc()
             log.info("generation %s aborted (no reader left, or cancelled)", stream.id)
-        for ev in finalizer(stream, None) if finalizer else ():
-            publish(ev)
-        stream.finish("cancelled")
+        generation.cancel()
         raise
     finally:
         handle.close()  # aborts the engine request if it had not finished
@@ -172,69 +159,67 @@ def release(stream: Stream, cut: bool) -> None:
 
 
 class ReaderMeter:
-    """Per-reader metrics, observed once per write (not per event): TTFT, inter-write gap, delivery
-    latency (engine emit of the newest event written -> the write), chunks written."""
+    """One reader's metrics, whichever path wrote (the publisher's pass or the reader's own loop): each
+    chunk counted once; TTFT at its first content write; each inter-token gap from its previous content
+    write, on either path; delivery latency (engine emit of the newest event written -> the write)."""
 
-    __slots__ = ("_chunks", "_delivery", "_itl", "_last", "_t0", "_ttft")
+    __slots__ = ("_last", "_m", "_t0")
 
-    def __init__(self, gw: Gateway, transport: str, t0: float) -> None:
-        m = gw.metrics
-        self._ttft = m.ttft.labels(transport)
-        self._itl = m.itl.labels(transport)
-        self._delivery = m.delivery.labels(transport)
-        self._chunks = m.chunks.labels(transport)
+    def __init__(self, m: TransportMetrics, t0: float) -> None:
+        self._m = m
         self._t0 = t0
-        self._last: float | None = None
+        self._last: float | None = None  # monotonic time of its last content write
 
-    def wrote(self, batch: list[Event]) -> None:
-        now = time.monotonic()
-        if any(e.text for e in batch):
+    def wrote(self, chunks: int, text: bool, emit_ns: int, now: float, wall_ns: int) -> None:
+        """A write of ``chunks`` events (``text``: any with content) at ``now`` / ``wall_ns``."""
+        m = self._m
+        m.chunks.value += chunks
+        if text:
             if self._last is None:
-                self._ttft.observe(now - self._t0)
+                m.ttft.observe(now - self._t0)
             else:
-                self._itl.observe(now - self._last)
+                m.itl.observe(now - self._last)
             self._last = now
-        emit_ns = batch[-1].timing.get("emit_ns") or 0
         if emit_ns:
-            self._delivery.observe(max(0, time.time_ns() - emit_ns) / 1e9)
-        self._chunks.inc(len(batch))
+            m.delivery.observe(max(0, wall_ns - emit_ns) / 1e9)
 
 
-def _first_token_observer(direct: DirectWrite, meter: ReaderMeter) -> DirectWrite:
-    """The reader's TTFT when its first content goes out in the publisher's pass."""
+class Reader:
+    """One reader of a stream on one connection: its framing, its connection and its meter.
 
-    def write(ev: Event) -> bool:
-        if not direct(ev):
+    :meth:`write_now` is called by the publisher's pass (:meth:`gateway.streams.Stream._wake`) while the
+    reader is caught up; :meth:`write` by the reader's own loop (:func:`gateway.streams.follow`) for
+    replay, resume and back-pressure. ``clock`` is read for writes outside an engine step."""
+
+    __slots__ = ("clock", "conn", "delay", "framing", "last_write", "meter")
+
+    def __init__(self, framing: Framing, conn: HttpConn | WsConn, meter: ReaderMeter, *, delay: float = 0.0,
+                 clock: Callable[[], tuple[float, int]] = clock) -> None:
+        self.framing = framing
+        self.conn = conn
+        self.meter = meter
+        self.delay = delay  # --inject-delay (bench calibration): every write of the loop sleeps first
+        self.clock = clock
+        self.last_write = 0.0
+
+    def write_now(self, ev: Event, step: Step | None) -> bool:
+        """Write one live event without awaiting; False if the connection cannot take it now."""
+        if not self.conn.write_now(self.framing.frame_bytes(ev), step):
             return False
-        if meter._last is None and ev.text:
-            meter.wrote([ev])
+        now, wall_ns = (step.now, step.wall_ns) if step is not None else self.clock()
+        self.last_write = now
+        self.meter.wrote(1, bool(ev.text), ev.timing.get("emit_ns") or 0, now, wall_ns)
         return True
 
-    return write
-
-
-def _pass_meter(gw: Gateway) -> Callable[[str, Event, int], None]:
-    """Metrics of the publisher's one-pass writes, observed once per event and transport (every reader
-    written in that pass shares its timing): chunks written, delivery latency, gap since the last pass."""
-    m = gw.metrics
-    chunks = {t: m.chunks.labels(t) for t in ("sse", "ws")}
-    delivery = {t: m.delivery.labels(t) for t in ("sse", "ws")}
-    itl = {t: m.itl.labels(t) for t in ("sse", "ws")}
-    last: dict[str, float] = {}
-
-    def observe(transport: str, ev: Event, n: int) -> None:
-        chunks[transport].inc(n)
-        emit_ns = ev.timing.get("emit_ns")
-        if emit_ns:
-            delivery[transport].observe(max(0, time.time_ns() - emit_ns) / 1e9)
-        if ev.text:
-            now = time.monotonic()
-            prev = last.get(transport)
-            if prev is not None:
-                itl[transport].observe(now - prev)
-            last[transport] = now
-
-    return observe
+    async def write(self, batch: list[Event]) -> None:
+        """Write a batch from the reader's own loop (awaits the server: a stalled client blocks here)."""
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        framing = self.framing
+        for f in framing.join([framing.frame(e) for e in batch]):
+            await self.conn.write(f)  # type: ignore[arg-type]
+        now, wall_ns = self.clock()
+        self.meter.wrote(len(batch), any(e.text for e in batch), batch[-1].timing.get("emit_ns") or 0, now, wall_ns)
 
 
 @dataclass(slots=True)
@@ -252,32 +237,18 @@ async def read(gw: Gateway, stream: Stream, framing: Framing, after: int, conn: 
 
     The caller writes the returned ending (or :func:`finish_reader` does it for a whole connection)."""
     m = gw.metrics
-    meter = ReaderMeter(gw, framing.transport, time.monotonic() if t0 is None else t0)
-    delay = gw.config.inject_delay.get(framing.transport, 0.0)
+    meter = ReaderMeter(m.hot.transports[framing.transport], time.monotonic() if t0 is None else t0)
+    reader = Reader(framing, conn, meter, delay=gw.config.inject_delay.get(framing.transport, 0.0))
     active = m.active_streams.labels(framing.transport)
-    conn_write = conn.write
-
-    async def write(batch: list[Event]) -> None:
-        if delay:
-            await asyncio.sleep(delay)
-        frames = framing.join([framing.frame(e) for e in batch])
-        for f in frames:
-            await conn_write(f)  # type: ignore[arg-type]
-        meter.wrote(batch)
-
     # --inject-delay (bench calibration) turns the one pass off for every transport, so the arms differ
     # only by the injected delay, not by the path their writes take.
     one_pass = gw.config.direct_write and not gw.config.inject_delay
-    direct = conn.direct(framing.name, framing.frame_bytes) if one_pass else None
-    if direct is not None:
-        if stream.on_direct is None:
-            stream.on_direct = _pass_meter(gw)
-        direct = _first_token_observer(direct, meter)
     active.inc()
     last = after
     try:
-        last = await follow(stream, framing.transport, after, write, gw.policy, gw.watchdog, idle=idle,
-                            direct=direct, merge=framing.mergeable)
+        last = await follow(stream, framing.transport, after, reader.write, gw.policy, gw.watchdog, idle=idle,
+                            reader=reader if one_pass else None,
+                            merge=framing.merge if framing.mergeable else None)
     except SlowConsumer:
         m.errors.labels("network").inc()
         log.info("reader of %s cut: a write was blocked for more than %gs", stream.id, gw.policy.send_timeout)

@@ -7,12 +7,14 @@ A :class:`Framing` turns a stream's events and its ending into what one kind of 
   ``fanout_sse``     ``id: seq`` + ``data: {chunk+tokenfan}``  ``data: [DONE]``      ``event: error`` / ``event: end``
   ``fanout_ws``      ``{"type":"chunk","seq","data"}``        ``{"type":"done"}``   ``{"type":"error"}``, close 1011
   ``mux_ws``         ``{"type":"chunk","id","data"}``         ``{"type":"done","id"}``  ``{"type":"error","id"}``
-  ``responses_sse``  ``event: <type>`` + ``data: {event}``    (in the log)          (in the log)
-  ``responses_ws``   ``{event}``                             (in the log)          (in the log)
+
+The Responses API's framings (its events, its terminal events, its merge rules) live with that API, in
+:mod:`gateway.responses_stream`: this module knows OpenAI chunks only as bytes to wrap.
 
 A reader that is cut for being too slow never gets a normal end: SSE readers get an
 ``event: error`` with code ``slow_consumer``, WebSocket readers a close 1013.
-Frames shared by all readers of one format are cached on the event (``Event.frames``).
+Frames shared by all readers of one format are cached on the event (``Event.frames``). A framing
+names the API's merge rules for a lagging reader (``merge``; the chat and completions chunks' by default).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import orjson
 
 from gateway import sse
 from gateway.errors import APIError
-from gateway.streams import Event, Stream
+from gateway.generation import CHUNK_MERGE
+from gateway.streams import Event, MergeRules, Stream
 
 Transport = Literal["sse", "ws"]
 
@@ -54,6 +57,7 @@ class Framing:
     transport: Transport = "sse"
     resumable = False
     mergeable = True  # a lagging reader may get content events merged (False: every event on its own)
+    merge: MergeRules = CHUNK_MERGE  # how they merge: the API's rules
 
     def frame(self, ev: Event) -> bytes | str:
         cached = ev.frames.get(self.name)
@@ -114,7 +118,9 @@ class FanoutSse(OpenAISse):
 def _fanout_frames(ev: Event) -> tuple[bytes, bytes]:
     """Both fan-out frames from one serialization (readers of both transports are the common case); the
     WebSocket one is kept as UTF-8 bytes, what the direct write sends, and decoded only for the slow path."""
-    data = orjson.dumps(ev.chunk)
+    payload = ev.json  # a JSON object: the timing object is spliced in before its closing brace
+    data = payload[:-1] + b',"tokenfan":' + orjson.dumps(ev.timing) + b"}" if len(payload) > 2 \
+        else orjson.dumps(ev.chunk)
     sse_frame = ev.frames[FanoutSse.name] = b"id: %d\ndata: %b\n\n" % (ev.seq, data)
     ws_frame = ev.frames[FanoutWs.name] = b'{"type":"chunk","seq":%d,"data":%b}' % (ev.seq, data)
     return sse_frame, ws_frame
@@ -154,10 +160,13 @@ class MuxWs(Framing):
     def __init__(self, cid: str) -> None:
         self.name = "mux_ws:" + cid  # frames differ per request id
         self.cid = cid
-        self._id = orjson.dumps(cid).decode()
+        self._id_bytes = orjson.dumps(cid)
 
     def frame(self, ev: Event) -> str:  # per-request (the id differs): not cached
-        return f'{{"type":"chunk","id":{self._id},"data":{ev.json.decode()}}}'
+        return self.frame_bytes(ev).decode()
+
+    def frame_bytes(self, ev: Event) -> bytes:
+        return b'{"type":"chunk","id":%b,"data":%b}' % (self._id_bytes, ev.json)
 
     def ending(self, stream: Stream) -> Ending:
         if stream.state == "error" and stream.error is not None:
@@ -168,74 +177,6 @@ class MuxWs(Framing):
         return Ending(orjson.dumps({"type": "done", "id": self.cid}).decode(), last=False)
 
 
-class ResponsesSse(Framing):
-    """Responses API over SSE: ``event: <type>`` + ``data:``; the terminal event is in the log.
-    ``timing`` (``?tokenfan_timing=1``, for benchmarks): each event also carries the ``tokenfan`` timing
-    object (``emit_ns``, ``sent_ns``, ``seq``), which the SDKs ignore."""
-
-    name = "responses_sse"
-    resumable = True
-
-    def __init__(self, timing: bool = False) -> None:
-        self.timing = timing
-        if timing:
-            self.name = "responses_sse+timing"
-
-    def build(self, ev: Event) -> bytes:
-        data = orjson.dumps(ev.chunk) if self.timing else ev.json
-        return b"event: %b\ndata: %b\n\n" % (str(ev.payload.get("type", "message")).encode(), data)
-
-    def ending(self, stream: Stream) -> Ending:
-        if stream.state == "error" and stream.error is not None and not _has_terminal(stream):
-            return Ending(sse.event(orjson.dumps({"type": "error", **_error_fields(stream.error),
-                                                  "sequence_number": len(stream.events)}), event="error"))
-        return Ending(None)
-
-
-class ResponsesWs(Framing):
-    """Responses API WebSocket mode: each event one JSON text message (with the lane's ``stream_id``
-    on a named lane, and errors in the WebSocket error shape); the socket stays open."""
-
-    name = "responses_ws"
-    transport: Transport = "ws"
-    resumable = False
-
-    def __init__(self, stream_id: str | None = None, timing: bool = False) -> None:
-        self.stream_id = stream_id
-        self.timing = timing
-        self.name = "responses_ws" + ("+timing" if timing else "") + (":" + stream_id if stream_id else "")
-
-    def build(self, ev: Event) -> str:
-        return self.build_payload(ev.chunk if self.timing else ev.payload)
-
-    def build_payload(self, payload: dict[str, object]) -> str:
-        from gateway.responses_ws import ws_event, ws_text
-
-        if payload.get("type") == "error":
-            return orjson.dumps(ws_event(payload, self.stream_id)).decode()
-        return ws_text(orjson.dumps(payload), self.stream_id)
-
-    def ending(self, stream: Stream) -> Ending:
-        from gateway.responses_ws import ws_error
-
-        if stream.state == "error" and stream.error is not None and not _has_terminal(stream):
-            return Ending(orjson.dumps(ws_error(stream.error, self.stream_id, len(stream.events))).decode(),
-                          last=False)
-        return Ending(None, last=False)
-
-
-def _has_terminal(stream: Stream) -> bool:
-    return bool(stream.events) and stream.events[-1].payload.get("type") in (
-        "response.completed", "response.failed", "response.incomplete", "error")
-
-
-def _error_fields(err: APIError) -> dict[str, object]:
-    e = err.body()["error"]
-    return {"code": e["code"], "message": e["message"], "param": e["param"]}
-
-
 OPENAI_SSE = OpenAISse()
 FANOUT_SSE = FanoutSse()
 FANOUT_WS = FanoutWs()
-RESPONSES_SSE = ResponsesSse()
-RESPONSES_SSE_TIMING = ResponsesSse(timing=True)

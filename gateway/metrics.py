@@ -1,22 +1,111 @@
-"""Prometheus metrics of one gateway (own registry, so several apps can live in one process)."""
+"""Prometheus metrics of one gateway (own registry, so several apps can live in one process).
+
+The token path's metrics (chunks written, tokens generated, TTFT, inter-token gap, delivery latency) are
+observed per event, so they are plain integers and bucket arrays (:class:`HotCounter`,
+:class:`HotHistogram`: an add and a bisect, no lock, no label lookup) that :class:`DeliveryCollector`
+folds into Prometheus families when ``/metrics`` is scraped. prometheus_client's own ``Histogram.observe``
+costs about 1.5 µs here (a lock and a label-child lookup); these cost about 0.2 µs. Everything else uses
+prometheus_client's types directly.
+"""
 
 from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 # every limit's error code, exported at 0 from the start (docs/limits.md)
 REFUSAL_REASONS = ("client_connection_limit", "client_generation_limit", "client_subscription_limit",
                    "connection_queue_limit", "fair_share_limit", "too_many_requests", "overloaded",
                    "too_many_subscribers", "too_many_streams", "engine_overloaded")
 _LAT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+TRANSPORTS = ("sse", "ws")
+
+
+class HotCounter:
+    """A counter the token path adds to; read by :class:`DeliveryCollector` at scrape time."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def inc(self, n: int = 1) -> None:
+        self.value += n
+
+
+class HotHistogram:
+    """A histogram the token path observes into: one count per bucket (``le`` semantics: a value equal
+    to a bound falls in that bound's bucket) and the sum; cumulative counts are built at scrape time."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...] = _LAT_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative ``(le, count)`` pairs, as Prometheus exposes them."""
+        out: list[tuple[str, float]] = []
+        total = 0
+        for bound, n in zip((*map(repr, map(float, self.bounds)), "+Inf"), self.counts, strict=True):
+            total += n
+            out.append((bound, float(total)))
+        return out
+
+
+class TransportMetrics:
+    """The hot metrics of one transport (``sse`` or ``ws``)."""
+
+    __slots__ = ("chunks", "delivery", "itl", "ttft")
+
+    def __init__(self) -> None:
+        self.chunks = HotCounter()  # chunks written to clients
+        self.ttft = HotHistogram()  # request arrival -> first content chunk written
+        self.itl = HotHistogram()  # gap between consecutive content writes to one client
+        self.delivery = HotHistogram()  # engine emit -> gateway write, per chunk
+
+
+class DeliveryCollector(Collector):
+    """Folds the token path's plain counters into Prometheus families at scrape time."""
+
+    def __init__(self) -> None:
+        self.transports = {t: TransportMetrics() for t in TRANSPORTS}
+        self.tokens = HotCounter()  # completion tokens received from the engine
+
+    def collect(self) -> Iterator[Metric]:
+        chunks = CounterMetricFamily("tokenfan_chunks_sent_total", "Chunks written to clients by transport",
+                                     labels=["transport"])
+        for t, m in self.transports.items():
+            chunks.add_metric([t], float(m.chunks.value))
+        yield chunks
+        yield CounterMetricFamily("tokenfan_tokens_generated_total", "Completion tokens received from the engine",
+                                  value=float(self.tokens.value))
+        for name, doc, attr in (
+                ("tokenfan_time_to_first_token_seconds", "Request arrival to first content chunk sent", "ttft"),
+                ("tokenfan_delivery_latency_seconds", "Engine emit to gateway write, per chunk", "delivery"),
+                ("tokenfan_inter_token_latency_seconds", "Gap between consecutive content writes to one client",
+                 "itl")):
+            family = HistogramMetricFamily(name, doc, labels=["transport"])
+            for t, m in self.transports.items():
+                h: HotHistogram = getattr(m, attr)
+                family.add_metric([t], h.buckets(), h.sum)
+            yield family
 
 
 class Metrics:
@@ -35,16 +124,8 @@ class Metrics:
                                registry=r)
         self.errors = Counter("tokenfan_errors_total", "Errors by class: network, engine, client, content",
                               ["class"], registry=r)
-        self.chunks = Counter("tokenfan_chunks_sent_total", "Chunks written to clients by transport",
-                              ["transport"], registry=r)
-        self.tokens = Counter("tokenfan_tokens_generated_total", "Completion tokens received from the engine",
-                              registry=r)
-        self.ttft = Histogram("tokenfan_time_to_first_token_seconds", "Request arrival to first content chunk sent",
-                              ["transport"], buckets=_LAT_BUCKETS, registry=r)
-        self.delivery = Histogram("tokenfan_delivery_latency_seconds", "Engine emit to gateway write, per chunk",
-                                  ["transport"], buckets=_LAT_BUCKETS, registry=r)
-        self.itl = Histogram("tokenfan_inter_token_latency_seconds", "Gap between consecutive content writes "
-                             "to one client", ["transport"], buckets=_LAT_BUCKETS, registry=r)
+        self.hot = DeliveryCollector()  # chunks, tokens, TTFT, delivery latency, inter-token gap
+        r.register(self.hot)
         self.engine_up = Gauge("tokenfan_engine_up", "1 while the engine answers heartbeats", registry=r)
         self.engine_queue = Gauge("tokenfan_engine_queue_depth", "Requests waiting in the engine", registry=r)
         self.engine_running = Gauge("tokenfan_engine_running", "Requests generating in the engine", registry=r)
@@ -57,7 +138,6 @@ class Metrics:
         for t in ("sse", "ws"):  # export both transports from the start, at 0
             self.active_streams.labels(t)
             self.subscribers.labels(t)
-            self.chunks.labels(t)
         self.loop_lag = Gauge("tokenfan_event_loop_lag_seconds", "How late the gateway's event loop runs "
                               "(worst of the last second); new work gets 503 above --max-loop-lag", registry=r)
         self.refusals = Counter("tokenfan_refusals_total", "Requests, connections and subscriptions refused by a "

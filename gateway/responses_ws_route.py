@@ -1,7 +1,7 @@
 """Responses API WebSocket mode on ``/v1/responses`` (the protocol is in :mod:`gateway.responses_ws`).
 
 Each ``response.create`` runs as a response stream of the delivery core, read by this socket through
-:class:`gateway.framing.ResponsesWs`; lanes (``stream_id``) run concurrently, FIFO within a lane
+:class:`gateway.responses_stream.ResponsesWs`; lanes (``stream_id``) run concurrently, FIFO within a lane
 (:class:`gateway.responses_ws.Lanes`). A write blocked past ``--send-timeout`` cuts the socket with close
 1013 and aborts every response on it, as on every other path; a client that leaves aborts its
 responses too (WebSocket-mode responses are never background).
@@ -19,9 +19,9 @@ from starlette.websockets import WebSocket
 from gateway.delivery import read, release
 from gateway.edge import gateway_of
 from gateway.errors import APIError, EngineError, to_api_error
-from gateway.framing import ResponsesWs
 from gateway.responses_api import ResponseEvents, build_request, new_response_id
 from gateway.responses_chat import Message
+from gateway.responses_stream import ResponsesWs
 from gateway.responses_ws import (
     Lanes,
     TranscriptCache,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -22,10 +21,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine_worker import protocol as p
-from gateway.delivery import Finalizer, Source, SseResponse, cancel, resume_point, start_generation, stop
+from gateway.delivery import SseResponse, cancel, resume_point, start_generation, stop
 from gateway.edge import gateway_of, read_body
 from gateway.errors import APIError, EngineError
-from gateway.framing import RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesSse
 from gateway.generation import ChunkEvent
 from gateway.responses_api import (
     ResponseEvents,
@@ -39,6 +37,7 @@ from gateway.responses_api import (
     response_not_found,
 )
 from gateway.responses_chat import Message, decode_transcript, encode_transcript, responses_param
+from gateway.responses_stream import RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesSse
 from gateway.state import Gateway
 from gateway.streams import Stream, StreamHub
 
@@ -64,44 +63,39 @@ async def history(gw: Gateway, previous_response_id: str | None) -> list[Message
     raise previous_response_not_found(previous_response_id)
 
 
-def response_source(events: ResponseEvents) -> Source:
-    """Engine deltas -> Responses events: the lifecycle events, the items' events per engine step (from the
-    text of the plain path or the chat chunk of vLLM's layer), the end."""
+class ResponseRenderer:
+    """Engine deltas -> Responses events (a :class:`gateway.generation.Renderer`): the lifecycle events,
+    the items' events per engine step (from the text of the plain path or the chat chunk of vLLM's layer),
+    the end; ``response.failed`` or the cancel's events if it ends otherwise."""
 
-    async def source(handle: Any, _builder: Any) -> AsyncIterator[ChunkEvent]:
+    def __init__(self, events: ResponseEvents) -> None:
+        self.events = events
+        self.held = 0  # tokens of steps that added no event (text held back by the detokenizer, a tool
+        # call's name before its arguments): counted with the next event, as OpenAI sends no empty deltas
+
+    def opening(self) -> list[ChunkEvent]:
         now = p.now_ns()
-        for pl in events.start():
-            yield ChunkEvent(pl, now, "", 0)
-        finish: str | None = None
-        usage: p.Usage | None = None
-        held = 0  # tokens of steps that added no event (text held back by the detokenizer, a tool call's
-        # name before its arguments): counted with the next event, as OpenAI sends no empty deltas
-        async for d in handle.deltas():
-            if d is None:
-                continue
-            held += d.token_count
-            for pl in events.chunk(orjson.loads(d.chunk)) if d.chunk else events.delta(d.text):
-                yield ChunkEvent(pl, d.emit_ns, delta_text(pl), held)
-                held = 0
-            if d.finish_reason is not None:
-                finish, usage = d.finish_reason, d.usage
-        for pl in events.finish(finish, usage):
-            yield ChunkEvent(pl, p.now_ns(), "", held, finish, usage)
-            held = 0
+        return [ChunkEvent(pl, now, "", 0) for pl in self.events.start()]
 
-    return source
+    def step(self, d: p.Delta) -> list[ChunkEvent]:
+        events = self.events
+        self.held += d.token_count
+        out: list[ChunkEvent] = []
+        for pl in events.chunk(orjson.loads(d.chunk)) if d.chunk else events.delta(d.text):
+            out.append(ChunkEvent(pl, d.emit_ns, delta_text(pl), self.held))
+            self.held = 0
+        if d.finish_reason is not None:
+            for pl in events.finish(d.finish_reason, d.usage):
+                out.append(ChunkEvent(pl, d.emit_ns, "", self.held, d.finish_reason, d.usage))
+                self.held = 0
+        return out
 
-
-def response_finalizer(events: ResponseEvents) -> Finalizer:
-    """The closing events of a failed (``response.failed``) or cancelled response."""
-
-    def close(stream: Stream, err: APIError | None) -> list[ChunkEvent]:
-        if events.done:
+    def closing(self, err: APIError | None) -> list[ChunkEvent]:
+        if self.events.done:
             return []
-        payloads = events.fail(err) if err is not None else events.cancel()
-        return [ChunkEvent(pl, p.now_ns(), "", 0) for pl in payloads]
-
-    return close
+        payloads = self.events.fail(err) if err is not None else self.events.cancel()
+        now = p.now_ns()
+        return [ChunkEvent(pl, now, "", 0) for pl in payloads]
 
 
 async def start_response(gw: Gateway, rr: ResponsesRequest, scope: Any, *, lane: str | None = None) -> tuple[
@@ -112,7 +106,7 @@ async def start_response(gw: Gateway, rr: ResponsesRequest, scope: Any, *, lane:
     events = ResponseEvents(rid, model, request=rr)
     try:
         stream = await start_generation(gw, rr.chat, scope, listed=rr.store, detached=rr.background,
-                                        source=response_source(events), finalizer=response_finalizer(events),
+                                        source=lambda _handle, _builder: ResponseRenderer(events),
                                         stream_id=rid, endpoint=ENDPOINT)
     except (APIError, EngineError) as exc:
         exc.param = responses_param(exc.param)  # the engine validated the chat body: name the Responses field

@@ -10,7 +10,10 @@ Fairness: on publish, subscribers are woken per transport group, SSE first for e
 WebSocket first for odd ``seq``, so neither transport is systematically written first; within a
 group the starting subscriber rotates with ``seq``, so no subscriber is always first either.
 
-Slow subscribers follow :class:`SlowConsumerPolicy`.
+One pass: :meth:`Stream.append` writes a new event to every caught-up reader itself
+(:meth:`gateway.delivery.Reader.write_now`, inside the engine step that produced it); a reader's own loop
+(:func:`follow`) runs only for replay, resume and back-pressure. Slow subscribers follow
+:class:`SlowConsumerPolicy`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import orjson
 
@@ -36,6 +39,11 @@ Transport = Literal["sse", "ws"]
 TRANSPORTS: tuple[Transport, Transport] = ("sse", "ws")
 State = Literal["running", "done", "error", "cancelled"]
 
+if TYPE_CHECKING:
+    from gateway.conn import Step
+    from gateway.delivery import Reader
+    from gateway.generation import ChunkTemplate
+
 
 class _NoCache(dict):  # type: ignore[type-arg]
     """``Event.frames`` of an unlisted stream: its one reader writes each frame once, so keeping the
@@ -48,27 +56,49 @@ class _NoCache(dict):  # type: ignore[type-arg]
 NO_CACHE: dict[str, Any] = _NoCache()
 
 
-@dataclass(slots=True, eq=False)
 class Event:
     """One published payload (an OpenAI chunk or a Responses event) and its frames, built lazily.
 
     ``payload`` is what OpenAI clients receive; ``timing`` is tokenfan's ``{seq, emit_ns, sent_ns}``
     object that fan-out frames add as ``"tokenfan"``. Each wire frame is built at most once per
-    event (:mod:`gateway.framing` caches it in ``frames``), however many readers send it.
+    event (:mod:`gateway.framing` caches it in ``frames``), however many readers send it. An event
+    rendered from a ``template`` (:class:`gateway.generation.ChunkTemplate`) keeps only its text: its JSON
+    is rendered when a frame is built, its ``payload`` dict parsed only when something asks for it (a
+    merge, the broker), so a retained log holds each token's text once.
     """
 
-    seq: int
-    payload: dict[str, Any]
-    timing: dict[str, Any]
-    text: str
-    finish_reason: str | None
-    frames: dict[str, Any] = field(default_factory=dict)
+    __slots__ = ("_payload", "_template", "finish_reason", "frames", "seq", "text", "timing")
+
+    def __init__(self, seq: int, payload: dict[str, Any] | None, timing: dict[str, Any], text: str,
+                 finish_reason: str | None, frames: dict[str, Any] | None = None, *,
+                 template: ChunkTemplate | None = None) -> None:
+        if payload is None and template is None:
+            raise ValueError("an event needs its payload or its template")
+        self.seq = seq
+        self._payload = payload
+        self._template = template
+        self.timing = timing
+        self.text = text
+        self.finish_reason = finish_reason
+        self.frames: dict[str, Any] = {} if frames is None else frames
+
+    def __repr__(self) -> str:
+        return f"Event(seq={self.seq}, text={self.text!r}, finish_reason={self.finish_reason!r})"
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        """The payload as a dict (a template's event parses its JSON each time: it is rarely asked for)."""
+        if self._payload is None:
+            return orjson.loads(self.json)  # type: ignore[no-any-return]
+        return self._payload
 
     @property
     def json(self) -> bytes:
         """The payload alone, as OpenAI clients get it (not cached: orjson's output buffer is
         oversized, so frames keep tight copies built from it instead)."""
-        return orjson.dumps(self.payload)
+        if self._template is not None:
+            return self._template.render(self.text)
+        return orjson.dumps(self._payload)
 
     @property
     def chunk(self) -> dict[str, Any]:
@@ -88,79 +118,59 @@ def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str 
     return Event(seq, payload, timing, text, finish_reason)
 
 
-def coalesce(events: list[Event]) -> list[Event]:
+class MergeRules(Protocol):
+    """An API's rule for merging a lagging reader's content events (:func:`coalesce`); the delivery core
+    knows no payload shape: the OpenAI chunks' rules are :data:`gateway.generation.CHUNK_MERGE`, the
+    Responses events' :data:`gateway.responses_stream.RESPONSES_MERGE`."""
+
+    def group(self, payload: dict[str, Any]) -> object | None:
+        """The run a content event may merge into (only with neighbours of the same group); None: never
+        merged (lifecycle, usage, tool-call events keep their own event, nothing in them rebuilt)."""
+        ...
+
+    def merged(self, run: list[Event], text: str) -> dict[str, Any]:
+        """The payload of a merged run: its last event's, carrying all of the run's ``text``."""
+        ...
+
+
+def coalesce(events: list[Event], rules: MergeRules) -> list[Event]:
     """Merge runs of content events into one event each (text concatenated, no text lost).
 
     A merged event takes the ``seq`` of the last event it covers, so resuming after it is exact;
     its ``tokenfan`` object records ``first_seq`` and ``coalesced`` (how many events it merged).
-    Only content events merge: chat/completion chunks with a choice, and Responses
-    ``response.output_text.delta`` events; everything else (usage chunks, lifecycle events) stays.
+    Which events are content, and how a run's payload is rebuilt, is the API's ``rules``.
     """
     out: list[Event] = []
     run: list[Event] = []
+    key: object | None = None
 
     def flush() -> None:
         if len(run) == 1:
             out.append(run[0])
         elif run:
-            out.append(_merge(run))
+            out.append(_merge(run, rules))
         run.clear()
 
     for ev in events:
-        if _mergeable(ev, run[0] if run else None):
+        group = rules.group(ev.payload)
+        if group is not None and run and group == key:
             run.append(ev)
+            continue
+        flush()
+        if group is None:
+            out.append(ev)
         else:
-            flush()
-            if _mergeable(ev, None):
-                run.append(ev)
-            else:
-                out.append(ev)
+            run.append(ev)
+            key = group
     flush()
     return out
 
 
-def _mergeable(ev: Event, head: Event | None) -> bool:
-    kind = ev.payload.get("type")
-    if kind is not None:  # a Responses event
-        ok = kind == "response.output_text.delta"
-        return ok and (head is None or head.payload.get("item_id") == ev.payload.get("item_id"))
-    return _text_only(ev.payload.get("choices"))
-
-
-def _text_only(choices: Any) -> bool:
-    """A chunk whose one choice (index 0) carries only text: tool-call, reasoning and logprob deltas and
-    the choices of ``n`` > 1 are never merged (their own event each, so nothing in them is rebuilt)."""
-    if not choices or len(choices) != 1:
-        return False
-    choice = choices[0]
-    if choice.get("index", 0) != 0 or choice.get("logprobs") is not None:
-        return False
-    delta = choice.get("delta")
-    return delta.keys() <= {"role", "content"} if isinstance(delta, dict) else "text" in choice
-
-
-def _merge(run: list[Event]) -> Event:
+def _merge(run: list[Event], rules: MergeRules) -> Event:
     last = run[-1]
     text = "".join(e.text for e in run)
-    payload = dict(last.payload)
-    if payload.get("type") == "response.output_text.delta":
-        payload["delta"] = text
-    else:
-        choice = dict(payload["choices"][0])
-        if "delta" in choice:
-            delta: dict[str, Any] = {}
-            role = next((e.payload["choices"][0]["delta"].get("role") for e in run
-                         if e.payload["choices"][0]["delta"].get("role")), None)
-            if role:
-                delta["role"] = role
-            if text or role or last.finish_reason is None:
-                delta["content"] = text
-            choice["delta"] = delta
-        else:
-            choice["text"] = text
-        payload["choices"] = [choice]
     timing = {**last.timing, "first_seq": run[0].seq, "coalesced": len(run), "sent_ns": p.now_ns()}
-    return Event(last.seq, payload, timing, text, last.finish_reason)
+    return Event(last.seq, rules.merged(run, text), timing, text, last.finish_reason)
 
 
 @dataclass(slots=True)
@@ -187,11 +197,13 @@ class SlowConsumerPolicy:
     replay_batch: int = 64
     linger: float = 10.0  # after a cut, seconds the connection may still flush its ending before it is reset
 
-    def plan(self, events: list[Event], cursor: int, lagging: bool, failing: bool = False) -> list[Event]:
+    def plan(self, events: list[Event], cursor: int, lagging: bool, failing: bool = False,
+             rules: MergeRules | None = None) -> list[Event]:
         """The next write for a reader at ``cursor``. ``failing``: the stream ended with an error or a
-        cancel, so its notice must not queue behind a backlog: everything pending is merged."""
-        if (lagging or failing) and len(events) - cursor > self.coalesce_after:
-            return coalesce(events[cursor:])
+        cancel, so its notice must not queue behind a backlog: everything pending is merged by the API's
+        ``rules`` (None: this reader never gets merged events)."""
+        if rules is not None and (lagging or failing) and len(events) - cursor > self.coalesce_after:
+            return coalesce(events[cursor:], rules)
         return events[cursor:cursor + self.replay_batch]
 
 
@@ -223,8 +235,6 @@ class Stream:
     def __post_init__(self) -> None:
         # dicts as insertion-ordered sets: the rotation in _wake needs a stable order
         self._waiters: dict[Transport, dict[Subscription, None]] = {"sse": {}, "ws": {}}
-        # (transport, event, readers written directly) after each one-pass write, for metrics
-        self.on_direct: Callable[[Transport, Event, int], None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -233,19 +243,22 @@ class Stream:
     def subscriber_count(self) -> int:
         return len(self._waiters["sse"]) + len(self._waiters["ws"])
 
-    def publish(self, ev: ChunkEvent) -> Event:
-        """Append the next payload, stamped with its ``seq`` and timing, and wake the readers."""
+    def publish(self, ev: ChunkEvent, step: Step | None = None) -> Event:
+        """Append the next payload, stamped with its ``seq`` and timing (``step``: the engine step that
+        produced it, whose clock read it shares), and write it to the caught-up readers."""
         seq = len(self.events)
-        return self.append(Event(seq, ev.chunk, {"seq": seq, "emit_ns": ev.emit_ns, "sent_ns": p.now_ns()},
-                                 ev.text, ev.finish_reason, {} if self.listed else NO_CACHE))
+        sent_ns = step.wall_ns if step is not None else p.now_ns()
+        return self.append(Event(seq, ev.payload, {"seq": seq, "emit_ns": ev.emit_ns, "sent_ns": sent_ns},
+                                 ev.text, ev.finish_reason, {} if self.listed else NO_CACHE, template=ev.template),
+                           step)
 
-    def append(self, event: Event) -> Event:
-        """Add an already built event (its ``seq`` must be the next one) and wake the readers."""
+    def append(self, event: Event, step: Step | None = None) -> Event:
+        """Add an already built event (its ``seq`` must be the next one) and write it to the readers."""
         if event.seq != len(self.events):
             raise ValueError(f"stream {self.id}: event seq {event.seq}, expected {len(self.events)}")
         self.events.append(event)
         self.size += event.size
-        self._wake(event.seq, event)
+        self._wake(event.seq, event, step)
         return event
 
     def finish(self, state: State, error: APIError | None = None) -> None:
@@ -256,28 +269,24 @@ class Stream:
         self.finished_at = time.monotonic()
         self._wake(len(self.events))
 
-    def _wake(self, seq: int, event: Event | None = None) -> None:
-        """One pass over the readers for a new event (or the end): a caught-up reader with a direct
-        writer gets the event written here and now; any other reader's loop is woken."""
+    def _wake(self, seq: int, event: Event | None = None, step: Step | None = None) -> None:
+        """One pass over the readers for a new event (or the end): a caught-up reader that writes in the
+        publisher's pass gets the event written here and now (:meth:`gateway.delivery.Reader.write_now`);
+        any other reader's loop is woken."""
         order = TRANSPORTS if seq % 2 == 0 else TRANSPORTS[::-1]
         for transport in order:
-            subs = list(self._waiters[transport])
-            if not subs:
+            group = self._waiters[transport]
+            if not group:
                 continue
+            subs = list(group)
             k = seq % len(subs)
-            written = 0
-            for sub in subs[k:] + subs[:k]:
-                if event is not None and sub.parked and sub.cursor == seq and sub.direct is not None \
-                        and sub.direct(event):
+            for sub in subs[k:] + subs[:k] if k else subs:
+                if event is not None and sub.parked and sub.cursor == seq and sub.reader is not None \
+                        and sub.reader.write_now(event, step):
                     sub.cursor = seq + 1
-                    if not written:
-                        now = time.monotonic()
-                    sub.last_write = now
-                    written += 1
+                    sub.last_write = sub.reader.last_write
                 else:
                     sub.waiter.set()
-            if written and self.on_direct is not None:
-                self.on_direct(transport, event, written)  # type: ignore[arg-type]
 
     def _register(self, sub: Subscription) -> None:
         self._waiters[sub.transport][sub] = None
@@ -289,9 +298,6 @@ class Stream:
 # Writers: the transport-specific half of a subscriber.
 WriteEvents = Callable[[list[Event]], Awaitable[None]]
 WriteIdle = Callable[[], Awaitable[None]]
-# A synchronous write of one event that never blocks: True if written, False if the connection cannot
-# take it now (its buffer is above the high-water mark) and the reader's own loop must send it.
-DirectWrite = Callable[[Event], bool]
 
 
 @dataclass(eq=False, slots=True)
@@ -302,8 +308,8 @@ class Subscription:
     task: asyncio.Task[Any] | None
     waiter: asyncio.Event = field(default_factory=asyncio.Event)
     cursor: int = 0  # the next seq this reader sends
-    parked: bool = False  # its loop waits, caught up: the publisher may write for it (``direct``)
-    direct: DirectWrite | None = None
+    parked: bool = False  # its loop waits, caught up: the publisher may write for it (``reader``)
+    reader: Reader | None = None  # writes in the publisher's pass (None: only its own loop writes)
     busy_since: float | None = None  # monotonic start of the write in progress
     last_write: float = field(default_factory=time.monotonic)
     ping_due: bool = False
@@ -356,16 +362,17 @@ class Watchdog:
 
 async def follow(
     stream: Stream, transport: Transport, after: int, write: WriteEvents, policy: SlowConsumerPolicy,
-    watchdog: Watchdog, *, idle: WriteIdle | None = None, direct: DirectWrite | None = None,
-    merge: bool = True,
+    watchdog: Watchdog, *, idle: WriteIdle | None = None, reader: Reader | None = None,
+    merge: MergeRules | None = None,
 ) -> int:
     """Send every event with ``seq > after`` and then the live tail until the stream ends.
 
     Returns the last ``seq`` sent (``after`` if none). Raises :class:`SlowConsumer` when the
     watchdog finds a write blocked past the send timeout. ``idle`` (if given) is called when the
-    watchdog asks for a keep-alive. With ``direct``, a caught-up reader's live events are written by
+    watchdog asks for a keep-alive. With ``reader``, a caught-up reader's live events are written by
     the publisher in its one pass over the readers (:meth:`Stream._wake`); this loop only wakes for
-    what that could not write (replay, a full buffer, the end). The caller writes the stream's ending.
+    what that could not write (replay, a full buffer, the end). ``merge``: the API's rules for merging
+    the content events of a reader that lags (None: never merged). The caller writes the stream's ending.
     """
     # Lagging = more than coalesce_after events were published while our last write was in progress:
     # the client is the bottleneck, so merge. Events that were already there when a write started
@@ -374,7 +381,7 @@ async def follow(
     # A reader that was following a running stream gets its backlog merged when the stream fails, so the
     # notice is not stuck behind it; one that joins a finished stream replays it event by event.
     live = not stream.finished
-    sub = Subscription(transport, asyncio.current_task(), cursor=after + 1, direct=direct)
+    sub = Subscription(transport, asyncio.current_task(), cursor=after + 1, reader=reader)
     stream._register(sub)
     watchdog.add(sub)
 
@@ -395,8 +402,8 @@ async def follow(
         while True:
             sub.waiter.clear()
             if sub.cursor < len(stream.events):
-                batch = policy.plan(stream.events, sub.cursor, merge and lagging,
-                                    merge and live and stream.state in ("error", "cancelled"))
+                batch = policy.plan(stream.events, sub.cursor, lagging,
+                                    live and stream.state in ("error", "cancelled"), merge)
                 sub.cursor = batch[-1].seq + 1
                 head = len(stream.events)
                 await timed(write(batch))

@@ -12,7 +12,7 @@ from engine_worker import protocol as p
 from gateway.generation import ChunkEvent, chunk_events
 from gateway.openai_api import ChunkBuilder
 from gateway.responses_api import ResponseEvents
-from gateway.routes_responses import response_source
+from gateway.routes_responses import ResponseRenderer
 
 USAGE = p.Usage(prompt_tokens=3, completion_tokens=4)
 # A byte-fallback token whose text the detokenizer holds back, then the token completing it.
@@ -43,8 +43,8 @@ def test_a_held_back_step_is_an_empty_chunk_as_vllm_serve_sends_it() -> None:
 
 
 def test_responses_send_no_empty_delta_but_count_its_tokens() -> None:
-    events = ResponseEvents("resp_1", "m")
-    out: list[ChunkEvent] = asyncio.run(collect(response_source(events)(Handle(), None)))
+    renderer = ResponseRenderer(ResponseEvents("resp_1", "m"))
+    out: list[ChunkEvent] = renderer.opening() + [ev for d in DELTAS for ev in renderer.step(d)]
     deltas = [ev.chunk["delta"] for ev in out if ev.chunk["type"] == "response.output_text.delta"]
     assert deltas == ["Hi", "é", " x"]
     assert sum(ev.tokens for ev in out) == USAGE.completion_tokens

@@ -28,6 +28,7 @@ from gateway.responses_api import (
     response_from_events,
 )
 from gateway.responses_chat import decode_transcript, encode_transcript, responses_param
+from gateway.responses_stream import RESPONSES_MERGE
 from gateway.streams import coalesce, encode_event
 from tests.test_responses_api import LIMITS, _Server, sdk_client, validate_event, validate_response
 
@@ -294,7 +295,7 @@ def test_a_lagging_reader_gets_every_argument_delta_unmerged() -> None:
     _, events = run_chunks([tool_chunk(0, "c", "f", "{"), tool_chunk(0, None, None, '"a"'),
                             tool_chunk(0, None, None, ":1}")])
     log = [encode_event(e["sequence_number"], e, e.get("delta", ""), None) for e in events]
-    assert [e.payload for e in coalesce(log)] == [e.payload for e in log]
+    assert [e.payload for e in coalesce(log, RESPONSES_MERGE)] == [e.payload for e in log]
 
 
 # -- the unmodified SDK ----------------------------------------------------------------------------

@@ -7,14 +7,15 @@ import time
 
 from gateway.errors import APIError
 from gateway.framing import FANOUT_SSE, FANOUT_WS
-from gateway.generation import ChunkEvent
+from gateway.generation import CHUNK_MERGE, ChunkEvent
 from gateway.openai_api import ChunkBuilder
 from gateway.streams import Event, Retention, SlowConsumerPolicy, StreamHub, Watchdog, coalesce
 from gateway.streams import follow as _follow
 
 
 def follow(stream, transport, after, write, policy):  # type: ignore[no-untyped-def]
-    return _follow(stream, transport, after, write, policy, Watchdog(policy.send_timeout, None, tick=0.01))
+    return _follow(stream, transport, after, write, policy, Watchdog(policy.send_timeout, None, tick=0.01),
+                   merge=CHUNK_MERGE)
 
 B = ChunkBuilder("chat.completions", "chatcmpl-x", "m", include_usage=False)
 
@@ -36,7 +37,7 @@ def test_coalesce_keeps_all_text_and_the_last_seq() -> None:
     assert role is not None
     s.publish(ChunkEvent(role, 1, "", 0))
     publish_text(s, ["a", "b", "c"])
-    merged = coalesce(s.events)
+    merged = coalesce(s.events, CHUNK_MERGE)
     assert len(merged) == 1
     m = merged[0]
     assert m.seq == 3 and m.text == "abc" and m.finish_reason == "length"
@@ -63,7 +64,7 @@ def test_coalesce_never_merges_tool_call_reasoning_logprob_or_other_choice_chunk
     for c in structured:
         s.publish(ChunkEvent(c, 1, "", 1))
     publish_text(s, ["z"])
-    merged = coalesce(s.events)
+    merged = coalesce(s.events, CHUNK_MERGE)
     assert [m.payload for m in merged[1:5]] == structured
     assert texts(merged) == "xyz" and len(merged) == 6
 

@@ -181,7 +181,8 @@ def spawned(kind: str, ns: argparse.Namespace, out: Path, workers: int = 1) -> I
         with procs.spawn_raw(ns.tokens_per_s, ns.ttft_ms, out / "logs") as raw:
             yield Server("raw", raw.url, ProcCpu(raw.server_pid), None)
         return
-    gw_args = ["--max-tokens-cap", str(10 * steady_tokens(ns)), *ns.gateway_arg,
+    gw_args = ["--max-tokens-cap", str(10 * steady_tokens(ns)), "--ws-max-in-flight", str(max(32, ns.per_connection)),
+               *ns.gateway_arg,
                *(["--workers", str(workers)] if workers > 1 else [])]
     with procs.spawn_synthetic(ns.tokens_per_s, ns.ttft_ms, out / "logs", gw_args,
                                engine_args=["--max-model-len", "1000000"]) as s:
@@ -464,8 +465,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--settle", type=float, default=1.0, help="seconds after closing a load")
     ap.add_argument("--start-timeout", type=float, default=30.0, help="seconds for every reader's first event")
     ap.add_argument("--capacity", action="store_true", help="also measure capacity (see above)")
-    ap.add_argument("--capacity-levels", type=_list(int), default=[100, 200, 300, 400, 600, 800],
-                    help="fan-out streams per capacity level, ascending (default 100,200,300,400,600,800)")
+    ap.add_argument("--capacity-levels", type=_list(int), default=[25, 50, 100, 200, 300, 400, 600],
+                    help="fan-out streams per capacity level, ascending (default 25,50,100,200,300,400,600)")
     ap.add_argument("--capacity-workers", type=_list(int), default=[1, 2],
                     help="gateway --workers values for capacity (default 1,2)")
     ap.add_argument("--threshold-ms", type=float, default=50.0, help="p99 delivery latency a level must hold")

@@ -11,8 +11,8 @@ from typing import Any
 
 from engine_worker.settings import add_arguments, build, declared
 from gateway.broker_codec import BrokerTimings
-from gateway.openai_api import Limits
 from gateway.streams import Retention, SlowConsumerPolicy
+from gateway.validation import Limits
 
 
 @dataclass(slots=True)

@@ -23,7 +23,6 @@ generated nothing has no output item.
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -35,15 +34,17 @@ import msgspec
 from engine_worker import protocol as p
 from gateway import responses_chat as rc
 from gateway.errors import APIError
-from gateway.openai_api import (
-    _PATH,
+from gateway.openai_api import ParsedRequest, parse_request
+from gateway.validation import (
     Limits,
-    ParsedRequest,
     check_json_depth,
+    check_range,
+    convert,
     decode_json_object,
-    parse_request,
+    invalid,
+    max_tokens,
+    unsupported,
 )
-from gateway.responses_chat import invalid, unsupported
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 TERMINAL_TYPES = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
@@ -153,32 +154,11 @@ def response_expired(response_id: str) -> APIError:
                     code="response_expired")
 
 
-def starting_after(raw: str | None) -> int:
-    """``GET /v1/responses/{id}?stream=true&starting_after=N``: the last sequence number the client has
-    (events with a larger one are sent); absent = -1, everything from ``response.created``."""
-    if raw is None or raw == "":
-        return -1
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -2
-    if value < -1:
-        raise invalid("starting_after", f"starting_after must be an integer >= -1, got {raw!r}.")
-    return value
-
-
 def decode_create(body: bytes | dict[str, Any]) -> CreateRequest:
     """A request body (bytes, or an already decoded object) -> :class:`CreateRequest`, or a 400."""
-    try:
-        if isinstance(body, dict):
-            check_json_depth(body)
-        req = msgspec.convert(body if isinstance(body, dict) else decode_json_object(body), CreateRequest)
-    except msgspec.ValidationError as exc:
-        m = _PATH.search(str(exc))
-        param = m.group(1).split("[")[0].split(".")[0] if m and m.group(1) else None
-        raise APIError(400, f"Invalid request: {exc}", param=param, code="invalid_type") from exc
-    except msgspec.DecodeError as exc:
-        raise APIError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if isinstance(body, dict):
+        check_json_depth(body)
+    req = convert(body if isinstance(body, dict) else decode_json_object(body), CreateRequest)
     _refuse_unsupported(req)
     return req
 
@@ -259,16 +239,9 @@ def parse_create(body: bytes | dict[str, Any], limits: Limits,
 
 def build_request(req: CreateRequest, limits: Limits, history: Sequence[rc.Message] = ()) -> ResponsesRequest:
     """A decoded request + the transcript of its ``previous_response_id`` -> :class:`ResponsesRequest`."""
-    max_tokens = req.max_output_tokens
-    if max_tokens is None:
-        max_tokens = min(limits.default_max_tokens, limits.max_tokens_cap)
-    if max_tokens < 1:
-        raise invalid("max_output_tokens", f"max_output_tokens must be at least 1, got {max_tokens}.")
-    if max_tokens > limits.max_tokens_cap:
-        raise invalid("max_output_tokens",
-                      f"max_output_tokens must be at most {limits.max_tokens_cap} on this server, got {max_tokens}.")
-    _check_range("temperature", req.temperature, 0.0, 2.0)
-    _check_range("top_p", req.top_p, 0.0, 1.0, lo_open=True)
+    limit = max_tokens(req.max_output_tokens, "max_output_tokens", limits)
+    check_range("temperature", req.temperature, 0.0, 2.0)
+    check_range("top_p", req.top_p, 0.0, 1.0, lo_open=True)
     _check_metadata(req.metadata)
     temperature = 1.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p
@@ -282,7 +255,7 @@ def build_request(req: CreateRequest, limits: Limits, history: Sequence[rc.Messa
     choice = rc.tool_choice(req.tool_choice)
     fmt = rc.text_format(req.text)
     effort = _reasoning_effort(req.reasoning)
-    body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "stream": True,
+    body: dict[str, Any] = {"messages": messages, "max_tokens": limit, "stream": True,
                             "stream_options": {"include_usage": True}}
     for name, value in (("model", req.model), ("temperature", req.temperature), ("top_p", req.top_p)):
         if value is not None:
@@ -304,16 +277,9 @@ def build_request(req: CreateRequest, limits: Limits, history: Sequence[rc.Messa
     # messages), any other by vLLM's layer in the engine. The engine streams chunks whatever the client
     # asked (``stream`` is true in the body): a non-streamed response is its folded events.
     chat = parse_request("chat.completions", body, limits)
-    return ResponsesRequest(chat=chat, req=req, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+    return ResponsesRequest(chat=chat, req=req, max_tokens=limit, temperature=temperature, top_p=top_p,
                             input_messages=inputs, history=list(history), tools=tools,
                             tool_choice=choice or "auto", text_format=fmt, reasoning_effort=effort)
-
-
-def _check_range(name: str, value: float | None, lo: float, hi: float, lo_open: bool = False) -> None:
-    if value is None:
-        return
-    if math.isnan(value) or value < lo or value > hi or (lo_open and value == lo):
-        raise invalid(name, f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}.")
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:

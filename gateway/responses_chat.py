@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.errors import APIError
+from gateway.validation import invalid, text_content, unsupported
 
 Message = dict[str, Any]  # one chat message, as the chat API takes it
 
@@ -38,15 +38,7 @@ _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_for
            "reasoning_effort": "reasoning.effort", "tools": "tools", "tool_choice": "tool_choice"}
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-_TEXT_PARTS = {"input_text", "output_text"}
-
-
-def unsupported(param: str, why: str) -> APIError:
-    return APIError(400, f"{param}: {why}.", param=param, code="unsupported_parameter")
-
-
-def invalid(param: str, message: str) -> APIError:
-    return APIError(400, message, param=param, code="invalid_value")
+_TEXT_PARTS = frozenset({"input_text", "output_text"})
 
 
 def responses_param(param: str | None) -> str | None:
@@ -112,23 +104,7 @@ def _message(i: int, item: dict[str, Any]) -> Message:
     role = item.get("role")
     if role not in _ROLES:
         raise invalid(f"input[{i}].role", f"input[{i}].role must be one of {sorted(_ROLES)}, got {role!r}.")
-    return {"role": _ROLES[role], "content": _text(f"input[{i}].content", item.get("content"), _TEXT_PARTS)}
-
-
-def _text(param: str, content: Any, kinds: set[str]) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(param, f"{param} must be a string or a list of content parts.")
-    texts = []
-    for j, part in enumerate(content):
-        ptype = part.get("type") if isinstance(part, dict) else None
-        if ptype not in kinds:
-            raise unsupported(f"{param}[{j}]", f"content parts of type {ptype!r} are not supported; only text is")
-        if not isinstance(part.get("text"), str):
-            raise invalid(f"{param}[{j}].text", f"{param}[{j}].text must be a string.")
-        texts.append(part["text"])
-    return "".join(texts)
+    return {"role": _ROLES[role], "content": text_content(f"input[{i}].content", item.get("content"), _TEXT_PARTS)}
 
 
 def _string(item: dict[str, Any], i: int, key: str) -> str:
@@ -144,7 +120,7 @@ def _function_call(i: int, item: dict[str, Any]) -> dict[str, Any]:
 
 
 def _function_call_output(i: int, item: dict[str, Any]) -> Message:
-    output = _text(f"input[{i}].output", item.get("output"), {"input_text", "output_text"})
+    output = text_content(f"input[{i}].output", item.get("output"), _TEXT_PARTS)
     return {"role": "tool", "tool_call_id": _string(item, i, "call_id"), "content": output}
 
 

@@ -30,8 +30,9 @@ from typing import Any, Generic, TypeVar
 import orjson
 
 from gateway.errors import APIError
-from gateway.responses_api import CANCELLED_CODE, CreateRequest, decode_create, unsupported
+from gateway.responses_api import CANCELLED_CODE, CreateRequest, decode_create
 from gateway.responses_chat import Message, transcript_chars
+from gateway.validation import unsupported
 
 STREAM_ID = re.compile(r"[A-Za-z0-9_.-]{1,256}")
 CLIENT_EVENTS = ("response.create",)

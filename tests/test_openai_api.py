@@ -7,7 +7,8 @@ import pytest
 
 from engine_worker import protocol as p
 from gateway.errors import APIError
-from gateway.openai_api import ChunkBuilder, Limits, parse_request
+from gateway.openai_api import ChunkBuilder, parse_request
+from gateway.validation import Limits
 
 
 def parse(endpoint: str, body: dict) -> object:

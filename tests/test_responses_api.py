@@ -21,8 +21,9 @@ from openai.types.responses.response_create_params import ResponseCreateParamsBa
 from pydantic import TypeAdapter
 
 from engine_worker import protocol as p
+from gateway.delivery import resume_point
 from gateway.errors import APIError
-from gateway.openai_api import Limits, parse_request
+from gateway.openai_api import parse_request
 from gateway.responses_api import (
     CANCELLED_CODE,
     REFUSED,
@@ -36,9 +37,9 @@ from gateway.responses_api import (
     response_expired,
     response_from_events,
     response_not_found,
-    starting_after,
 )
 from gateway.responses_chat import decode_transcript, encode_transcript
+from gateway.validation import Limits
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 LIMITS = Limits(default_max_tokens=64, max_tokens_cap=512)
@@ -226,10 +227,10 @@ def test_previous_response_not_found_is_the_documented_error() -> None:
 
 def test_retrieval_errors_and_starting_after() -> None:
     assert (response_not_found("r").status, response_expired("r").status) == (404, 410)
-    assert [starting_after(v) for v in (None, "", "-1", "0", "17")] == [-1, -1, -1, 0, 17]
+    assert [resume_point(v, "starting_after") for v in (None, "", "-1", "0", "17")] == [-1, -1, -1, 0, 17]
     for bad in ("x", "-2", "1.5"):
         with pytest.raises(APIError) as e:
-            starting_after(bad)
+            resume_point(bad, "starting_after")
         assert (e.value.status, e.value.param) == (400, "starting_after")
 
 

@@ -15,7 +15,6 @@ from pydantic import TypeAdapter
 
 from engine_worker import protocol as p
 from gateway.errors import APIError
-from gateway.openai_api import Limits
 from gateway.responses_api import ResponseEvents, build_request, previous_response_not_found
 from gateway.responses_ws import (
     Lanes,
@@ -26,6 +25,7 @@ from gateway.responses_ws import (
     ws_event,
     ws_text,
 )
+from gateway.validation import Limits
 from tests.test_responses_api import no_extra_fields
 
 SERVER_EVENT = TypeAdapter(ResponsesServerEvent)

@@ -24,8 +24,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine_worker import protocol as p
 from gateway import sse
+from gateway.delivery import resume_point
 from gateway.errors import APIError
-from gateway.openai_api import Limits
 from gateway.responses_api import (
     ResponseEvents,
     ResponsesRequest,
@@ -34,7 +34,6 @@ from gateway.responses_api import (
     new_response_id,
     previous_response_not_found,
     response_not_found,
-    starting_after,
 )
 from gateway.responses_chat import Message
 from gateway.responses_ws import (
@@ -46,6 +45,7 @@ from gateway.responses_ws import (
     ws_error,
     ws_text,
 )
+from gateway.validation import Limits
 
 MODEL = "stub-model"
 MAX_DELTAS = 40
@@ -142,7 +142,7 @@ class Stub:
     async def retrieve(self, request: Request) -> Response:
         try:
             e = self._entry(request)
-            after = starting_after(request.query_params.get("starting_after"))
+            after = resume_point(request.query_params.get("starting_after"), "starting_after")
         except APIError as err:
             return err.response()
         if request.query_params.get("stream") == "true":

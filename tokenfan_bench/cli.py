@@ -25,8 +25,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tokenfan_bench import procs, report
+from tokenfan_bench import netem, procs, report
 from tokenfan_bench.clients import CLIENTS, TRANSPORTS, Plan
+from tokenfan_bench.paths import VIAS, Paths, open_paths, split_arm
 from tokenfan_bench.responses_arms import RESPONSES_TRANSPORTS
 from tokenfan_bench.runner import Run, run_clients
 from tokenfan_bench.stats import saturation_point
@@ -42,8 +43,13 @@ def _floats(s: str) -> list[float]:
 
 def _arms(s: str) -> tuple[str, ...]:
     parts = tuple(x.strip() for x in s.split(","))
-    if not 2 <= len(parts) <= 6 or any(p not in TRANSPORTS for p in parts):
-        raise argparse.ArgumentTypeError(f"--arms wants 2 to 6 of {'|'.join(TRANSPORTS)}, e.g. sse,ws; got {s!r}")
+    try:
+        transports = [split_arm(p)[0] for p in parts]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not 2 <= len(parts) <= 6 or any(t not in TRANSPORTS for t in transports):
+        raise argparse.ArgumentTypeError(f"--arms wants 2 to 6 of {'|'.join(TRANSPORTS)}, each optionally "
+                                         f"@{'|@'.join(VIAS)}, e.g. sse,ws or sse,sse@nginx; got {s!r}")
     return parts
 
 
@@ -55,7 +61,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--arms", type=_arms, default=("sse", "ws"),
                     help="one transport per arm A,B(,C…): sse (HTTP/1.1), ws, sse-h2, ws-h2 (RFC 8441); default sse,ws; "
                          "resp-sse, resp-ws: the Responses API over SSE / WebSocket mode, one response per "
-                         "subscriber (implies --separate-streams)")
+                         "subscriber (implies --separate-streams); TRANSPORT@VIA routes one arm another way "
+                         "(e.g. sse,sse@nginx)")
+    ap.add_argument("--net", type=_profile, default=None, metavar="PROFILE",
+                    help=f"shape every arm's connections: {', '.join(netem.PROFILES)}, none (count bytes only) or "
+                         "rtt=80ms,jitter=10ms,down=5mbit,up=1mbit,stall=0.5%%/300ms (tokenfan_bench/netem.py)")
+    ap.add_argument("--via", choices=VIAS, default="direct",
+                    help="what sits in front of the gateway for every arm: nothing, nginx with "
+                         "deploy/nginx/tokenfan.conf, or a buffering variant of it (tokenfan_bench/via.py)")
     ap.add_argument("--client", choices=CLIENTS, default="fast",
                     help="fast: asyncio protocols + picows + a minimal HTTP/2 client (default); "
                          "python: httpx + websockets")
@@ -92,9 +105,19 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _profile(s: str) -> netem.Profile:
+    try:
+        return netem.parse_profile(s)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 class Bench:
     def __init__(self, ns: argparse.Namespace, argv: list[str]) -> None:
         self.ns = ns
+        self.vias = tuple(split_arm(a)[1] or ns.via for a in ns.arms)
+        ns.arms = tuple(split_arm(a)[0] for a in ns.arms)
+        self.paths: Paths | None = None
         self.out: Path = ns.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
         self.out.mkdir(parents=True, exist_ok=True)
         self.meta = report.meta(argv, ns.seed)
@@ -103,7 +126,9 @@ class Bench:
         ns = self.ns
         arms = arms or ns.arms
         separate = ns.separate_streams or any(t in RESPONSES_TRANSPORTS for t in arms)  # a response is one client's
-        return Plan(url=url.rstrip("/"), transports=arms, streams=streams, max_tokens=ns.max_tokens,
+        routed = self.paths if arms == ns.arms else None  # the raw floor is measured directly
+        return Plan(url=routed.post_url if routed else url.rstrip("/"),
+                    arm_urls=routed.arm_urls if routed else (), metrics_url=url.rstrip("/"), transports=arms, streams=streams, max_tokens=ns.max_tokens,
                     duration=ns.duration, separate=separate, endpoint=ns.endpoint, ramp=ns.ramp,
                     seed=ns.seed, timeout=ns.timeout, client=ns.client, cafile=ns.cafile,
                     h2_streams_per_connection=ns.h2_streams_per_connection)
@@ -117,8 +142,27 @@ class Bench:
 
     def measure(self, url: str, streams: int, desc: str,
                 arms: tuple[str, ...] | None = None) -> tuple[Run, dict[str, Any]]:
-        run = run_clients(self.plan(url, streams, arms), self.workers(streams), desc, not self.ns.no_progress)
-        return run, report.run_result(run, n_boot=self.ns.bootstrap, seed=self.ns.seed)
+        routed = self.paths if arms is None else None
+        run = run_clients(self.plan(url, streams, arms), self.workers(streams), desc, not self.ns.no_progress,
+                          routed.start_counting if routed else None, routed.stop_counting if routed else None)
+        result = report.run_result(run, n_boot=self.ns.bootstrap, seed=self.ns.seed)
+        wire = routed.wire(result) if routed else None
+        if wire is not None:
+            result["wire"] = wire
+        return run, result
+
+    @contextlib.contextmanager
+    def routes(self, url: str) -> Iterator[str]:
+        """``--via`` and ``--net`` around the gateway at ``url`` (nothing to do without either)."""
+        if self.ns.net is None and set(self.vias) == {"direct"}:
+            yield url
+            return
+        with open_paths(url, self.vias, self.ns.net, self.out / "logs", self.ns.seed) as p:
+            self.paths = p
+            try:
+                yield url
+            finally:
+                self.paths = None
 
     @contextlib.contextmanager
     def target(self, rate: float | None) -> Iterator[str]:
@@ -133,9 +177,12 @@ class Bench:
         rates: list[float | None] = list(ns.rates) if ns.rates else [None]
         levels = ns.sweep or [ns.streams]
         rows: list[dict[str, Any]] = []
+        network: dict[str, Any] | None = None
         last: tuple[Run, dict[str, Any]] | None = None
         for rate in rates:
-            with self.target(rate) as url:
+            with self.target(rate) as url, self.routes(url):
+                if self.paths is not None:
+                    network = self.paths.info
                 for n in levels:
                     desc = f"{'/'.join(ns.arms)} N={n}" + (f" @{rate:g} tok/s" if rate else "")
                     last = self.measure(url, n, desc)
@@ -144,6 +191,8 @@ class Bench:
         assert last is not None
         run, results = last
         results = {"meta": {**self.meta, "url": ns.url, "spawn": ns.spawn, "tokens_per_s": rates[-1]}, **results}
+        if network is not None:
+            results["network"] = network
         report.plot_cdf(run, self.out / "latency_cdf.png", f"delivery latency, N={run.plan.streams}")
         if ns.sweep or len(rates) > 1:
             results["sweep"] = rows
@@ -201,6 +250,14 @@ def main(argv: list[str] | None = None) -> int:
         from tokenfan_bench.cpu import main as cpu_main
 
         return cpu_main(argv[1:])
+    if argv[:1] == ["net"]:  # the /ab page through every network profile, for a person
+        from tokenfan_bench.net_cmd import main as net_main
+
+        return net_main(argv[1:])
+    if argv[:1] == ["report"]:  # the matrix of profiles x arms x levels, as docs/ab-report.md
+        from tokenfan_bench.matrix import main as report_main
+
+        return report_main(argv[1:])
     ap = parser()
     ns = ap.parse_args(argv)
     if not ns.spawn and not ns.url:

@@ -59,10 +59,28 @@ class Plan:
     cafile: str | None = None  # verify https/wss against this CA (default: not verified)
     h2_streams_per_connection: int = 1
     body: dict[str, Any] = field(default_factory=dict)
+    # Per arm, the base URL its subscriptions go to (a shaping-proxy route, nginx…); empty: ``url``.
+    arm_urls: tuple[str, ...] = ()
+    metrics_url: str = ""  # where the server's /metrics is scraped (default ``url``)
 
     @property
     def arms(self) -> tuple[str, ...]:
         return arm_names(len(self.transports))
+
+    def arm_url(self, arm: str) -> str:
+        return self.arm_urls[self.arms.index(arm)] if self.arm_urls else self.url
+
+
+def rebase(info: dict[str, Any], base: str) -> dict[str, Any]:
+    """A stream's ``events_url``/``ws_url`` moved to ``base`` (scheme, host and port; ws/wss follow)."""
+    from urllib.parse import urlsplit
+
+    b = urlsplit(base)
+    out = dict(info)
+    for key, scheme in (("events_url", b.scheme), ("ws_url", "wss" if b.scheme == "https" else "ws")):
+        if key in info:
+            out[key] = urlsplit(info[key])._replace(scheme=scheme, netloc=b.netloc).geturl()
+    return out
 
 
 class Backend(Protocol):
@@ -119,7 +137,7 @@ class Worker:
         self.recs: dict[str, list[Recorder]] = {arm: [] for arm in plan.arms}
         self._ids = itertools.count()
         self.backend: Backend | None = None
-        self.responses: ResponsesClient | None = None  # the resp-sse / resp-ws arms
+        self.responses: dict[str, ResponsesClient] = {}  # the resp-sse / resp-ws arms, by base URL
         self._errors: tuple[type[Exception], ...] = (TimeoutError,)
 
     def _next_stream(self) -> int:
@@ -162,7 +180,8 @@ class Worker:
             return
         order = list(arms)
         self.rng.shuffle(order)  # no arm systematically connects (and is registered) first
-        await asyncio.gather(*(self._subscribe(transports[arm], info, recs[arm]) for arm in order))
+        infos = {arm: rebase(info, self.plan.arm_url(arm)) if self.plan.arm_urls else info for arm in arms}
+        await asyncio.gather(*(self._subscribe(transports[arm], infos[arm], recs[arm]) for arm in order))
 
     async def _respond(self, arm: str, transport: str) -> None:
         """An arm's own response (``resp-sse``/``resp-ws``, :mod:`.responses_arms`); for a plain
@@ -170,12 +189,12 @@ class Worker:
         if transport not in RESPONSES_TRANSPORTS:
             await self._watch((arm,))
             return
-        assert self.responses is not None
+        client = self.responses[self.plan.arm_url(arm)]
         rec = ResponseRecorder(self._next_stream(), time.time_ns())
         self.recs[arm].append(rec)
         try:
             async with asyncio.timeout(self.plan.timeout):
-                await self.responses.respond(transport, self.plan.max_tokens, rec)
+                await client.respond(transport, self.plan.max_tokens, rec)
         except self._errors as exc:
             rec.fail(f"{transport}: {type(exc).__name__}: {exc}"[:300])
 
@@ -211,8 +230,9 @@ class Worker:
         slots = len(range(p.worker, p.streams, p.workers))
         self.backend = make_backend(p, slots)
         self._errors = (*self.backend.errors, TimeoutError)
-        if any(t in RESPONSES_TRANSPORTS for t in p.transports):
-            self.responses = ResponsesClient(p.url, p.client, p.cafile)
+        for arm, t in zip(p.arms, p.transports):
+            if t in RESPONSES_TRANSPORTS and p.arm_url(arm) not in self.responses:
+                self.responses[p.arm_url(arm)] = ResponsesClient(p.arm_url(arm), p.client, p.cafile)
         try:
             await self._warmup(slots)
             if wait_for_start is not None:
@@ -223,8 +243,8 @@ class Worker:
             cpu = time.process_time() - cpu0
         finally:
             await self.backend.aclose()
-            if self.responses is not None:
-                self.responses.close()
+            for client in self.responses.values():
+                client.close()
         return {arm: to_samples(t, self.recs[arm]) for arm, t in zip(p.arms, p.transports)}, cpu
 
 

@@ -7,7 +7,7 @@ import multiprocessing as mp
 import queue
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import httpx
@@ -40,8 +40,11 @@ def scrape(url: str) -> tuple[float | None, dict[str, float]]:
     return (float(cpu.group(1)) if cpu else None), {t.decode(): float(v) for t, v in _SENT.findall(text)}
 
 
-def run_clients(plan: Plan, workers: int, desc: str = "bench", progress_bar: bool = True) -> Run:
-    """Run ``plan`` split over ``workers`` processes; returns the merged samples."""
+def run_clients(plan: Plan, workers: int, desc: str = "bench", progress_bar: bool = True,
+                on_start: Callable[[], object] | None = None, on_end: Callable[[], object] | None = None) -> Run:
+    """Run ``plan`` split over ``workers`` processes; returns the merged samples. ``on_start`` is called
+    once every worker has warmed up, ``on_end`` once every worker has finished (e.g. to reset and read the
+    shaping proxy's byte counters)."""
     ctx = mp.get_context("spawn")  # a clean interpreter: no inherited event loop, threads or sockets
     progress, start_at, go = ctx.Value("i", 0), ctx.Value("d", 0.0), ctx.Event()
     ready, results = ctx.Queue(), ctx.Queue()
@@ -53,11 +56,15 @@ def run_clients(plan: Plan, workers: int, desc: str = "bench", progress_bar: boo
     try:
         for _ in procs:
             ready.get(timeout=120)
-        cpu0, sent0 = scrape(plan.url)
+        cpu0, sent0 = scrape(plan.metrics_url or plan.url)
+        if on_start is not None:
+            on_start()
         start_at.value = time.time() + 0.2
         go.set()
         got, client_cpu = _collect(procs, results, progress, plan, desc, progress_bar)
-        cpu1, sent1 = scrape(plan.url)
+        cpu1, sent1 = scrape(plan.metrics_url or plan.url)
+        if on_end is not None:
+            on_end()
     finally:
         for p in procs:
             p.join(10)

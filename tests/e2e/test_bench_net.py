@@ -1,0 +1,102 @@
+"""The bench's network paths against real processes: the shaping proxy (tokenfan_bench/netem.py) forwards
+streams byte for byte, plain and TLS; ``tokenfan bench --net … --via …`` puts every arm through the
+profile and real nginx and reports the profile, its measured RTT and the bytes per arm. Structure and
+correctness only: speed is the bench's to measure, never asserted here."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.procs import start_engine, start_gateway
+from tests.system import require
+from tokenfan_bench.cli import main as bench_main
+from tokenfan_bench.netem import Shaper, parse_profile
+from tokenfan_bench.via import nginx_binary, nginx_in_front
+
+# Every dimension of the model at once, with frequent stalls so some fall inside a short stream.
+ROUGH = parse_profile("rtt=30ms,jitter=10ms,down=2mbit,up=1mbit,stall=5%/60ms")
+
+
+@pytest.fixture(scope="module")
+def gateway(ipc_dir: Path) -> Iterator[str]:
+    """A plain-HTTP gateway on a 100 tokens/s synthetic engine."""
+    address = f"ipc://{ipc_dir / 'bench-net.sock'}"
+    engine = start_engine(address, "--engine", "synthetic", "--synthetic-ttft-ms", "5",
+                          "--synthetic-tokens-per-s", "100", name="engine-bench-net")
+    try:
+        gw, url = start_gateway(address, name="gateway-bench-net")
+        try:
+            yield url
+        finally:
+            gw.stop()
+    finally:
+        engine.stop()
+
+
+def finished_stream(base: str, client: httpx.Client, max_tokens: int = 60) -> dict:
+    r = client.post(base + "/v1/streams", json={"endpoint": "completions", "prompt": "hi",
+                                                "max_tokens": max_tokens, "ignore_eos": True})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def test_a_stream_through_the_shaping_proxy_arrives_byte_for_byte(gateway: str) -> None:
+    with Shaper(ROUGH, [gateway, gateway]) as shaper, httpx.Client(timeout=60, trust_env=False) as client:
+        info = finished_stream(shaper.urls[0], client, 200)
+        assert info["events_url"].startswith(shaper.urls[0])  # the gateway names the host it was reached by
+        shaped = client.get(info["events_url"].replace(shaper.urls[0], shaper.urls[1]) + "?after=-1")
+        direct = client.get(info["events_url"].replace(shaper.urls[0], gateway) + "?after=-1")
+        assert shaped.status_code == direct.status_code == 200
+        assert shaped.content == direct.content and shaped.content.rstrip().endswith(b"data: [DONE]")
+        stats = shaper.stats()
+        assert stats[1]["connections"] == 1
+        assert stats[1]["down_bytes"] > len(shaped.content)  # the body plus its head and chunk framing
+        assert 0 < stats[1]["down_deflated"] < stats[1]["down_bytes"]
+        measured = shaper.probe()
+        assert measured["rtt_ms"] > 0 and measured["down_mbit"] > 0 and measured["up_mbit"] > 0
+
+
+def test_tls_passes_through_the_shaping_proxy_to_nginx(gateway: str) -> None:
+    require(nginx_binary())
+    with nginx_in_front(gateway) as tls_url, Shaper(ROUGH, [tls_url]) as shaper, \
+            httpx.Client(timeout=60, verify=False, trust_env=False, http2=True) as client:
+        info = finished_stream(shaper.urls[0], client)
+        assert info["events_url"].startswith(shaper.urls[0].replace("http:", "https:"))
+        shaped = client.get(info["events_url"] + "?after=-1")
+        assert shaped.http_version == "HTTP/2"  # ALPN went through untouched
+        direct = httpx.get(info["events_url"].replace(shaper.urls[0], gateway).replace("https:", "http:")
+                           + "?after=-1", timeout=30, trust_env=False)
+        assert shaped.content == direct.content
+        assert shaper.stats()[0]["down_deflated"] == 0  # ciphertext is not estimated
+
+
+def bench(out: Path, *args: str) -> dict:
+    assert bench_main([*args, "--out", str(out), "--no-progress", "--bootstrap", "200"]) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+def test_bench_runs_every_arm_through_the_profile_and_nginx(gateway: str, tmp_path: Path) -> None:
+    require(nginx_binary())
+    streams, tokens = 6, 20
+    r = bench(tmp_path, "--url", gateway, "--net", "rtt=20ms,jitter=4ms,down=5mbit,up=2mbit",
+              "--arms", "sse,ws@nginx,sse@nginx,sse@nginx-buffering", "--streams", str(streams),
+              "--max-tokens", str(tokens), "--ramp", "0.2")
+    profile = r["network"]["profile"]
+    assert profile["spec"] == "rtt=20ms,jitter=4ms,down=5mbit,up=2mbit"
+    assert {"rtt_ms", "down_mbit", "up_mbit"} <= set(profile["measured"])
+    assert set(r["network"]["vias"]) == {"direct", "nginx", "nginx-buffering"}
+    for arm, via, transport in (("A", "direct", "sse"), ("B", "nginx", "ws"), ("C", "nginx", "sse"),
+                                ("D", "nginx-buffering", "sse")):
+        m = r["arms"][arm]
+        assert m["errors"] == 0, m["error_examples"]
+        assert m["content_events"] == m["deltas_delivered"] == streams * tokens
+        w = r["wire"][arm]
+        assert (w["via"], w["transport"], w["tls"]) == (via, transport, via != "direct")
+        assert w["down_bytes_per_token"] > 0
+        assert (w["deflated_down_bytes_per_token"] is None) == w["tls"]
+    assert (tmp_path / "summary.md").exists()

@@ -33,7 +33,7 @@ const els = {
   model: $("#model"), banner: $("#banner"), form: $("#controls"), prompt: $("#prompt"),
   maxTokens: $("#max-tokens"), temperature: $("#temperature"), runs: $("#runs"), apiKey: $("#api-key"),
   start: $("#start"), stop: $("#stop"), exportBtn: $("#export"), clock: $("#clock"), resync: $("#resync"),
-  progress: $("#progress"), verdict: $("#verdict"), diff: $("#diff"),
+  progress: $("#progress"), verdict: $("#verdict"), diff: $("#diff"), net: $("#net"),
 };
 const cdfChart = new Chart($("#cdf"), { xLabel: "delivery latency (ms)", yLabel: "fraction" });
 const timelineChart = new Chart($("#timeline"), { xLabel: "token (seq)", yLabel: "latency (ms)" });
@@ -469,5 +469,36 @@ document.addEventListener("keydown", (e) => {
   if (e.key === "Escape") stopBatch();
 });
 
+// -- network profiles -------------------------------------------------------------------------
+// `tokenfan bench net --url GATEWAY` serves this page through one shaping proxy per profile (the bench's own,
+// tokenfan_bench/netem.py) and links here with ?net=NAME&routes=NAME:PORT,…; picking a profile reopens the
+// page on that profile's port, so every connection of the page (and of the A/B run) takes that path.
+
+function setupProfiles() {
+  const routes = pageParam("routes", "");
+  const current = pageParam("net", "");
+  const pairs = routes.split(",").map((r) => r.split(":")).filter((r) => r.length === 2 && /^\d+$/.test(r[1]));
+  if (!pairs.length) {
+    els.net.disabled = true;
+    els.net.title = "Start `tokenfan bench net --url <this gateway>` to watch the A/B under network profiles";
+    return;
+  }
+  els.net.replaceChildren(...pairs.map(([name, port]) => {
+    const opt = document.createElement("option");
+    opt.value = port;
+    opt.textContent = name;
+    opt.selected = name === current;
+    return opt;
+  }));
+  els.net.addEventListener("change", () => {
+    const opt = els.net.selectedOptions[0];
+    const url = new URL(location.href);
+    url.port = opt.value;
+    url.searchParams.set("net", opt.textContent);
+    location.assign(url.toString());
+  });
+}
+
+setupProfiles();
 loadModel();
 syncClock();

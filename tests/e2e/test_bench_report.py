@@ -1,0 +1,55 @@
+"""``tokenfan bench report`` on a tiny matrix against real processes (synthetic engines, TLS and plain
+gateways, the shaping proxy, nginx, Chromium): the report, its plots and its raw results are complete
+and every arm, the browser's included, received every token. Structure and correctness only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.system import require
+from tokenfan_bench.cli import main as bench_main
+from tokenfan_bench.matrix import BROWSER, FANOUT, RESPONSES, VIA
+from tokenfan_bench.report_md import slug
+
+
+@pytest.mark.timeout(600)
+def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_path: Path) -> None:
+    require("nginx")
+    require("/usr/bin/chromium")
+    out, data = tmp_path / "ab-report.md", tmp_path / "data"
+    tokens, streams = 8, 3
+    assert bench_main(["report", "--profiles", "rtt=10ms,jitter=2ms,down=10mbit,up=5mbit", "--via-profiles", "lan",
+                       "--levels", str(streams), "--max-tokens", str(tokens), "--browser-streams", "2",
+                       "--browser-rounds", "1", "--cpu-repeats", "1", "--bootstrap", "100", "--out", str(out),
+                       "--data", str(data)]) == 0
+    results = json.loads((data / "results.json").read_text())
+    (name, profile), = results["profiles"].items()
+    assert profile["network"]["profile"]["measured"]["rtt_ms"] > 0
+    runs = {"fan-out": (profile["levels"][str(streams)], FANOUT, streams),
+            "responses": (profile["responses"], RESPONSES, streams),
+            "browser": (profile["browser"], BROWSER, 2)}
+    for what, (run, arms, subscribers) in runs.items():
+        assert [a["transport"].removeprefix("browser-") for a in run["arms"].values()] == list(arms), what
+        for a in run["arms"].values():
+            assert a["errors"] == 0, (what, a["error_examples"])
+            assert a["deltas_delivered"] == subscribers * tokens, what
+        assert {"B-A", "C-A", "D-A"} <= set(run["ttft_diffs_ms"]) and set(run["stalls"]) == set(run["arms"])
+    assert profile["browser"]["browser"]["texts_identical"] is True
+    for cal in ("calibration", "browser_calibration"):
+        assert all(a["errors"] == 0 for a in profile[cal]["arms"].values()), cal
+    via = results["via"]["lan"]["run"]
+    assert [(w["transport"], w["via"]) for k, w in via["wire"].items() if k != "post"] == \
+        [(a.partition("@")[0], a.partition("@")[2] or "direct") for a in VIA]
+    assert all(a["deltas_delivered"] == streams * tokens for a in via["arms"].values())
+    assert set(results["cpu"]["runs"]) == {"sse", "ws", "sse-h2", "resp-sse", "resp-ws"}
+    text = out.read_text()
+    for heading in ("## Method", "## The answer per profile", f"## {name}", "## Through nginx",
+                    "## CPU and bytes on the wire"):
+        assert heading in text
+    plots = tmp_path / "ab-report"
+    for png in ("ttft.png", "gaps.png", "diffs.png", "cpu_bytes.png", f"cdf_{slug(name)}.png"):
+        assert (plots / png).stat().st_size > 1000, png
+        assert f"ab-report/{png}" in text

@@ -1,0 +1,127 @@
+"""The report's statistics (tokenfan_bench/matrix.py) and the browser arm's sample conversion
+(tokenfan_bench/browser_arm.py), on hand-made samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tokenfan_bench.browser_arm import samples
+from tokenfan_bench.matrix import (
+    contains_zero,
+    difference_in_differences,
+    gap_p99_difference,
+    gaps_by_stream,
+    recovered,
+    stalls,
+    ttft_by_stream,
+    ttft_difference,
+    verdict,
+)
+from tokenfan_bench.stats import ArmSamples
+
+MS = 1_000_000
+
+
+def arm(streams: int, tokens: int, *, start_ms: float = 10.0, gap_ms: float = 50.0, shift_ms: float = 0.0,
+        stall: tuple[int, int, float] | None = None) -> ArmSamples:
+    """``streams`` subscribers, each receiving ``tokens`` content events ``gap_ms`` apart, the first
+    ``start_ms`` after its request; ``stall`` = (stream, token, extra ms) delays that token and the rest."""
+    a = ArmSamples("sse")
+    rows = []
+    for s in range(streams):
+        t = s * 1000 * MS + (start_ms + shift_ms) * MS
+        for k in range(tokens):
+            if stall and stall[0] == s and stall[1] == k:
+                t += stall[2] * MS
+            rows.append((s, k, int(t)))
+            t += gap_ms * MS
+    m = np.array(rows, np.int64)
+    a.stream, a.seq, a.recv_ns = m[:, 0], m[:, 1], m[:, 2]
+    a.emit_ns = a.recv_ns - MS
+    a.sent_ns = a.emit_ns
+    a.deltas = np.ones(len(rows), np.int64)
+    a.content = np.ones(len(rows), bool)
+    a.live = np.ones(len(rows), bool)
+    a.sub_stream = np.arange(streams, dtype=np.int64)
+    a.post_ns = a.sub_stream * 1000 * MS
+    a.connected_ns = a.post_ns
+    a.ok = np.ones(streams, bool)
+    return a
+
+
+def test_ttft_is_the_first_content_event_after_the_request():
+    assert ttft_by_stream(arm(3, 5, start_ms=12)) == {0: 12 * MS, 1: 12 * MS, 2: 12 * MS}
+
+
+def test_a_constant_ttft_shift_is_found_paired_and_unpaired():
+    a, b = arm(30, 10), arm(30, 10, shift_ms=7)
+    for paired in (True, False):
+        d = ttft_difference(a, b, paired=paired, n_boot=200, seed=1)
+        assert d["median"] == pytest.approx(7.0)
+        assert d["ci95"][0] == pytest.approx(7.0) and d["ci95"][1] == pytest.approx(7.0)
+        assert d["n"] == 30
+
+
+def test_gaps_are_split_by_subscriber():
+    g = gaps_by_stream(arm(2, 4, gap_ms=20))
+    assert set(g) == {0, 1} and all((v == 20 * MS).all() for v in g.values())
+
+
+def test_a_stall_raises_the_p99_gap_and_is_counted():
+    calm = arm(10, 5)
+    stalled = arm(10, 5, stall=(3, 2, 400.0))  # one of 40 gaps: above the pooled p99
+    s = stalls(stalled)
+    assert s["stalls"] == 1 and s["longest_gap_ms"] == pytest.approx(450.0)
+    assert stalls(calm)["stalls"] == 0
+    d = gap_p99_difference(calm, stalled, n_boot=100, seed=0)
+    assert d["median"] > 0 and d["n"] == 10
+    shifted = arm(10, 5)
+    shifted.stream, shifted.sub_stream = shifted.stream + 100, shifted.sub_stream + 100  # other streams: unpaired
+    unpaired = gap_p99_difference(calm, shifted, n_boot=100, seed=0)
+    assert unpaired["paired"] is False and unpaired["median"] == 0 and unpaired["n"] == 10
+    same = gap_p99_difference(calm, arm(10, 5), n_boot=100, seed=0)
+    assert same["median"] == 0 and same["ci95"] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize(("ci", "expected"), [([1.0, 2.0], "sse lower"), ([-2.0, -1.0], "ws lower"),
+                                              ([-1.0, 1.0], "no difference resolved")])
+def test_verdict_reads_the_interval(ci, expected):
+    assert verdict({"median": sum(ci) / 2, "ci95": ci}, "sse", "ws") == expected
+
+
+def test_verdict_without_a_measurement():
+    assert verdict({"median": None, "ci95": [None, None]}, "a", "b") == "not measured"
+
+
+def test_calibration_recovered_and_a_a_checks():
+    assert recovered({"ci95": [1.9, 2.6]}, 2.0, 1.0)
+    assert not recovered({"ci95": [3.5, 4.0]}, 2.0, 1.0)  # reads too long
+    assert not recovered({"ci95": [-0.1, 2.5]}, 2.0, 1.0)  # does not exclude 0
+    assert not recovered({"ci95": [0.5, 1.5]}, 2.0, 1.0)  # too short
+    assert contains_zero({"ci95": [-0.01, 0.02]}) and not contains_zero({"ci95": [0.01, 0.02]})
+
+
+def test_browser_records_become_samples_on_the_server_clock():
+    records = [
+        {"arm": 0, "stream": 7, "postMs": 1000.0, "openMs": 1005.0, "text": "ab", "error": None,
+         "rows": [[0, 1_002_000_000, 0, 1003.5, 1, 1], [1, 1_010_000_000, 0, 1011.0, 1, 1],
+                  [2, 1_020_000_000, 0, 1021.0, 1, 0]]},
+        {"arm": 1, "stream": 7, "postMs": 1000.0, "openMs": None, "text": "", "error": "HTTP 503", "rows": []},
+    ]
+    a = samples(records, 0, "browser-es", offset_ms=2.0)
+    assert a.recv_ns.tolist() == [1_005_500_000, 1_013_000_000, 1_023_000_000]
+    assert a.seq.tolist() == [0, 1, 2] and a.content.tolist() == [True, True, False]
+    assert a.live.tolist() == [False, True, True]  # the first was emitted before the page connected
+    assert a.ok.tolist() == [True] and a.post_ns.tolist() == [1_002_000_000]
+    b = samples(records, 1, "browser-ws", offset_ms=2.0)
+    assert b.ok.tolist() == [False] and b.errors == ["HTTP 503"] and b.recv_ns.size == 0
+
+
+def test_difference_in_differences_removes_the_arms_own_difference():
+    base_a, base_b = arm(25, 12), arm(25, 12, shift_ms=-2.0)  # B is 2 ms ahead without any delay
+    cal_a, cal_b = arm(25, 12), arm(25, 12, shift_ms=-2.0 + 1.5)  # and 1.5 ms is injected into B
+    d = difference_in_differences((cal_a, cal_b), (base_a, base_b), n_boot=200, seed=0)
+    assert d["median"] == pytest.approx(1.5) and d["ci95"] == [pytest.approx(1.5), pytest.approx(1.5)]
+    assert d["cal_ms"] == pytest.approx(-0.5) and d["placebo_ms"] == pytest.approx(-2.0)
+    assert recovered(d, 1.5, 0.5)

@@ -1,0 +1,437 @@
+"""``tokenfan bench report``: the A/B answer under real conditions, as one docs-ready markdown report.
+
+One command runs a matrix on synthetic engines it starts itself (token rate and TTFT fixed, so every
+difference is the path's and the transport's):
+
+- per network profile (:mod:`tokenfan_bench.netem`), through the shaping proxy, against a TLS gateway
+  (Granian: HTTP/2 by ALPN): the fan-out arms ``sse, sse, ws, sse-h2`` on the same streams (paired;
+  arms A and B are the A/A pair; sse-h2 multiplexes K subscribers per connection) at each concurrency
+  level; the Responses arms ``resp-sse, resp-sse, resp-ws`` (unpaired, A/A included); the calibration
+  ``sse, ws`` against a second gateway whose WebSocket writes sleep ``--inject-ms``; and the browser
+  arm (:mod:`tokenfan_bench.browser_arm`: ``es, es, fetch, ws`` plus its calibration ``es, ws``);
+- per ``--via-profiles`` profile, against a plain gateway: ``sse`` and ``ws`` each straight, through
+  nginx with the shipped config and through the buffering variant (:mod:`tokenfan_bench.via`), all six
+  on the same streams, so "what nginx costs" is a paired difference with an interval;
+- on the first profile, CPU: one single-transport run per transport, ``--cpu-repeats`` times (server
+  CPU per delivered token from ``/metrics``, client CPU per received event), and bytes on the wire per
+  token from the proxy's per-arm counters (with a deflate estimate on the plaintext routes).
+
+Differences come with 95% bootstrap intervals over streams: delivery latency as ``tokenfan bench``
+(paired per token), TTFT paired per stream, p99 inter-token gap as a difference of pooled p99s. A
+difference whose interval holds 0 is reported as "no difference resolved".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenfan_bench import procs, report
+from tokenfan_bench.clients import Plan
+from tokenfan_bench.netem import PROFILES, Profile, parse_profile
+from tokenfan_bench.paths import Paths, open_paths
+from tokenfan_bench.runner import Run, run_clients
+from tokenfan_bench.stats import (
+    MIN_CLUSTERS,
+    ArmSamples,
+    bootstrap_medians,
+    itl_ns,
+    median_difference,
+    order_balanced_differences,
+)
+
+FANOUT = ("sse", "sse", "ws", "sse-h2")
+RESPONSES = ("resp-sse", "resp-sse", "resp-ws")
+CALIBRATION = ("sse", "ws")
+BROWSER = ("es", "es", "fetch", "ws")
+BROWSER_CAL = ("es", "ws")
+VIA = ("sse", "sse@nginx", "sse@nginx-buffering", "ws", "ws@nginx", "ws@nginx-buffering")
+CPU_TRANSPORTS = ("sse", "ws", "sse-h2", "resp-sse", "resp-ws")
+# A gap this much longer than the stream's median gap (and at least STALL_MIN_MS) is a stall.
+STALL_FACTOR, STALL_MIN_MS = 5.0, 250.0
+
+
+# -- statistics beyond tokenfan_bench.stats (pure) ----------------------------------------------
+
+
+def ttft_by_stream(a: ArmSamples) -> dict[int, int]:
+    """Stream -> TTFT (ns): request start to this subscriber's first content event."""
+    post = dict(zip(a.sub_stream.tolist(), a.post_ns.tolist()))
+    out: dict[int, int] = {}
+    for s, t in zip(a.stream[a.content].tolist(), a.recv_ns[a.content].tolist()):
+        if s not in out:
+            out[s] = t - post[s]
+    return out
+
+
+def _interval(boots: np.ndarray) -> list[float]:
+    lo, hi = np.percentile(boots, [2.5, 97.5]) if boots.size and np.isfinite(boots).all() else (np.nan, np.nan)
+    return [float(lo), float(hi)]
+
+
+def ttft_difference(a: ArmSamples, b: ArmSamples, *, paired: bool, n_boot: int, seed: int) -> dict[str, Any]:
+    """Median TTFT B − A (ms) with a bootstrap 95% interval over streams: paired per stream when both
+    arms read the same streams, else the difference of the medians."""
+    rng = np.random.default_rng(seed)
+    ta, tb = ttft_by_stream(a), ttft_by_stream(b)
+    if paired:
+        d = np.array([tb[s] - ta[s] for s in ta if s in tb], np.float64) / 1e6
+        if not d.size:
+            return {"median": None, "ci95": [None, None], "n": 0}
+        boots = np.median(d[rng.integers(0, d.size, (n_boot, d.size))], axis=1)
+        return {"median": float(np.median(d)), "ci95": _interval(boots), "n": int(d.size), "paired": True}
+    xa, xb = np.array(list(ta.values()), np.float64) / 1e6, np.array(list(tb.values()), np.float64) / 1e6
+    if not xa.size or not xb.size:
+        return {"median": None, "ci95": [None, None], "n": 0}
+    boots = (np.median(xb[rng.integers(0, xb.size, (n_boot, xb.size))], axis=1)
+             - np.median(xa[rng.integers(0, xa.size, (n_boot, xa.size))], axis=1))
+    return {"median": float(np.median(xb) - np.median(xa)), "ci95": _interval(boots),
+            "n": int(min(xa.size, xb.size)), "paired": False}
+
+
+def gaps_by_stream(a: ArmSamples) -> dict[int, np.ndarray]:
+    """Stream -> its subscriber's gaps between successive content events (ns)."""
+    s, t = a.stream[a.content], a.recv_ns[a.content]
+    out: dict[int, np.ndarray] = {}
+    if not s.size:
+        return out
+    cut = np.flatnonzero(s[1:] != s[:-1]) + 1
+    for ids, times in zip(np.split(s, cut), np.split(t, cut)):
+        out[int(ids[0])] = np.diff(times)
+    return out
+
+
+def gap_p99_difference(a: ArmSamples, b: ArmSamples, *, n_boot: int, seed: int) -> dict[str, Any]:
+    """p99 of the pooled inter-token gaps, B − A (ms), with a 95% interval from resampling streams: the
+    same resampled streams for both arms when they read the same ones, each arm's own otherwise."""
+    rng = np.random.default_rng(seed)
+    ga, gb = gaps_by_stream(a), gaps_by_stream(b)
+    common = sorted(set(ga) & set(gb))
+    ids_a, ids_b = (common, common) if common else (sorted(ga), sorted(gb))
+    if not ids_a or not ids_b:
+        return {"median": None, "ci95": [None, None], "n": 0}
+    pa, pb = [ga[i] for i in ids_a], [gb[i] for i in ids_b]
+
+    def p99(parts: list[np.ndarray], pick: np.ndarray) -> float:
+        return float(np.percentile(np.concatenate([parts[i] for i in pick]), 99))
+
+    point = (p99(pb, np.arange(len(pb))) - p99(pa, np.arange(len(pa)))) / 1e6
+    boots = np.empty(n_boot)
+    for k in range(n_boot):
+        pick_a = rng.integers(0, len(pa), len(pa))
+        pick_b = pick_a if common else rng.integers(0, len(pb), len(pb))
+        boots[k] = (p99(pb, pick_b) - p99(pa, pick_a)) / 1e6
+    return {"median": point, "ci95": _interval(boots), "n": min(len(pa), len(pb)), "paired": bool(common)}
+
+
+def stalls(a: ArmSamples) -> dict[str, Any]:
+    """Gaps longer than STALL_FACTOR × the stream's median gap and STALL_MIN_MS, per 1000 gaps."""
+    count = total = 0
+    longest = 0.0
+    for g in gaps_by_stream(a).values():
+        if g.size < 3:
+            continue
+        limit = max(STALL_FACTOR * float(np.median(g)), STALL_MIN_MS * 1e6)
+        count += int((g > limit).sum())
+        total += g.size
+        longest = max(longest, float(g.max()) / 1e6)
+    return {"stalls": count, "gaps": total, "per_1000": 1000 * count / total if total else None,
+            "longest_gap_ms": longest}
+
+
+def _median_gap(a: ArmSamples) -> float:
+    g = itl_ns(a)
+    return float(np.median(g)) / 1e6 if g.size else float("nan")
+
+
+def verdict(diff: dict[str, Any], a: str, b: str) -> str:
+    """Which of two arms is lower (better) on a B − A difference, or that its interval holds 0."""
+    lo, hi = diff["ci95"]
+    if diff.get("median") is None or lo is None or hi is None or not (np.isfinite(lo) and np.isfinite(hi)):
+        return "not measured"
+    if lo > 0:
+        return f"{a} lower"
+    if hi < 0:
+        return f"{b} lower"
+    return "no difference resolved"
+
+
+def recovered(diff: dict[str, Any], inject_ms: float, slack_ms: float) -> bool:
+    """The calibration is recovered when its interval meets [inject, inject + slack] (asyncio's sleep
+    runs a little long, more on a busy machine) and excludes 0."""
+    lo, hi = diff["ci95"]
+    return bool(lo > 0 and lo <= inject_ms + slack_ms and hi >= inject_ms)
+
+
+def difference_in_differences(cal: tuple[ArmSamples, ArmSamples], placebo: tuple[ArmSamples, ArmSamples], *,
+                               n_boot: int, seed: int) -> dict[str, Any]:
+    """(B − A on the delayed gateway) − (B − A on the placebo gateway), medians of the paired per-token
+    differences (write order balanced) with a 95% interval from independent stream-cluster bootstraps.
+
+    For arms whose difference is not 0 without a delay (Chromium's EventSource and WebSocket are not), the
+    injected delay is what the delayed gateway adds to the placebo's difference: same server path
+    (``--inject-delay ws:0`` turns the one-pass write off as the real delay does), no sleep."""
+    rng = np.random.default_rng(seed)
+    parts = []
+    for a, b in (cal, placebo):
+        d, streams = order_balanced_differences(a, b)
+        if not d.size:
+            return {"median": None, "ci95": [None, None], "n": 0}
+        clusters = streams if np.unique(streams).size >= MIN_CLUSTERS else np.arange(d.size)
+        parts.append((float(np.median(d)), bootstrap_medians(d, clusters, n_boot, rng), int(d.size)))
+    (m1, b1, n1), (m0, b0, n0) = parts
+    return {"median": (m1 - m0) / 1e6, "ci95": [x / 1e6 for x in _interval(b1 - b0)], "n": min(n1, n0),
+            "cal_ms": m1 / 1e6, "placebo_ms": m0 / 1e6}
+
+
+def contains_zero(diff: dict[str, Any]) -> bool:
+    lo, hi = diff["ci95"]
+    return bool(lo is not None and hi is not None and lo <= 0 <= hi)
+
+
+# -- the runs -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    profiles: list[Profile]
+    via_profiles: list[Profile]
+    levels: list[int]
+    max_tokens: int
+    rate: float
+    ttft_ms: float
+    inject_ms: float
+    slack_ms: float
+    h2_k: int
+    browser: bool
+    browser_streams: int
+    browser_rounds: int
+    cpu_repeats: int
+    n_boot: int
+    seed: int
+    data: Path
+
+
+class Matrix:
+    def __init__(self, s: Settings) -> None:
+        self.s = s
+        self.logs = s.data / "logs"
+        self.rows: list[dict[str, Any]] = []
+        self.runs: dict[str, Run] = {}
+
+    def measure(self, paths: Paths | None, gateway: str, arms: tuple[str, ...], streams: int, tag: str,
+                h2_k: int = 1) -> dict[str, Any]:
+        from tokenfan_bench.paths import split_arm
+
+        transports = tuple(split_arm(a)[0] for a in arms)
+        separate = any(t.startswith("resp-") for t in transports)
+        plan = Plan(url=paths.post_url if paths else gateway, transports=transports, streams=streams,
+                    max_tokens=self.s.max_tokens, duration=None, separate=separate, ramp=1.0, seed=self.s.seed,
+                    timeout=120.0, h2_streams_per_connection=h2_k, arm_urls=paths.arm_urls if paths else (),
+                    metrics_url=gateway)
+        workers = 1
+        run = run_clients(plan, workers, tag, False, paths.start_counting if paths else None,
+                          paths.stop_counting if paths else None)
+        result = report.run_result(run, n_boot=self.s.n_boot, seed=self.s.seed)
+        wire = paths.wire(result) if paths else None
+        if wire:
+            result["wire"] = wire
+        self._extras(run, result)
+        self.runs[tag] = run
+        print(f"{tag}: {_brief(result)}", file=sys.stderr, flush=True)
+        return result
+
+    def _extras(self, run: Run, result: dict[str, Any]) -> None:
+        a = run.arms["A"]
+        paired = not run.plan.separate
+        result["ttft_diffs_ms"] = {f"{k}-A": ttft_difference(a, v, paired=paired, n_boot=self.s.n_boot,
+                                                             seed=self.s.seed)
+                                   for k, v in run.arms.items() if k != "A"}
+        result["gap_p99_diffs_ms"] = {f"{k}-A": gap_p99_difference(a, v, n_boot=min(self.s.n_boot, 400),
+                                                                   seed=self.s.seed)
+                                      for k, v in run.arms.items() if k != "A"}
+        result["stalls"] = {k: stalls(v) for k, v in run.arms.items()}
+        result["gap_p99_ms"] = {k: (float(np.percentile(itl_ns(v), 99)) / 1e6 if itl_ns(v).size else None)
+                                for k, v in run.arms.items()}
+
+    def vs_straight(self, run: Run) -> dict[str, Any]:
+        """Each proxied arm against the straight arm of its transport, paired on the same streams."""
+        straight = {t: k for k, t in zip(run.plan.arms, VIA) if "@" not in t}
+        out: dict[str, Any] = {}
+        for k, spec in zip(run.plan.arms, VIA):
+            transport, _, via = spec.partition("@")
+            if not via:
+                continue
+            ref = run.arms[straight[transport]]
+            out[k] = {"transport": transport, "via": via, "straight_arm": straight[transport],
+                      "ttft_ms": ttft_difference(ref, run.arms[k], paired=True, n_boot=self.s.n_boot,
+                                                 seed=self.s.seed),
+                      "delivery_ms": median_difference(ref, run.arms[k], paired=True, n_boot=self.s.n_boot,
+                                                       seed=self.s.seed),
+                      "gap_p50_ms": _median_gap(run.arms[k]), "straight_gap_p50_ms": _median_gap(ref)}
+            out[k]["buffers"] = bool(out[k]["gap_p50_ms"] < out[k]["straight_gap_p50_ms"] / 4)
+        return out
+
+    def browser(self, url: str, gateway: str, arms: tuple[str, ...], tag: str) -> dict[str, Any]:
+        """A browser run. The calibration pair runs one stream at a time: Chromium opens one WebSocket at a
+        time per host (RFC 6455 4.1), so with several streams on a slow path the later sockets open after
+        their stream has ended and no token is live."""
+        from tokenfan_bench.browser_arm import run_browser
+
+        one = arms == BROWSER_CAL
+        result = run_browser(url, arms, streams=1 if one else self.s.browser_streams,
+                             rounds=self.s.browser_rounds + 2 if one else self.s.browser_rounds,
+                             max_tokens=self.s.max_tokens, metrics_url=gateway, n_boot=self.s.n_boot,
+                             seed=self.s.seed)
+        run = result.pop("_run")
+        self._extras(run, result)
+        self.runs[tag] = run
+        print(f"{tag}: {_brief(result)}", file=sys.stderr, flush=True)
+        return result
+
+    def run(self) -> dict[str, Any]:
+        s = self.s
+        out: dict[str, Any] = {"settings": {k: (v if not isinstance(v, (Path, list)) else str(v))
+                                            for k, v in vars(s).items()},
+                               "profiles": {}, "via": {}, "cpu": {}}
+        out["settings"]["profiles"] = [p.name for p in s.profiles]
+        out["settings"]["via_profiles"] = [p.name for p in s.via_profiles]
+        with gateways(s, self.logs) as (tls, cal, placebo, plain):
+            for i, profile in enumerate(s.profiles):
+                out["profiles"][profile.name] = self.profile(profile, tls, cal, placebo, cpu=i == 0, out=out)
+            for profile in s.via_profiles:
+                with open_paths(plain, tuple(_via(a) for a in VIA), profile, self.logs, s.seed) as p:
+                    r = self.measure(p, plain, VIA, s.levels[0], f"{profile.name} via")
+                    out["via"][profile.name] = {"network": p.info, "run": r,
+                                                "vs_straight": self.vs_straight(self.runs[f"{profile.name} via"])}
+        return out
+
+    def profile(self, profile: Profile, tls: str, cal: str, placebo: str, *, cpu: bool,
+                out: dict[str, Any]) -> dict[str, Any]:
+        s = self.s
+        res: dict[str, Any] = {"levels": {}}
+        with open_paths(tls, ("direct",) * len(FANOUT), profile, self.logs, s.seed) as p:
+            res["network"] = p.info
+            for n in s.levels:
+                res["levels"][str(n)] = self.measure(p, tls, FANOUT, n, f"{profile.name} fan-out N={n}",
+                                                     h2_k=min(s.h2_k, n))
+        with open_paths(tls, ("direct",) * len(RESPONSES), profile, self.logs, s.seed, probe=False) as p:
+            res["responses"] = self.measure(p, tls, RESPONSES, s.levels[0], f"{profile.name} responses")
+        with open_paths(cal, ("direct",) * 2, profile, self.logs, s.seed, probe=False) as p:
+            res["calibration"] = self.measure(p, cal, CALIBRATION, s.levels[0], f"{profile.name} calibration")
+            if s.browser:
+                res["browser_calibration"] = self.browser(p.arm_urls[0], cal, BROWSER_CAL,
+                                                          f"{profile.name} browser calibration")
+        if s.browser:
+            with open_paths(placebo, ("direct",), profile, self.logs, s.seed, probe=False) as p:
+                res["browser_placebo"] = self.browser(p.arm_urls[0], placebo, BROWSER_CAL,
+                                                      f"{profile.name} browser placebo")
+            c, z = self.runs[f"{profile.name} browser calibration"], self.runs[f"{profile.name} browser placebo"]
+            res["browser_calibration"]["did_ms"] = difference_in_differences(
+                (c.arms["A"], c.arms["B"]), (z.arms["A"], z.arms["B"]), n_boot=s.n_boot, seed=s.seed)
+        if s.browser:
+            with open_paths(tls, ("direct",), profile, self.logs, s.seed, probe=False) as p:
+                res["browser"] = self.browser(p.arm_urls[0], tls, BROWSER, f"{profile.name} browser")
+        if cpu:
+            with open_paths(tls, ("direct",) * 2, profile, self.logs, s.seed, probe=False) as p:
+                out["cpu"] = {"profile": profile.name, "runs": {
+                    t: [self.measure(p, tls, (t, t), s.levels[0], f"{profile.name} cpu {t} #{r}")
+                        for r in range(s.cpu_repeats)] for t in CPU_TRANSPORTS}}
+        return res
+
+
+def _via(arm: str) -> str:
+    return arm.partition("@")[2] or "direct"
+
+
+@contextlib.contextmanager
+def gateways(s: Settings, logs: Path) -> Iterator[tuple[str, str, str, str]]:
+    """A TLS gateway, a TLS gateway whose WebSocket writes sleep ``inject_ms``, its placebo (the same
+    path, a 0 ms sleep) and a plain one, each on its own synthetic engine."""
+    from gateway.certs import generate
+
+    with tempfile.TemporaryDirectory(prefix="tokenfan-report-") as tmp, contextlib.ExitStack() as stack:
+        cert, key = generate(Path(tmp) / "tls")
+        tls_args = [f"--ssl-certfile={cert}", f"--ssl-keyfile={key}"]
+        tls = stack.enter_context(procs.spawn_synthetic(s.rate, s.ttft_ms, logs, tls_args))
+        cal = stack.enter_context(procs.spawn_synthetic(s.rate, s.ttft_ms, logs,
+                                                        [*tls_args, f"--inject-delay=ws:{s.inject_ms:g}"]))
+        placebo = stack.enter_context(procs.spawn_synthetic(s.rate, s.ttft_ms, logs,
+                                                            [*tls_args, "--inject-delay=ws:0"]))
+        plain = stack.enter_context(procs.spawn_synthetic(s.rate, s.ttft_ms, logs))
+        yield tls.url, cal.url, placebo.url, plain.url
+
+
+def _brief(r: dict[str, Any]) -> str:
+    arms = " ".join(f"{k}={a['transport']} p50 {a['delivery_ms']['p50'] or 0:.1f} ms err {a['errors']}"
+                    for k, a in r["arms"].items())
+    return arms + " | " + " ".join(f"{k} {d['median']:+.3f}" for k, d in r["diffs_ms"].items())
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tokenfan bench report", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--profiles", default=",".join(PROFILES), help="network profiles (names or custom forms, ';'-"
+                    "separated when custom), default every named one")
+    ap.add_argument("--via-profiles", default="lan,4g", help="profiles of the nginx comparison (default lan,4g)")
+    ap.add_argument("--levels", default="10,40", help="concurrent streams per run (default 10,40)")
+    ap.add_argument("--max-tokens", type=int, default=48, help="tokens per stream (default 48)")
+    ap.add_argument("--rate", type=float, default=20.0, help="synthetic tokens/s per stream (default 20)")
+    ap.add_argument("--ttft-ms", type=float, default=20.0, help="synthetic engine TTFT (default 20)")
+    ap.add_argument("--inject-ms", type=float, default=2.0, help="calibration delay on WebSocket writes (default 2)")
+    ap.add_argument("--slack-ms", type=float, default=1.0,
+                    help="how much longer than --inject-ms the calibration may read (asyncio's sleep overshoots)")
+    ap.add_argument("--h2-streams-per-connection", type=int, default=8, dest="h2_k", metavar="K")
+    ap.add_argument("--no-browser", action="store_true", help="skip the Chromium arm")
+    ap.add_argument("--browser-streams", type=int, default=4)
+    ap.add_argument("--browser-rounds", type=int, default=3)
+    ap.add_argument("--cpu-repeats", type=int, default=3)
+    ap.add_argument("--bootstrap", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("docs/ab-report.md"), help="the markdown report")
+    ap.add_argument("--plots", type=Path, default=None, help="plot directory (default: beside --out, its stem)")
+    ap.add_argument("--data", type=Path, default=None, help="raw results and logs (default bench-results/report-<time>)")
+    return ap
+
+
+def _profiles(text: str) -> list[Profile]:
+    sep = ";" if ";" in text or "=" in text else ","
+    return [parse_profile(p.strip()) for p in text.split(sep) if p.strip()]
+
+
+def main(argv: list[str]) -> int:
+    from tokenfan_bench.report_md import write_report
+
+    ns = parser().parse_args(argv)
+    data = ns.data or Path("bench-results") / time.strftime("report-%Y%m%d-%H%M%S")
+    data.mkdir(parents=True, exist_ok=True)
+    s = Settings(profiles=_profiles(ns.profiles), via_profiles=_profiles(ns.via_profiles) if ns.via_profiles else [],
+                 levels=[int(x) for x in ns.levels.split(",")], max_tokens=ns.max_tokens, rate=ns.rate,
+                 ttft_ms=ns.ttft_ms, inject_ms=ns.inject_ms, slack_ms=ns.slack_ms, h2_k=ns.h2_k,
+                 browser=not ns.no_browser, browser_streams=ns.browser_streams, browser_rounds=ns.browser_rounds,
+                 cpu_repeats=ns.cpu_repeats, n_boot=ns.bootstrap, seed=ns.seed, data=data)
+    t0 = time.monotonic()
+    matrix = Matrix(s)
+    results = matrix.run()
+    results["meta"] = {**report.meta(["report", *argv], ns.seed), "matrix_s": time.monotonic() - t0,
+                       "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+    report.write_json(data / "results.json", results)
+    plots = ns.plots or ns.out.with_suffix("")
+    write_report(results, matrix.runs, ns.out, plots)
+    print(f"wrote {ns.out}, plots in {plots}, raw results in {data / 'results.json'} "
+          f"({results['meta']['matrix_s']:.0f} s)", file=sys.stderr)
+    return 0

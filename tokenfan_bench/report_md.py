@@ -1,0 +1,396 @@
+"""The markdown report of ``tokenfan bench report`` (:mod:`tokenfan_bench.matrix`) and its plots
+(matplotlib, Agg): pure formatting of the matrix's results dictionary."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenfan_bench.matrix import contains_zero, recovered, verdict
+from tokenfan_bench.runner import Run
+from tokenfan_bench.stats import delivery_ns
+
+
+def slug(name: str) -> str:
+    """A profile name as a file name (custom profiles carry '=', ',' and '%')."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "_", name).strip("_")
+
+
+def _f(x: Any, nd: int = 1) -> str:
+    return "–" if x is None or (isinstance(x, float) and not np.isfinite(x)) else f"{x:.{nd}f}"
+
+
+def _ci(d: dict[str, Any] | None, nd: int = 2) -> str:
+    if not d or d.get("median") is None:
+        return "–"
+    lo, hi = d["ci95"]
+    return f"{d['median']:+.{nd}f} [{_f(lo, nd)}, {_f(hi, nd)}]"
+
+
+def _label(arm: dict[str, Any], wire: dict[str, Any] | None = None, key: str = "") -> str:
+    t = arm["transport"]
+    if wire and key in wire and wire[key].get("via") not in (None, "direct"):
+        t += f" @ {wire[key]['via']}"
+    return t
+
+
+def arm_table(r: dict[str, Any]) -> list[str]:
+    rows = [("| arm | transport | TTFT p50 ms | gap p50 ms | gap p99 ms | delivery p50 / p99 ms | stalls /1000 gaps | "
+            "errors | Δ delivery vs A ms [95% CI] | Δ TTFT vs A ms | Δ p99 gap vs A ms |"),
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    wire = r.get("wire")
+    for k, a in r["arms"].items():
+        d = "" if k == "A" else f"{k}-A"
+        rows.append(f"| {k} | {_label(a, wire, k)} | {_f(a['ttft_ms']['p50'])} | {_f(a['itl_ms']['p50'])} | "
+                    f"{_f(r['gap_p99_ms'][k])} | {_f(a['delivery_ms']['p50'], 2)} / {_f(a['delivery_ms']['p99'])} | "
+                    f"{_f(r['stalls'][k]['per_1000'], 2)} | {a['errors']} | "
+                    f"{_ci(r['diffs_ms'].get(d), 3) if d else '(reference)'} | "
+                    f"{_ci(r['ttft_diffs_ms'].get(d)) if d else ''} | {_ci(r['gap_p99_diffs_ms'].get(d)) if d else ''} |")
+    return rows
+
+
+def _aa(r: dict[str, Any]) -> str:
+    d = r["diffs_ms"]["B-A"]
+    return f"{_ci(d, 3)} {'✓ contains 0' if contains_zero(d) else '✗ excludes 0'}"
+
+
+def _cal_diff(r: dict[str, Any]) -> dict[str, Any]:
+    """The calibration's difference: the browser's is the difference-in-differences against its placebo."""
+    return r.get("did_ms") or r["diffs_ms"]["B-A"]
+
+
+def _cal(r: dict[str, Any], inject: float, slack: float) -> str:
+    d = _cal_diff(r)
+    return f"{_ci(d, 3)} {'✓ recovered' if recovered(d, inject, slack) else '✗ not recovered'}"
+
+
+def _verdicts(r: dict[str, Any], ref: str, others: dict[str, str]) -> dict[str, str]:
+    """Per metric, 'X vs ref: verdict' for each other arm key -> name."""
+    out: dict[str, list[str]] = {"delivery": [], "TTFT": [], "p99 gap": []}
+    for k, name in others.items():
+        for metric, diffs in (("delivery", r["diffs_ms"]), ("TTFT", r["ttft_diffs_ms"]),
+                              ("p99 gap", r["gap_p99_diffs_ms"])):
+            out[metric].append(f"{name} vs {ref}: {verdict(diffs[f'{k}-A'], ref, name)}")
+    return {m: "; ".join(v) for m, v in out.items()}
+
+
+def cpu_rows(cpu: dict[str, Any]) -> tuple[list[str], dict[str, tuple[float, float, float]]]:
+    rows = [("| transport | server CPU µs per delivered token: mean (min–max of runs) | client CPU µs per received "
+            "event: mean (min–max) | down bytes per token (TLS) | up bytes per token |"),
+            "| --- | --- | --- | --- | --- |"]
+    server: dict[str, tuple[float, float, float]] = {}
+    for t, runs in cpu.get("runs", {}).items():
+        sv = [x["server"].get("cpu_us_per_token") for x in runs]
+        cv = [x["client"].get("cpu_us_per_event") for x in runs]
+        sv_ok = [v for v in sv if v is not None]
+        cv_ok = [v for v in cv if v is not None]
+        down = [x["wire"]["A"]["down_bytes_per_token"] for x in runs if x.get("wire")]
+        up = [x["wire"]["A"]["up_bytes_per_token"] for x in runs if x.get("wire")]
+        if sv_ok:
+            server[t] = (float(np.mean(sv_ok)), min(sv_ok), max(sv_ok))
+        rows.append(f"| {t} | {_f(np.mean(sv_ok)) if sv_ok else '–'} ({_f(min(sv_ok)) if sv_ok else '–'}–"
+                    f"{_f(max(sv_ok)) if sv_ok else '–'}) | {_f(np.mean(cv_ok)) if cv_ok else '–'} "
+                    f"({_f(min(cv_ok)) if cv_ok else '–'}–{_f(max(cv_ok)) if cv_ok else '–'}) | "
+                    f"{_f(np.mean(down)) if down else '–'} | {_f(np.mean(up), 2) if up else '–'} |")
+    return rows, server
+
+
+def cpu_verdict(server: dict[str, tuple[float, float, float]], a: str, b: str) -> str:
+    if a not in server or b not in server:
+        return "not measured"
+    (_, alo, ahi), (_, blo, bhi) = server[a], server[b]
+    if ahi < blo:
+        return f"{a} lower"
+    if bhi < alo:
+        return f"{b} lower"
+    return "no difference resolved (ranges overlap)"
+
+
+def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots: Path) -> None:
+    plots.mkdir(parents=True, exist_ok=True)
+    s = results["settings"]
+    m = results["meta"]
+    rel = os.path.relpath(plots, out.parent)
+    inject, slack = float(s["inject_ms"]), float(s["slack_ms"])
+    level0 = str(s["levels"].strip("[]").split(",")[0]).strip()
+    lines = [
+        "# SSE or WebSocket under real conditions: the A/B report", "",
+        (f"Made on this machine by `tokenfan {' '.join(m['command'][1:])}` at {m['time']} in "
+        f"{m['matrix_s']:.0f} s: {m['machine']['cpu_model']} × {m['machine']['cpus']} (shared), Python "
+        f"{m['versions']['python']}, load {m['load']} before and {m['load_after']} after. Raw results: "
+        "`results.json` of the run (not committed)."), "",
+        "## Method", "",
+        (f"- Synthetic engines at {float(s['rate']):g} tokens/s per stream, {float(s['ttft_ms']):g} ms TTFT, "
+        f"{s['max_tokens']} tokens per stream; concurrency levels {s['levels']}. The engine is the same for "
+        "every arm, so every difference is the path's and the transport's."),
+        ("- Every arm goes through the same userspace shaping proxy (`tokenfan_bench/netem.py`: per-connection "
+        "bandwidth and stalls, a one-RTT handshake, a path jitter shared by the run), one route per arm so "
+        "bytes are counted per arm. TCP slow start and loss recovery are not modelled."),
+        ("- Fan-out arms (one stream, every arm subscribed; paired per token): A `sse` (HTTP/1.1 over TLS), "
+        f"B `sse` again (the A/A), C `ws` (wss), D `sse-h2` ({s['h2_k']} subscribers per HTTP/2 connection, as "
+        "a page shares one). The gateway is TLS (Granian, h2 by ALPN). Responses API: A `resp-sse`, B "
+        "`resp-sse` (A/A), C `resp-ws`, one response each (unpaired)."),
+        (f"- Calibration: a second gateway started with `--inject-delay ws:{inject:g}` (every WebSocket write "
+        f"sleeps {inject:g} ms); `sse, ws` against it must read about +{inject:g} ms. *Recovered* = the 95% "
+        f"interval excludes 0 and meets [{inject:g}, {inject + slack:g}] ms (asyncio's sleep overshoots)."),
+        (f"- Browser arm: headless Chromium (`/usr/bin/chromium`, Playwright) on the gateway's `/ab` page through "
+        f"the same proxy: A `EventSource`, B `EventSource` (A/A), C streamed `fetch`, D `WebSocket`, "
+        f"{s['browser_streams']} concurrent streams × {s['browser_rounds']} rounds; receive times from "
+        "`performance.timeOrigin + performance.now()`, aligned to the server clock over CDP (± reported). "
+        "Chromium's EventSource and WebSocket differ without any delay, so the browser's calibration is a "
+        "difference-in-differences: `EventSource, WebSocket` on the delayed gateway minus the same on a placebo "
+        "gateway (`--inject-delay ws:0`: the same server path, no sleep), one stream at a time (Chromium opens "
+        "one WebSocket at a time per host, RFC 6455 §4.1: with several streams on a slow path the later sockets "
+        "open after their stream ended, which is also why the browser's WebSocket TTFT grows with the RTT and "
+        "the number of streams opened together)."),
+        ("- Intervals: bootstrap 95% over streams. Δ delivery is paired per token (as `tokenfan bench`); "
+        "Δ TTFT is paired per stream (unpaired for the Responses arms); Δ p99 gap is the difference of the "
+        "pooled p99 inter-token gaps with streams resampled. An interval holding 0 reads *no difference "
+        "resolved*. A stall is a gap > 5 × the stream's median gap and > 250 ms."),
+        "",
+    ]
+    # profiles
+    lines += ["## Profiles (model and measured through the proxy)", "",
+              "| profile | model | measured RTT p50 (min–max) ms | down Mbit/s | up Mbit/s |", "| --- | --- | --- | --- | --- |"]
+    for name, p in results["profiles"].items():
+        prof = p["network"]["profile"]
+        me = prof["measured"] or {}
+        lines.append(f"| {name} | {prof['describe']} | {_f(me.get('rtt_ms'))} ({_f(me.get('rtt_min_ms'))}–"
+                     f"{_f(me.get('rtt_max_ms'))}) | {_f(me.get('down_mbit'))} | {_f(me.get('up_mbit'), 2)} |")
+    lines.append("")
+    # summary verdicts
+    cpu_table, server_cpu = cpu_rows(results.get("cpu", {}))
+    lines += ["## The answer per profile", "",
+              (f"At {level0} concurrent streams. Each cell: the winner (lower is better) or *no difference resolved*; "
+              "the intervals are in the per-profile tables below. CPU is measured once (first profile; the bytes "
+              "each transport sends do not depend on the path) as the range of repeated single-transport runs."), "",
+              ("| profile | TTFT: ws vs sse · sse-h2 vs sse | p99 gap: ws vs sse · sse-h2 vs sse | delivery: ws vs sse | "
+              "Responses TTFT: resp-ws vs resp-sse | browser TTFT: WebSocket vs EventSource | A/A contains 0 "
+              "(socket · Responses · browser) | calibration recovered (socket · browser) |"),
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, p in results["profiles"].items():
+        r = p["levels"][level0]
+        v = _verdicts(r, "sse", {"C": "ws", "D": "sse-h2"})
+        rv = verdict(p["responses"]["ttft_diffs_ms"]["C-A"], "resp-sse", "resp-ws")
+        b = p.get("browser")
+        bv = verdict(b["ttft_diffs_ms"]["D-A"], "EventSource", "WebSocket") if b else "–"
+        aa = " · ".join("✓" if contains_zero(x["diffs_ms"]["B-A"]) else "✗"
+                        for x in (r, p["responses"], b) if x is not None)
+        cal = " · ".join("✓" if recovered(_cal_diff(x), inject, slack) else "✗"
+                         for x in (p["calibration"], p.get("browser_calibration")) if x is not None)
+        lines.append(f"| {name} | {v['TTFT']} | {v['p99 gap']} | {v['delivery'].split('; ')[0]} | {rv} | {bv} | "
+                     f"{aa} | {cal} |")
+    lines += ["", "CPU (server µs per delivered token, first profile): "
+              + "; ".join(f"{b} vs {a}: {cpu_verdict(server_cpu, a, b)}"
+                          for a, b in (("sse", "ws"), ("sse", "sse-h2"), ("resp-sse", "resp-ws"))), ""]
+    lines += [f"![TTFT p50 per profile and transport]({rel}/ttft.png)", "",
+              f"![inter-token gap p50 and p99]({rel}/gaps.png)", "",
+              f"![paired differences with intervals]({rel}/diffs.png)", ""]
+    # per profile
+    for name, p in results["profiles"].items():
+        lines += [f"## {name}: {p['network']['profile']['describe']}", ""]
+        for n, r in p["levels"].items():
+            lines += [f"Fan-out, {n} streams (paired):", "", *arm_table(r), ""]
+        lines += ["Responses API (unpaired):", "", *arm_table(p["responses"]), ""]
+        if p.get("browser"):
+            b = p["browser"]["browser"]
+            lines += [(f"Browser (Chromium; clock offset {b['clock_offset_ms']:+.3f} ms ± "
+                      f"{b['clock_uncertainty_ms']:.3f} ms; texts identical: {b['texts_identical']}):"), "",
+                      *arm_table(p["browser"]), ""]
+        lines += [f"A/A: socket {_aa(p['levels'][level0])}; Responses {_aa(p['responses'])}"
+                  + (f"; browser {_aa(p['browser'])}" if p.get("browser") else "") + ".",
+                  f"Calibration (+{inject:g} ms on WebSocket writes): socket {_cal(p['calibration'], inject, slack)}"
+                  + (f"; browser {_cal(p['browser_calibration'], inject, slack)}"
+                     if p.get("browser_calibration") else "") + ".", "",
+                  f"![delivery latency CDF, {name}]({rel}/cdf_{slug(name)}.png)", ""]
+    # via
+    if results.get("via"):
+        lines += ["## Through nginx: the tested config and a buffering one", "",
+                  ("One plain-HTTP gateway; per stream six subscribers: `sse` and `ws` each straight to the gateway, "
+                   "through nginx with `deploy/nginx/tokenfan.conf` (TLS + HTTP/2 to the client) and through the same "
+                   "file with `proxy_buffering on` and the gateway's `X-Accel-Buffering: no` ignored. The first table "
+                   "is paired against A (`sse` straight); the second compares each proxied arm with the straight arm "
+                   "of its own transport. The nginx paths add TLS (the straight ones are plain HTTP): a new "
+                   "connection pays the TLS handshake (one more RTT), which WebSocket subscribers, opening one "
+                   "connection each, show in TTFT; SSE subscribers reuse keep-alive connections. A buffering proxy "
+                   "holds SSE events until it flushes (here: the stream's end), so none arrives live; *buffers* = "
+                   "the arm's median gap is under a quarter of the straight arm's (tokens arrive in bursts)."), ""]
+        for name, v in results["via"].items():
+            r = v["run"]
+            lines += [f"### via, {name}", "", *arm_table(r), "",
+                      ("| arm | path | Δ TTFT vs straight ms [95% CI] | Δ delivery vs straight ms [95% CI] | "
+                      "gap p50 ms (straight) | verdict |"), "| --- | --- | --- | --- | --- | --- |"]
+            for k, d in v["vs_straight"].items():
+                verdict_text = ("**buffers**: tokens arrive in bursts" if d["buffers"]
+                                else "streams: tokens arrive one by one")
+                lines.append(f"| {k} | {d['transport']} via {d['via']} | {_ci(d['ttft_ms'])} | "
+                             f"{_ci(d['delivery_ms'], 3) if d['delivery_ms']['n'] else 'no live token'} | "
+                             f"{_f(d['gap_p50_ms'])} ({_f(d['straight_gap_p50_ms'])}) | {verdict_text} |")
+            lines.append("")
+    # cpu and bytes
+    lines += ["## CPU and bytes on the wire", "", *cpu_table, ""]
+    plain = _plain_bytes(results)
+    if plain:
+        lines += [("Plaintext (the via run's straight arms, HTTP/1.1 without TLS), and what a compressing transport "
+                  "would at best send: the down stream deflated per read with a sync flush (as permessage-deflate "
+                  "or a flushed gzip; their own framing left out):"), "",
+                  "| transport | down bytes per token | deflated | ratio |", "| --- | --- | --- | --- |"]
+        for t, (raw, dfl) in plain.items():
+            lines.append(f"| {t} | {_f(raw)} | {_f(dfl)} | {_f(dfl / raw if raw else None, 2)} |")
+        lines.append("")
+    lines += [f"![CPU and bytes per token]({rel}/cpu_bytes.png)", ""]
+    out.write_text("\n".join(lines) + "\n")
+    _plots(results, runs, plots)
+
+
+def _plain_bytes(results: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    out: dict[str, tuple[float, float]] = {}
+    for v in results.get("via", {}).values():
+        for k, w in v["run"].get("wire", {}).items():
+            if k != "post" and not w["tls"] and w["down_bytes_per_token"]:
+                out.setdefault(w["transport"], (w["down_bytes_per_token"], w["deflated_down_bytes_per_token"]))
+    return out
+
+
+# -- plots ------------------------------------------------------------------------------------------
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _series(results: dict[str, Any], level0: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """profile -> transport label -> that arm's metrics (first arm of each transport)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, p in results["profiles"].items():
+        d: dict[str, dict[str, Any]] = {}
+        for r in (p["levels"][level0], p["responses"], p.get("browser")):
+            if r is None:
+                continue
+            for k, a in r["arms"].items():
+                d.setdefault(a["transport"], {**a, "gap_p99": r["gap_p99_ms"][k]})
+        out[name] = d
+    return out
+
+
+def _plots(results: dict[str, Any], runs: dict[str, Run], plots: Path) -> None:
+    plt = _plt()
+    level0 = str(results["settings"]["levels"].strip("[]").split(",")[0]).strip()
+    series = _series(results, level0)
+    profiles = list(series)
+    transports = list(dict.fromkeys(t for d in series.values() for t in d))
+    width = 0.8 / max(1, len(transports))
+    x = np.arange(len(profiles))
+
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    for i, t in enumerate(transports):
+        ax.bar(x + i * width, [series[p].get(t, {}).get("ttft_ms", {}).get("p50") or 0 for p in profiles], width,
+               label=t)
+    ax.set_xticks(x + 0.4 - width / 2, profiles)
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT p50 (ms, log)")
+    ax.set_title(f"Time to first token by profile and transport ({level0} streams)")
+    ax.legend(ncol=4, fontsize=8)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(plots / "ttft.png", dpi=100)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, key, title in ((axes[0], "p50", "inter-token gap p50 (ms)"), (axes[1], "p99", "inter-token gap p99 (ms)")):
+        for i, t in enumerate(transports):
+            vals = [(series[p].get(t, {}).get("itl_ms", {}).get("p50") if key == "p50"
+                     else series[p].get(t, {}).get("gap_p99")) or 0 for p in profiles]
+            ax.bar(x + i * width, vals, width, label=t)
+        ax.set_xticks(x + 0.4 - width / 2, profiles, fontsize=8)
+        ax.set_title(title)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[1].legend(ncol=2, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(plots / "gaps.png", dpi=100)
+    plt.close(fig)
+
+    _plot_diffs(results, level0, plots / "diffs.png")
+    for name in profiles:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for tag in (f"{name} fan-out N={level0}", f"{name} browser"):
+            run = runs.get(tag)
+            if run is None:
+                continue
+            for k, sarm in run.arms.items():
+                if k == "B":  # the A/A twin
+                    continue
+                v = np.sort(delivery_ns(sarm)) / 1e6
+                if v.size:
+                    ax.plot(v, np.arange(1, v.size + 1) / v.size, label=f"{sarm.transport} (n={v.size})")
+        ax.set_xscale("log")
+        ax.set_xlabel("delivery latency (ms): receive − engine emit")
+        ax.set_ylabel("fraction of tokens")
+        ax.set_title(f"{name}: delivery latency CDF ({level0} streams; browser {results['settings']['browser_streams']})")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(plots / f"cdf_{slug(name)}.png", dpi=100)
+        plt.close(fig)
+
+    cpu = results.get("cpu", {}).get("runs", {})
+    if cpu:
+        fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+        names = list(cpu)
+        for ax, getter, title in (
+                (axes[0], lambda r: r["server"].get("cpu_us_per_token"), "server CPU µs / delivered token"),
+                (axes[1], lambda r: r["client"].get("cpu_us_per_event"), "client CPU µs / received event"),
+                (axes[2], lambda r: (r.get("wire") or {}).get("A", {}).get("down_bytes_per_token"),
+                 "down bytes / token (TLS)")):
+            means, lo, hi = [], [], []
+            for t in names:
+                vals = [v for v in (getter(r) for r in cpu[t]) if v is not None] or [0.0]
+                means.append(float(np.mean(vals)))
+                lo.append(means[-1] - min(vals))
+                hi.append(max(vals) - means[-1])
+            ax.bar(names, means, yerr=[lo, hi], capsize=4)
+            ax.set_title(title, fontsize=10)
+            ax.tick_params(axis="x", labelsize=8)
+            ax.grid(True, axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(plots / "cpu_bytes.png", dpi=100)
+        plt.close(fig)
+
+
+def _plot_diffs(results: dict[str, Any], level0: str, path: Path) -> None:
+    """Forest plot: per profile, the paired delivery differences vs A with their intervals."""
+    plt = _plt()
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for name, p in results["profiles"].items():
+        r = p["levels"][level0]
+        rows += [(f"{name}: sse A/A", r["diffs_ms"]["B-A"]), (f"{name}: ws − sse", r["diffs_ms"]["C-A"]),
+                 (f"{name}: sse-h2 − sse", r["diffs_ms"]["D-A"]),
+                 (f"{name}: calibration", p["calibration"]["diffs_ms"]["B-A"])]
+        if p.get("browser"):
+            rows += [(f"{name}: browser A/A", p["browser"]["diffs_ms"]["B-A"]),
+                     (f"{name}: browser ws − es", p["browser"]["diffs_ms"]["D-A"]),
+                     (f"{name}: browser calibration", _cal_diff(p["browser_calibration"]))]
+    fig, ax = plt.subplots(figsize=(8, 0.28 * len(rows) + 1.2))
+    for i, (label, d) in enumerate(rows):
+        lo, hi = d["ci95"]
+        ax.errorbar([d["median"]], [i], xerr=[[d["median"] - lo], [hi - d["median"]]], fmt="o", capsize=3,
+                    color="C3" if "calibration" in label else "C0")
+    ax.axvline(0, color="grey", linewidth=1)
+    ax.axvline(float(results["settings"]["inject_ms"]), color="C3", linewidth=1, linestyle="--")
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("symlog", linthresh=0.1)
+    ax.set_xlabel("median paired delivery difference (ms), 95% CI")
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

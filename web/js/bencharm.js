@@ -1,0 +1,117 @@
+// The bench's browser arm (tokenfan_bench/browser_arm.py drives it through Playwright): `streams` slots
+// each create `rounds` fan-out streams one after another, and every arm subscribes to each stream from
+// this page with the browser's own API: "es" EventSource, "fetch" a streamed fetch of the same
+// events_url, "ws" WebSocket. Per chunk it keeps [seq, emit_ns, sent_ns, receive ms, deltas, content]
+// with the receive time taken first thing in the handler (performance.timeOrigin + performance.now());
+// the bench aligns that clock with the server's and computes the metrics as for its socket clients.
+
+import { authHeaders, createStream, epochMs, samePath } from "./api.js";
+import { SSEParser } from "./sse.js";
+import { EventSourceSubscription, WebSocketSubscription } from "./transports.js";
+
+/** A fan-out stream read with fetch() and a ReadableStream reader (one stamp per read). */
+class FetchSubscription {
+  constructor({ onChunk, timeoutMs = 30000 }) {
+    this.onChunk = onChunk;
+    this.timeoutMs = timeoutMs;
+    this.openMs = null;
+    this.done = new Promise((resolve, reject) => {
+      this.resolve = resolve;
+      this.reject = reject;
+    });
+  }
+
+  subscribe(stream) {
+    this.read(stream).then((reason) => this.resolve({ reason }), (err) => this.reject(err));
+  }
+
+  async read(stream) {
+    const ctrl = new AbortController();
+    const timer = setTimeout(() => ctrl.abort(), this.timeoutMs);
+    try {
+      const resp = await fetch(samePath(stream.events_url), { headers: authHeaders(), signal: ctrl.signal });
+      if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+      this.openMs = epochMs();
+      const reader = resp.body.getReader();
+      const decoder = new TextDecoder();
+      let recvMs = 0;
+      let finished = false;
+      const parser = new SSEParser((ev) => {
+        if (ev.data === "[DONE]") finished = true;
+        else if (!ev.event || ev.event === "message") this.onChunk(JSON.parse(ev.data), recvMs);
+      });
+      while (!finished) {
+        const { value, done } = await reader.read();
+        recvMs = epochMs();
+        if (done) throw new Error("the stream ended before [DONE]");
+        parser.feed(decoder.decode(value, { stream: true }));
+      }
+      ctrl.abort(); // the response is complete: release the connection's stream
+      return "done";
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+}
+
+const SUBSCRIPTIONS = { es: EventSourceSubscription, fetch: FetchSubscription, ws: WebSocketSubscription };
+
+function row(chunk, recvMs) {
+  const tf = chunk.tokenfan || {};
+  const choice = chunk.choices && chunk.choices[0];
+  const piece = choice ? (choice.delta ? choice.delta.content : choice.text) || "" : "";
+  return [tf.seq ?? -1, tf.emit_ns ?? 0, tf.sent_ns ?? 0, recvMs, tf.coalesced || 1, piece ? 1 : 0];
+}
+
+async function subscribeOne(arm, index, stream, id, postMs, timeoutMs) {
+  const rec = { arm: index, stream: id, postMs, openMs: null, rows: [], text: "", error: null };
+  const sub = new SUBSCRIPTIONS[arm]({
+    timeoutMs,
+    onChunk: (chunk, recvMs) => {
+      const r = row(chunk, recvMs);
+      rec.rows.push(r);
+      if (r[5]) {
+        const choice = chunk.choices[0];
+        rec.text += choice.delta ? choice.delta.content : choice.text;
+      }
+    },
+  });
+  sub.subscribe(stream);
+  try {
+    const { reason } = await sub.done;
+    if (reason !== "done") rec.error = `ended: ${reason}`;
+  } catch (err) {
+    rec.error = String(err && err.message ? err.message : err);
+  }
+  rec.openMs = sub.openMs;
+  return rec;
+}
+
+/**
+ * @param {{arms: string[], streams: number, rounds: number, maxTokens: number, timeoutMs: number, ramp: number}} cfg
+ * @returns {Promise<object[]>} one record per subscriber
+ */
+export async function run(cfg) {
+  const out = [];
+  const slot = async (i) => {
+    await new Promise((r) => setTimeout(r, Math.random() * cfg.ramp * 1000));
+    for (let r = 0; r < cfg.rounds; r++) {
+      const id = i + cfg.streams * r;
+      const postMs = epochMs();
+      let stream;
+      try {
+        stream = await createStream({ endpoint: "chat.completions", max_tokens: cfg.maxTokens, ignore_eos: true,
+          seed: id, messages: [{ role: "user", content: "tokenfan bench" }] });
+      } catch (err) {
+        cfg.arms.forEach((_, k) => out.push({ arm: k, stream: id, postMs, openMs: null, rows: [], text: "",
+          error: `POST /v1/streams: ${err.message || err}` }));
+        continue;
+      }
+      const order = cfg.arms.map((arm, k) => [arm, k]).sort(() => Math.random() - 0.5); // no arm always first
+      out.push(...await Promise.all(order.map(([arm, k]) => subscribeOne(arm, k, stream, id, postMs,
+        cfg.timeoutMs))));
+    }
+  };
+  await Promise.all(Array.from({ length: cfg.streams }, (_, i) => slot(i)));
+  return out;
+}

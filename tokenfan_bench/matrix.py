@@ -425,9 +425,10 @@ def main(argv: list[str]) -> int:
                  browser=not ns.no_browser, browser_streams=ns.browser_streams, browser_rounds=ns.browser_rounds,
                  cpu_repeats=ns.cpu_repeats, n_boot=ns.bootstrap, seed=ns.seed, data=data)
     t0 = time.monotonic()
+    meta = report.meta(["report", *argv], ns.seed)  # time and load when the matrix starts
     matrix = Matrix(s)
     results = matrix.run()
-    results["meta"] = {**report.meta(["report", *argv], ns.seed), "matrix_s": time.monotonic() - t0,
+    results["meta"] = {**meta, "matrix_s": time.monotonic() - t0,
                        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg())}
     report.write_json(data / "results.json", results)
     plots = ns.plots or ns.out.with_suffix("")

@@ -36,7 +36,9 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
         for a in run["arms"].values():
             assert a["errors"] == 0, (what, a["error_examples"])
             assert a["deltas_delivered"] == subscribers * tokens, what
-        assert {"B-A", "C-A", "D-A"} <= set(run["ttft_diffs_ms"]) and set(run["stalls"]) == set(run["arms"])
+        assert set(run["ttft_diffs_ms"]) == set(run["gap_p99_diffs_ms"]) == {f"{k}-A" for k in list(run["arms"])[1:]}
+        assert set(run["stalls"]) == set(run["arms"])
+    assert profile["browser_calibration"]["did_ms"]["n"] > 0  # the difference-in-differences was measured
     assert profile["browser"]["browser"]["texts_identical"] is True
     for cal in ("calibration", "browser_calibration"):
         assert all(a["errors"] == 0 for a in profile[cal]["arms"].values()), cal

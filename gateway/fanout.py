@@ -30,7 +30,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway import sse
 from gateway.clients import refuse
-from gateway.conn import WsConn
+from gateway.conn import PEER_GONE, WsConn
 from gateway.delivery import (
     SseResponse,
     read,
@@ -162,7 +162,7 @@ async def stream_ws(ws: WebSocket) -> None:
         stream = await _subscribe_check(gw, ws.path_params["id"])
         client = _subscribe(gw, ws.scope)
     except APIError as exc:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(WebSocketDisconnect, *PEER_GONE):  # the client left first: nobody to tell
             await ws.send_text(orjson.dumps({"type": "error", "error": exc.body()["error"]}).decode())
             await ws.close(4000 + exc.status if exc.status < 1000 else 1008, exc.code or "error")
         return

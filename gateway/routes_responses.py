@@ -21,9 +21,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine_worker import protocol as p
-from gateway.delivery import SseResponse, cancel, resume_point, start_generation, stop
+from gateway.delivery import SseResponse, resume_point, start_generation, stop
 from gateway.edge import gateway_of, read_body
 from gateway.errors import APIError, EngineError
+from gateway.fanout import find_stream
 from gateway.generation import ChunkEvent
 from gateway.responses_api import (
     ResponseEvents,
@@ -33,6 +34,7 @@ from gateway.responses_api import (
     delta_text,
     new_response_id,
     previous_response_not_found,
+    response_expired,
     response_from_events,
     response_not_found,
 )
@@ -146,20 +148,16 @@ async def create_response(request: Request) -> Any:
 
 
 async def _find(gw: Gateway, response_id: str) -> Stream:
+    """The response's stream, here or (with a broker) mirrored from the replica that runs it; 404 / 410 in
+    the Responses API's words."""
     try:
-        s = gw.hub.get(response_id)
+        s = await find_stream(gw, response_id)
     except APIError as exc:
         if exc.status == 410:
-            raise APIError(410, f"Response '{response_id}' is no longer retained.", param="response_id",
-                           code="response_expired") from exc
-        if gw.broker is None:
+            raise response_expired(response_id) from exc
+        if exc.status == 404:
             raise response_not_found(response_id) from exc
-        try:
-            s = await gw.broker.mirror(response_id)
-        except APIError as mexc:
-            if mexc.status == 404:
-                raise response_not_found(response_id) from mexc
-            raise
+        raise
     if s.endpoint != ENDPOINT:
         raise response_not_found(response_id)
     return s
@@ -198,10 +196,6 @@ async def cancel_response(request: Request) -> Response:
 async def delete_response(request: Request) -> Response:
     gw: Gateway = gateway_of(request)
     s = await _find(gw, request.path_params["id"])
-    if not s.finished:
-        cancel(s)
-        if s.task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await s.task
+    await stop(gw, s)
     gw.hub.drop(s.id)
     return JSONResponse({"id": s.id, "object": "response.deleted", "deleted": True})

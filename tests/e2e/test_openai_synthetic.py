@@ -189,3 +189,27 @@ def test_sse_stream_carries_anti_buffering_headers(gateway_url: str) -> None:
         assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
         events = sse_events(r.read().decode())
     assert events[-1]["data"] == "[DONE]"
+
+
+def test_deleting_a_running_response_cancels_its_generation_and_forgets_it(
+        gateway_url: str, client: openai.OpenAI) -> None:
+    before = metric(gateway_url, "tokenfan_requests_aborted_total")
+    bg = client.responses.create(model="synthetic", input="x", max_output_tokens=1500, background=True)
+    wait_until(lambda: engine_load(gateway_url)[0] >= 1, what="engine running the response")
+    r = httpx.delete(f"{gateway_url}/v1/responses/{bg.id}")
+    assert (r.status_code, r.json()) == (200, {"id": bg.id, "object": "response.deleted", "deleted": True})
+    wait_until(lambda: metric(gateway_url, "tokenfan_requests_aborted_total") > before, what="abort counted")
+    wait_until(lambda: engine_load(gateway_url) == (0, 0), what="engine idle")
+    for method, path in (("GET", ""), ("POST", "/cancel"), ("DELETE", "")):  # gone, as an expired stream
+        r = httpx.request(method, f"{gateway_url}/v1/responses/{bg.id}{path}")
+        assert r.status_code == 410 and r.json()["error"]["code"] == "response_expired", (method, path, r.text)
+        assert r.json()["error"]["param"] == "response_id"
+    r = httpx.get(f"{gateway_url}/v1/responses/resp_never")
+    assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (404, "not_found", "response_id")
+
+
+def test_only_a_background_response_can_be_cancelled(gateway_url: str, client: openai.OpenAI) -> None:
+    done = client.responses.create(model="synthetic", input="x", max_output_tokens=3)
+    r = httpx.post(f"{gateway_url}/v1/responses/{done.id}/cancel")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_id"
+    assert client.responses.retrieve(done.id).status == "incomplete"  # untouched: it hit max_output_tokens

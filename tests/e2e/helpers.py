@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -47,6 +48,15 @@ def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "cond
             return
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+async def until(check: Callable[[], Awaitable[bool]], timeout: float = 5.0, what: str = "condition") -> None:
+    """:func:`wait_until` inside an event loop: a blocking poll would stall the clients the test runs there."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
 
 
 def engine_load(url: str) -> tuple[int, int]:

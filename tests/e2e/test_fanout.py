@@ -13,7 +13,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.e2e.helpers import chunk_text, fat_gateway, metric, sse_events, stalled_client, wait_until
+from tests.e2e.helpers import chunk_text, fat_gateway, metric, sse_events, stalled_client, until, wait_until
 from tests.procs import NO_CLIENT_LIMITS, start_engine, start_gateway
 
 
@@ -223,8 +223,11 @@ def test_delete_cancels_the_generation_and_ends_every_subscriber(slow_engine_gat
 
     async def main() -> None:
         subs = asyncio.gather(sse_sub(), ws_sub(), sse_sub(), ws_sub())
-        await asyncio.sleep(0.5)
         async with httpx.AsyncClient() as c:
+            async def subscribed() -> bool:
+                return (await c.get(f"{url}/v1/streams/{info['id']}")).json()["subscribers"] == 4
+
+            await until(subscribed, timeout=10, what="the 4 subscribers")
             r = await c.delete(f"{url}/v1/streams/{info['id']}")
             assert r.status_code == 200 and r.json()["state"] == "cancelled"
         await asyncio.wait_for(subs, 10)
@@ -254,7 +257,7 @@ def test_unknown_and_expired_streams(ipc_dir, synthetic_engine: str) -> None:  #
     try:
         info = create(url, max_tokens=3)
         full_text(url, info["id"])
-        time.sleep(0.4)
+        wait_until(lambda: httpx.get(f"{url}/v1/streams/{info['id']}").status_code == 410, what="--stream-ttl")
         for path in ("/events", "", "/ws"):
             if path == "/ws":
                 async def ws_err() -> tuple[dict, int | None]:

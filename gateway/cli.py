@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from engine_worker.settings import SettingError, add_arguments, default_runtime_dir, given, resolve
-from gateway.server import run_gateway
+from gateway.http.server import run_gateway
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(generate(Path(argv[1])))
         return 0
     if argv[:1] == ["certs"]:
-        from gateway.certs import main as certs_main
+        from gateway.http.certs import main as certs_main
 
         return certs_main(argv[1:])
     if argv[:1] == ["prepare-model"]:

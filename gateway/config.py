@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from engine_worker.settings import add_arguments, build, declared
-from gateway.broker_codec import BrokerTimings
-from gateway.streams import Retention, SlowConsumerPolicy
-from gateway.validation import Limits
+from gateway.api.validation import Limits
+from gateway.core.streams import Retention, SlowConsumerPolicy
+from gateway.scaleout.broker_codec import BrokerTimings
 
 
 @dataclass(slots=True)
@@ -70,7 +70,7 @@ class GatewayConfig:
     log_level: str = declared("log_level")
 
     def __post_init__(self) -> None:
-        from gateway.clients import TrustedProxies
+        from gateway.http.clients import TrustedProxies
 
         try:
             TrustedProxies(self.trusted_proxies)

@@ -1,6 +1,6 @@
 """OpenAI-shaped errors.
 
-    EngineError              raised by the engine link (gateway.engine_client): a code from the engine's
+    EngineError              raised by the engine link (gateway.core.engine_client): a code from the engine's
                              ``Error`` message, or ``engine_unavailable``; no HTTP status in that layer
     APIError                 an error a client receives: status + {"error": {message, type, param, code}}
     ├── invalid_request      400 / 404 / 413 / 422

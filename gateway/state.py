@@ -9,18 +9,18 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gateway.clients import Holdings, fair_refusal
+from gateway.api.openai_api import ChunkBuilder, ParsedRequest, new_id
 from gateway.config import GatewayConfig
-from gateway.engine_pool import EnginePool
+from gateway.core.engine_pool import EnginePool
+from gateway.core.metrics import Metrics
+from gateway.core.streams import SlowConsumerPolicy, StreamHub, Watchdog
 from gateway.errors import APIError, EngineError, engine_unavailable
-from gateway.metrics import Metrics
-from gateway.openai_api import ChunkBuilder, ParsedRequest, new_id
-from gateway.streams import SlowConsumerPolicy, StreamHub, Watchdog
+from gateway.http.clients import Holdings, fair_refusal
 
 if TYPE_CHECKING:
-    from gateway.engine_client import RequestHandle
-    from gateway.peers import Peers
-    from gateway.scaleout import Publisher, StreamBroker
+    from gateway.core.engine_client import RequestHandle
+    from gateway.scaleout.peers import Peers
+    from gateway.scaleout.protocols import Publisher, StreamBroker
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class Gateway:
     publisher: Publisher | None = None  # --broker: this gateway's listed streams, written to Redis
     peers: Peers | None = None  # --workers: the other workers (their metrics merged into /metrics)
     draining: bool = False
-    listening: bool = field(init=False)  # --workers: on the shared port yet (gateway.server.listen_when_ready)
+    listening: bool = field(init=False)  # --workers: on the shared port yet (gateway.http.server.listen_when_ready)
     clients: Holdings = field(default_factory=Holdings)  # per client: connections, generations, subscriptions
     loop: LoopMonitor = field(default_factory=LoopMonitor)
     _overload_logged_at: float = field(default=float("-inf"), repr=False)
@@ -95,7 +95,7 @@ class Gateway:
 
     def cancel_local_stream(self, stream_id: str) -> bool:
         """Cancel a generation this gateway runs (a broker-forwarded DELETE); False if not ours."""
-        from gateway.delivery import cancel
+        from gateway.core.delivery import cancel
 
         s = self.hub.streams.get(stream_id)
         return s is not None and cancel(s)
@@ -135,7 +135,7 @@ class Gateway:
 
     def _admit(self, client: str, key: str | None) -> None:
         """Raise (and count) the refusal a new generation of ``client`` gets, if any: overload, the gateway's
-        total, the client's own limits, then fair admission (:func:`gateway.clients.fair_refusal`)."""
+        total, the client's own limits, then fair admission (:func:`gateway.http.clients.fair_refusal`)."""
         try:
             self._check_admission(client, key)
         except APIError as err:
@@ -180,7 +180,7 @@ class Gateway:
         for the access log."""
         state = scope.setdefault("state", {}) if scope is not None else {}
         key = state.get("api_key")
-        client = state.get("client") or "internal"  # set by gateway.clients.ClientLimitMiddleware
+        client = state.get("client") or "internal"  # set by gateway.http.clients.ClientLimitMiddleware
         model = self.check_model(parsed.model)
         self._admit(client, key)
         rid = new_id(parsed.endpoint)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from gateway.auth import Auth, AuthMiddleware
+from gateway.http.auth import Auth, AuthMiddleware
 
 
 def _scope(path: str, *, ws: bool = False, query: bytes = b"") -> dict[str, Any]:

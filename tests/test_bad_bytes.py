@@ -1,5 +1,5 @@
 """Bad bytes are a 400 ``invalid_json`` in the OpenAI error shape, never a 500: invalid UTF-8 and
-pathological nesting through the one JSON gate, :func:`gateway.validation.decode_json_object`.
+pathological nesting through the one JSON gate, :func:`gateway.api.validation.decode_json_object`.
 
 Without the gate, msgspec raises ``UnicodeDecodeError`` on invalid UTF-8 inside a string and
 ``RecursionError`` from ~1,000 levels, and ``orjson.dumps`` refuses 255+ levels: all three were 500s."""
@@ -9,9 +9,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from gateway.api.openai_api import parse_request
+from gateway.api.validation import MAX_JSON_DEPTH, Limits, check_json_depth, decode_json_object
 from gateway.errors import APIError
-from gateway.openai_api import parse_request
-from gateway.validation import MAX_JSON_DEPTH, Limits, check_json_depth, decode_json_object
 
 DEEP = 100_000
 

@@ -1,12 +1,12 @@
-"""The broker's Redis records (gateway.broker_codec): plain values in, field dicts out, and back."""
+"""The broker's Redis records (gateway.scaleout.broker_codec): plain values in, field dicts out, and back."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway import broker_codec as codec
-from gateway.broker import Backoff, redact
 from gateway.errors import APIError
+from gateway.scaleout import broker_codec as codec
+from gateway.scaleout.broker import Backoff, redact
 
 
 def test_header_round_trips_with_its_owner() -> None:

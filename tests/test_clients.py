@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.clients import Holdings, TrustedProxies, fair_refusal, identify, key_client
+from gateway.api.responses_ws import Lanes, WsClientError
+from gateway.api.ws_mux import Request, queue_full
 from gateway.errors import APIError
-from gateway.responses_ws import Lanes, WsClientError
-from gateway.ws_mux import Request, queue_full
+from gateway.http.clients import Holdings, TrustedProxies, fair_refusal, identify, key_client
 
 
 def _scope(peer: str, *headers: tuple[bytes, bytes], key: str | None = None) -> dict:

@@ -1,5 +1,5 @@
 """The one-pass token path and its accounting, without a gateway: a real ZeroMQ engine link, real
-:class:`gateway.generation.Generation` / :class:`gateway.streams.Stream` / :class:`gateway.delivery.Reader`,
+:class:`gateway.core.generation.Generation` / :class:`gateway.core.streams.Stream` / :class:`gateway.core.delivery.Reader`,
 connections over real loopback sockets with uvicorn's own flow control, and an injected clock."""
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from uvicorn.protocols.http.flow_control import FlowControl
 
 from engine_worker import protocol as p
-from gateway.conn import HttpConn, Step, WsConn
-from gateway.delivery import Reader, ReaderMeter
-from gateway.engine_client import EngineClient, RequestHandle
+from gateway.api.openai_api import ChunkBuilder
+from gateway.core.conn import HttpConn, Step, WsConn
+from gateway.core.delivery import Reader, ReaderMeter
+from gateway.core.engine_client import EngineClient, RequestHandle
+from gateway.core.framing import OPENAI_SSE, MuxWs
+from gateway.core.generation import ChatRenderer, ChunkEvent, ChunkTemplate, Generation
+from gateway.core.metrics import _LAT_BUCKETS, DeliveryCollector, HotCounter, HotHistogram, TransportMetrics
+from gateway.core.sse import decode
+from gateway.core.streams import Event, SlowConsumerPolicy, Stream, Watchdog, follow
 from gateway.errors import APIError
-from gateway.framing import OPENAI_SSE, MuxWs
-from gateway.generation import ChatRenderer, ChunkEvent, ChunkTemplate, Generation
-from gateway.metrics import _LAT_BUCKETS, DeliveryCollector, HotCounter, HotHistogram, TransportMetrics
-from gateway.openai_api import ChunkBuilder
-from gateway.sse import decode
-from gateway.streams import Event, SlowConsumerPolicy, Stream, Watchdog, follow
 from tests.test_engine_client import FakeEngine, run, submit, until
 
 

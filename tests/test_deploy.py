@@ -142,7 +142,7 @@ def pyproject() -> dict[str, Any]:
 @functools.cache
 def exported_metric_families() -> dict[str, str]:
     """``# TYPE`` lines of a fresh gateway's /metrics: family name -> type."""
-    from gateway.metrics import Metrics
+    from gateway.core.metrics import Metrics
 
     text = Metrics().render().decode()
     return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.MULTILINE))

@@ -13,8 +13,8 @@ import zmq
 import zmq.asyncio
 
 from engine_worker import protocol as p
-from gateway.engine_client import EngineClient, RequestHandle
-from gateway.engine_pool import EnginePool
+from gateway.core.engine_client import EngineClient, RequestHandle
+from gateway.core.engine_pool import EnginePool
 from gateway.errors import EngineError, to_api_error
 
 

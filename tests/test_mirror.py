@@ -1,4 +1,4 @@
-"""The one mirror (gateway.mirror) without Redis or sockets: records from an injected iterator, a fake clock,
+"""The one mirror (gateway.scaleout.mirror) without Redis or sockets: records from an injected iterator, a fake clock,
 a scripted lease."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from collections.abc import AsyncGenerator, Iterable
 
 import pytest
 
-from gateway import broker_codec as codec
+from gateway.core.streams import Event, Retention, Stream, StreamHub
 from gateway.errors import APIError
-from gateway.mirror import Idle, Item, Lease, Mirror, Mirrors, Opened, Quiet, apply
-from gateway.streams import Event, Retention, Stream, StreamHub
+from gateway.scaleout import broker_codec as codec
+from gateway.scaleout.mirror import Idle, Item, Lease, Mirror, Mirrors, Opened, Quiet, apply
 
 
 def event(seq: int, text: str | None = None) -> codec.Fields:

@@ -6,9 +6,9 @@ import orjson
 import pytest
 
 from engine_worker import protocol as p
+from gateway.api.openai_api import ChunkBuilder, parse_request
+from gateway.api.validation import Limits
 from gateway.errors import APIError
-from gateway.openai_api import ChunkBuilder, parse_request
-from gateway.validation import Limits
 
 
 def parse(endpoint: str, body: dict) -> object:

@@ -21,10 +21,8 @@ from openai.types.responses.response_create_params import ResponseCreateParamsBa
 from pydantic import TypeAdapter
 
 from engine_worker import protocol as p
-from gateway.delivery import resume_point
-from gateway.errors import APIError
-from gateway.openai_api import parse_request
-from gateway.responses_api import (
+from gateway.api.openai_api import parse_request
+from gateway.api.responses_api import (
     CANCELLED_CODE,
     REFUSED,
     CreateRequest,
@@ -38,8 +36,10 @@ from gateway.responses_api import (
     response_from_events,
     response_not_found,
 )
-from gateway.responses_chat import decode_transcript, encode_transcript
-from gateway.validation import Limits
+from gateway.api.responses_chat import decode_transcript, encode_transcript
+from gateway.api.validation import Limits
+from gateway.core.delivery import resume_point
+from gateway.errors import APIError
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 LIMITS = Limits(default_max_tokens=64, max_tokens_cap=512)

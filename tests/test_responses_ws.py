@@ -14,9 +14,8 @@ from openai.types.responses.responses_server_event import ResponsesServerEvent, 
 from pydantic import TypeAdapter
 
 from engine_worker import protocol as p
-from gateway.errors import APIError
-from gateway.responses_api import ResponseEvents, build_request, previous_response_not_found
-from gateway.responses_ws import (
+from gateway.api.responses_api import ResponseEvents, build_request, previous_response_not_found
+from gateway.api.responses_ws import (
     Lanes,
     TranscriptCache,
     WsClientError,
@@ -25,7 +24,8 @@ from gateway.responses_ws import (
     ws_event,
     ws_text,
 )
-from gateway.validation import Limits
+from gateway.api.validation import Limits
+from gateway.errors import APIError
 from tests.test_responses_api import no_extra_fields
 
 SERVER_EVENT = TypeAdapter(ResponsesServerEvent)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway import sse
+from gateway.core import sse
 
 
 def test_event_has_id_event_retry_and_data_lines() -> None:

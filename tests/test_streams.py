@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+from gateway.api.openai_api import ChunkBuilder
+from gateway.core.framing import FANOUT_SSE, FANOUT_WS
+from gateway.core.generation import CHUNK_MERGE, ChunkEvent
+from gateway.core.streams import Event, Retention, SlowConsumerPolicy, StreamHub, Watchdog, coalesce
+from gateway.core.streams import follow as _follow
 from gateway.errors import APIError
-from gateway.framing import FANOUT_SSE, FANOUT_WS
-from gateway.generation import CHUNK_MERGE, ChunkEvent
-from gateway.openai_api import ChunkBuilder
-from gateway.streams import Event, Retention, SlowConsumerPolicy, StreamHub, Watchdog, coalesce
-from gateway.streams import follow as _follow
 
 
 def follow(stream, transport, after, write, policy):  # type: ignore[no-untyped-def]
@@ -173,7 +173,7 @@ def test_wake_order_rotates_within_a_transport() -> None:
 
 
 def test_a_stalled_writer_raises_slow_consumer() -> None:
-    from gateway.streams import SlowConsumer
+    from gateway.core.streams import SlowConsumer
 
     async def main() -> None:
         s = StreamHub(Retention()).create("completions", "m")

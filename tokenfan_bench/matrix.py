@@ -358,7 +358,7 @@ def _via(arm: str) -> str:
 def gateways(s: Settings, logs: Path) -> Iterator[tuple[str, str, str, str]]:
     """A TLS gateway, a TLS gateway whose WebSocket writes sleep ``inject_ms``, its placebo (the same
     path, a 0 ms sleep) and a plain one, each on its own synthetic engine."""
-    from gateway.certs import generate
+    from gateway.http.certs import generate
 
     with tempfile.TemporaryDirectory(prefix="tokenfan-report-") as tmp, contextlib.ExitStack() as stack:
         cert, key = generate(Path(tmp) / "tls")

@@ -10,7 +10,7 @@ Two variants (:data:`VARIANTS`):
   a buffering proxy costs each transport (WebSocket is tunnelled after the upgrade and never buffered).
 
 nginx runs in the foreground (``master_process off``, one worker) in a scratch directory with a
-self-signed certificate from :func:`gateway.certs.generate`; the gateway must speak plain HTTP (nginx
+self-signed certificate from :func:`gateway.http.certs.generate`; the gateway must speak plain HTTP (nginx
 terminates TLS, as in the deploy file).
 """
 
@@ -84,7 +84,7 @@ def nginx_binary() -> str:
 @contextlib.contextmanager
 def nginx_in_front(gateway_url: str, variant: str = "nginx", keep_dir: Path | None = None) -> Iterator[str]:
     """nginx on a free port proxying to ``gateway_url`` (http); yields its ``https://127.0.0.1:PORT`` URL."""
-    from gateway.certs import generate
+    from gateway.http.certs import generate
     from tokenfan_bench.procs import free_port
 
     u = urlsplit(gateway_url)

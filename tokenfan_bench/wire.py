@@ -1,6 +1,6 @@
 """What a subscriber receives, decoded (pure: bytes in, values out; no I/O, no event loop).
 
-:class:`SseDecoder` (from :mod:`gateway.sse`) splits an SSE byte stream into events; :func:`sample_sse` / :func:`sample_ws`
+:class:`SseDecoder` (from :mod:`gateway.core.sse`) splits an SSE byte stream into events; :func:`sample_sse` / :func:`sample_ws`
 reduce a chunk (JSON bytes) to the few numbers the bench records, decoding only those fields
 (msgspec, typed: ~1 µs a chunk); :func:`chunk_sample` does the same for an already decoded chunk.
 Both transports carry the same chunk JSON. :class:`WsDecoder` and :func:`ws_frame` are the
@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from gateway.sse import SseDecoder, SseEvent, parse_block
+from gateway.core.sse import SseDecoder, SseEvent, parse_block
 
 __all__ = ["ChunkSample", "SseDecoder", "SseEvent", "parse_block"]  # the SSE decoder lives with the encoder
 

@@ -46,13 +46,13 @@ TICK = os.sysconf("SC_CLK_TCK")
 # ---------------------------------------------------------------------------------------------- server side
 
 def serve(ns: argparse.Namespace) -> None:
-    """One gateway under ``--server``; uvicorn and Granian run as ``gateway/server.py`` configures them."""
+    """One gateway under ``--server``; uvicorn and Granian run as ``gateway/http/server.py`` configures them."""
     import uvloop
 
-    from gateway.app import create_app
     from gateway.config import GatewayConfig
-    from gateway.server import protocol_class, run_granian
-    from gateway.streams import Retention
+    from gateway.core.streams import Retention
+    from gateway.http.app import create_app
+    from gateway.http.server import protocol_class, run_granian
 
     tls = (Path(ns.certfile), Path(ns.keyfile)) if ns.certfile else (None, None)
     config = GatewayConfig(host="127.0.0.1", port=ns.port, engine_address=ns.engine, log_level="WARNING",
@@ -276,7 +276,7 @@ SUPPORTS = {"uvicorn": {"h1", "ws", "tls-h1", "tls-ws"},
 
 
 def run(ns: argparse.Namespace) -> None:
-    from gateway.certs import generate
+    from gateway.http.certs import generate
     from tests.procs import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="asgi-servers-"))

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import httpx
 
-from gateway import sse
+from gateway.core import sse
 from tests.procs import start_engine, start_gateway
 
 
 def sse_events(text: str) -> list[dict[str, str]]:
-    """An SSE body's events (the gateway's decoder, :func:`gateway.sse.decode`; comments and data-less
+    """An SSE body's events (the gateway's decoder, :func:`gateway.core.sse.decode`; comments and data-less
     blocks such as ``retry:`` are not events)."""
     return [event_dict(ev) for ev in sse.decode(text)]
 

@@ -2,7 +2,7 @@
 
 It is not the gateway: no engine (deltas are ``tok0 tok1 ...`` at a fixed pace), no stream hub (each
 response's events are a list plus a condition), no limits. It runs the same wire contract the gateway
-routes must (``gateway.responses_api`` / ``gateway.responses_ws``), so the official Python and Node
+routes must (``gateway.api.responses_api`` / ``gateway.api.responses_ws``), so the official Python and Node
 SDK harnesses in ``test_responses_sdk.py`` are known to work before they are pointed at the gateway.
 """
 
@@ -23,10 +23,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine_worker import protocol as p
-from gateway import sse
-from gateway.delivery import resume_point
-from gateway.errors import APIError
-from gateway.responses_api import (
+from gateway.api.responses_api import (
     ResponseEvents,
     ResponsesRequest,
     build_request,
@@ -35,8 +32,8 @@ from gateway.responses_api import (
     previous_response_not_found,
     response_not_found,
 )
-from gateway.responses_chat import Message
-from gateway.responses_ws import (
+from gateway.api.responses_chat import Message
+from gateway.api.responses_ws import (
     Lanes,
     TranscriptCache,
     WsClientError,
@@ -45,7 +42,10 @@ from gateway.responses_ws import (
     ws_error,
     ws_text,
 )
-from gateway.validation import Limits
+from gateway.api.validation import Limits
+from gateway.core import sse
+from gateway.core.delivery import resume_point
+from gateway.errors import APIError
 
 MODEL = "stub-model"
 MAX_DELTAS = 40

@@ -7,7 +7,7 @@ Two layers:
 - end to end: real engine and gateway processes: the owning gateway killed, Redis down for 15 s, an
   8 s time to first token, and the scale-out basics (resume on another replica, DELETE, restart).
 
-Assertions that depend on the routes (not on gateway/broker.py) say so in a comment.
+Assertions that depend on the routes (not on gateway/scaleout/broker.py) say so in a comment.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import pytest
 import redis
 import websockets
 
-from gateway import broker_codec as codec
-from gateway import sse
-from gateway.broker import Broker, BrokerTimings
+from gateway.core import sse
+from gateway.core.generation import ChunkEvent
+from gateway.core.streams import Retention, Stream, StreamHub
 from gateway.errors import APIError
-from gateway.generation import ChunkEvent
-from gateway.streams import Retention, Stream, StreamHub
+from gateway.scaleout import broker_codec as codec
+from gateway.scaleout.broker import Broker, BrokerTimings
 from tests.e2e.helpers import chunk_text, event_dict, sse_events, wait_until
 from tests.procs import Proc, free_port, start_engine, start_gateway
 from tests.system import require

@@ -96,7 +96,7 @@ def nginx_in_front(gateway_url: str, certs: Path, name: str) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gateway.certs import generate
+    from gateway.http.certs import generate
 
     d = tmp_path_factory.mktemp("nginx-certs")
     generate(d / "tls")

@@ -112,7 +112,7 @@ def replicas(scripted_engine: str, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def workers(scripted_engine: str) -> Iterator[tuple[Path, Path]]:
     """A ``--workers 2`` server: the private Unix sockets of worker 0 and worker 1, both serving."""
-    from gateway.workers import worker_socket
+    from gateway.scaleout.workers import worker_socket
 
     port = free_port()
     proc, _ = start_gateway(scripted_engine, "--workers", "2", name="gateway-tools-workers", timeout=300, port=port)

@@ -1,4 +1,4 @@
-"""The ASGI server edge (``gateway/server.py``): slowloris read deadlines and the exit code of a drain."""
+"""The ASGI server edge (``gateway/http/server.py``): slowloris read deadlines and the exit code of a drain."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ async def _slowloris(port: int, heads: int, bodies: int, limit: float, tls: bool
 
 @pytest.fixture(scope="module")
 def strict_tls_gateway(synthetic_engine: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    from gateway.certs import generate
+    from gateway.http.certs import generate
     from tests.e2e.test_tls_h2 import start_tls_gateway
 
     certs = tmp_path_factory.mktemp("slowloris") / "tls"

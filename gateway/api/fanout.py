@@ -1,0 +1,188 @@
+"""Fan-out streams (``/v1/streams``): one generation, any number of resumable readers on any replica.
+
+Routes only: the stream's lifecycle (start, pump, cancel) is :mod:`gateway.core.delivery`, the log and the
+slow-reader policy :mod:`gateway.core.streams`, the frames :mod:`gateway.core.framing`, cross-replica mirrors
+:mod:`gateway.scaleout.broker`.
+
+Endings, per transport:
+  finished   SSE ``data: [DONE]``                         WS ``{"type":"done"}``, close 1000
+  cancelled  SSE ``event: end`` {"reason":"cancelled"} + [DONE]   WS ``{"type":"done","reason":"cancelled"}``
+  failed     SSE ``event: error`` {"error":{...}}          WS ``{"type":"error","error":{...}}``, close 1011
+  too slow   SSE ``event: error`` code slow_consumer       WS close 1013
+A resume point at or past the end of a finished stream answers 204, which also tells a browser
+``EventSource`` to stop reconnecting.
+
+Each client may hold ``--max-subscriptions-per-client`` subscriptions open (:mod:`gateway.http.clients`); one
+more is refused with 429 ``client_subscription_limit`` (SSE: the HTTP status; WS: an ``error`` message
+and close 4429), as is one more than ``--max-subscribers`` on one stream (``too_many_subscribers``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from gateway.api.openai_api import parse_request
+from gateway.core import sse
+from gateway.core.conn import PEER_GONE, WsConn
+from gateway.core.delivery import (
+    SseResponse,
+    read,
+    release,
+    resume_point,
+    start_generation,
+    stop,
+    until_disconnect,
+)
+from gateway.core.framing import FANOUT_SSE, FANOUT_WS
+from gateway.core.streams import Stream
+from gateway.errors import APIError
+from gateway.http.clients import refuse
+from gateway.http.edge import gateway_of, read_body
+from gateway.state import Gateway
+
+log = logging.getLogger(__name__)
+
+
+async def create_stream(request: Request) -> Response:
+    gw: Gateway = gateway_of(request)
+    body = await read_body(request, gw.config.max_body_bytes)
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(obj, dict):
+        raise APIError(400, "Request body must be a JSON object.", code="invalid_value")
+    endpoint = obj.pop("endpoint", "chat.completions")
+    if endpoint not in ("chat.completions", "completions"):
+        raise APIError(400, '`endpoint` must be "chat.completions" or "completions".', param="endpoint",
+                       code="invalid_value")
+    obj["stream"] = True
+    parsed = parse_request(endpoint, obj, gw.config.limits)
+    stream = await start_generation(gw, parsed, request.scope, listed=True)
+    gw.metrics.requests.labels("/v1/streams", "201").inc()
+    base = str(request.base_url).rstrip("/")
+    ws_base = "ws" + base[4:] if base.startswith("http") else base
+    auth = request.app.state.auth
+    query = f"?token={auth.sign(stream.id)}" if auth.enabled else ""
+    return JSONResponse({
+        "id": stream.id, "object": "tokenfan.stream", "model": stream.model, "endpoint": endpoint,
+        "events_url": f"{base}/v1/streams/{stream.id}/events{query}",
+        "ws_url": f"{ws_base}/v1/streams/{stream.id}/ws{query}",
+    }, status_code=201, headers={"Location": f"/v1/streams/{stream.id}"})
+
+
+async def find_stream(gw: Gateway, stream_id: str) -> Stream:
+    """The local stream, else (with a broker) a mirror of another replica's; APIError 404 / 410 / 503."""
+    try:
+        return gw.hub.get(stream_id)
+    except APIError:
+        if gw.broker is None:
+            raise
+        return await gw.broker.mirror(stream_id)
+
+
+async def stream_status(request: Request) -> Response:
+    gw: Gateway = gateway_of(request)
+    s = await find_stream(gw, request.path_params["id"])
+    return JSONResponse({"id": s.id, "object": "tokenfan.stream", "state": s.state, "events": len(s.events),
+                         "subscribers": s.subscriber_count(), "bytes": s.size})
+
+
+async def delete_stream(request: Request) -> Response:
+    gw: Gateway = gateway_of(request)
+    s = await find_stream(gw, request.path_params["id"])
+    deleted = await stop(gw, s)
+    return JSONResponse({"id": s.id, "object": "tokenfan.stream", "state": s.state, "deleted": deleted})
+
+
+async def _subscribe_check(gw: Gateway, stream_id: str) -> Stream:
+    stream = await find_stream(gw, stream_id)
+    if stream.subscriber_count() >= gw.hub.retention.max_subscribers:
+        raise gw.refused(APIError(429, f"Stream {stream_id} has {stream.subscriber_count()} subscribers; the limit is "
+                            f"{gw.hub.retention.max_subscribers}.", type="rate_limit_error",
+                       code="too_many_subscribers", retry_after=1.0))
+    return stream
+
+
+def _subscribe(gw: Gateway, scope: Any) -> str:
+    """Count one more fan-out subscription of this scope's client; APIError 429 over its limit."""
+    client: str = scope.get("state", {}).get("client") or "internal"
+    try:
+        gw.clients.acquire("subscriptions", client, gw.config.max_subscriptions_per_client)
+    except APIError as err:
+        raise gw.refused(err) from None
+    return client
+
+
+async def stream_events(request: Request) -> Any:
+    gw: Gateway = gateway_of(request)
+    after = resume_point(request.headers.get("last-event-id") or request.query_params.get("last_event_id"),
+                         "last_event_id")
+    stream = await _subscribe_check(gw, request.path_params["id"])
+    if stream.finished and after >= len(stream.events) - 1 and stream.state == "done":
+        return Response(status_code=204)
+    preamble = sse.comment("tokenfan stream " + stream.id) + b"retry: %d\n\n" % gw.config.sse_retry_ms
+    return _Subscriber(SseResponse(gw, stream, FANOUT_SSE, after, preamble=preamble), gw)
+
+
+class _Subscriber:
+    """Counts a fan-out SSE subscriber in ``tokenfan_subscribers`` and against its client's
+    ``--max-subscriptions-per-client`` while its response runs (checked here, where it is also released)."""
+
+    def __init__(self, inner: SseResponse, gw: Gateway) -> None:
+        self.inner, self.gw = inner, gw
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            client = _subscribe(self.gw, scope)
+        except APIError as err:
+            await refuse(scope, receive, send, err)
+            return
+        gauge = self.gw.metrics.subscribers.labels("sse")
+        gauge.inc()
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            gauge.dec()
+            self.gw.clients.release("subscriptions", client)
+
+
+async def stream_ws(ws: WebSocket) -> None:
+    gw: Gateway = gateway_of(ws)
+    await ws.accept()
+    try:
+        after = resume_point(ws.query_params.get("after"), "after")
+        stream = await _subscribe_check(gw, ws.path_params["id"])
+        client = _subscribe(gw, ws.scope)
+    except APIError as exc:
+        with contextlib.suppress(WebSocketDisconnect, *PEER_GONE):  # the client left first: nobody to tell
+            await ws.send_text(orjson.dumps({"type": "error", "error": exc.body()["error"]}).decode())
+            await ws.close(4000 + exc.status if exc.status < 1000 else 1008, exc.code or "error")
+        return
+    conn = WsConn(ws.scope, ws._send, gw.policy.linger)
+    gauge = gw.metrics.subscribers.labels("ws")
+    gauge.inc()
+    outcome = None
+    try:
+        outcome = await until_disconnect(read(gw, stream, FANOUT_WS, after, conn), ws.receive)
+    except WebSocketDisconnect:
+        pass
+    finally:
+        gauge.dec()
+        gw.clients.release("subscriptions", client)
+        release(stream, cut=bool(outcome and outcome.cut))
+    if outcome is None:
+        return
+    end = outcome.ending
+    text = end.frame if isinstance(end.frame, str) else None
+    if outcome.cut:
+        await conn.cut(end.close_code, end.reason, text)
+    else:
+        await conn.end(text, end.close_code, end.reason)

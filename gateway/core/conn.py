@@ -1,0 +1,258 @@
+"""The write side of one client connection, as the delivery core needs it.
+
+Three operations: ``write`` (await until the server took the frame; a stalled client makes it block,
+which the :class:`gateway.core.streams.Watchdog` turns into a cut), ``write_now`` (the publisher's one pass:
+take a frame without awaiting while the transport is writable, else refuse it and let the reader's loop
+send it) and ``cut`` (end the connection with a final frame *without waiting on the stalled peer*).
+
+``write_now`` inside an engine step only collects the frame: the :class:`Step` flushes every connection
+it touched once, at the end of the step, so a connection that carries several generations (``/v1/ws``,
+Responses WebSocket lanes) or several events of one step gets one transport write per step.
+
+``cut`` needs what ASGI does not give: after a blocked write the server's ``send`` is stuck waiting
+for the peer to drain, so a final frame sent through it would wait as well. Under uvicorn (HTTP/1.1)
+the transport is reachable from the server's own ``send`` (kept by :class:`gateway.http.middleware.RawSend`),
+so the ending is appended to the transport buffer directly (chunk-framed for HTTP, a WebSocket close
+frame for WS), the transport is closed (it flushes what it holds if the peer reads again) and aborted
+after ``linger`` seconds if it never does. Under any other server the ending is sent through ASGI with a
+short timeout and the connection left to the server. This is the one place that knows uvicorn's objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from collections.abc import MutableMapping
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ENDING_TIMEOUT = 1.0  # the ASGI fallback's wait for a final frame
+
+# What a send to a peer that is gone or stalled raises, so an ending that cannot be delivered is dropped and
+# anything else (a bug) still propagates: OSError covers TimeoutError (our bounded wait) and uvicorn's
+# ClientDisconnected (ASGI 2.4); RuntimeError is what uvicorn raises for a message after the response or
+# close was already sent (a cut got there first) and what Granian raises on a closed transport
+# ("ASGI flow error: Transport closed").
+PEER_GONE: tuple[type[Exception], ...] = (OSError, RuntimeError)
+
+
+def ws_head(opcode: int, n: int) -> bytes:
+    """The head of an unmasked (server-to-client) WebSocket frame with FIN set (RFC 6455 §5.2)."""
+    if n < 126:
+        return struct.pack("!BB", 0x80 | opcode, n)
+    if n < 1 << 16:
+        return struct.pack("!BBH", 0x80 | opcode, 126, n)
+    return struct.pack("!BBQ", 0x80 | opcode, 127, n)
+
+
+def ws_frame(opcode: int, payload: bytes) -> bytes:
+    return ws_head(opcode, len(payload)) + payload
+
+
+def ws_close_frame(code: int, reason: str) -> bytes:
+    return ws_frame(0x8, struct.pack("!H", code) + reason.encode()[:123])
+
+
+def chunked(data: bytes) -> bytes:
+    """One HTTP/1.1 chunk."""
+    return b"%x\r\n%b\r\n" % (len(data), data) if data else b""
+
+
+class Step:
+    """One engine step's pass through the delivery core: its clock, read once (``now``: monotonic
+    seconds for gaps and timeouts; ``wall_ns``: epoch ns for delivery latency), and the connections that
+    took frames during the pass, flushed once each at its end."""
+
+    __slots__ = ("_held", "now", "wall_ns")
+
+    def __init__(self, now: float, wall_ns: int) -> None:
+        self.now = now
+        self.wall_ns = wall_ns
+        self._held: list[HttpConn | WsConn] = []
+
+    def hold(self, conn: HttpConn | WsConn) -> None:
+        """``conn`` has frames to write at the end of this step."""
+        self._held.append(conn)
+
+    def flush(self) -> None:
+        """One transport write per connection for everything the pass gave it."""
+        held, self._held = self._held, []
+        for conn in held:
+            conn.flush()
+
+
+def _server_side(send: Any) -> Any:
+    """uvicorn's per-request cycle (HTTP) or protocol (WS) behind its own ``send``, else None."""
+    owner = getattr(send, "__self__", None)
+    return owner if owner is not None and hasattr(owner, "transport") else None
+
+
+def _linger_then_abort(transport: asyncio.Transport, linger: float) -> None:
+    transport.close()  # flushes what is buffered if the peer reads again, then closes
+    asyncio.get_running_loop().call_later(linger, transport.abort)
+
+
+class HttpConn:
+    """The body of one streaming HTTP response (SSE)."""
+
+    transport = "sse"
+
+    def __init__(self, scope: MutableMapping[str, Any], send: Any, linger: float) -> None:
+        self.send = scope.get("tokenfan.raw_send", send)  # the response has started: skip the wrappers
+        self._safe_send = send
+        self.linger = linger
+        self.closed = False
+        self._cycle: Any = None  # uvicorn's request cycle, once write_now found it can write into it
+        self._checked = False
+        self._out: list[bytes] = []  # frames taken by write_now, written at flush
+
+    async def write(self, data: bytes) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end(self, data: bytes | None) -> None:
+        """The normal last write (the response completes)."""
+        with contextlib.suppress(*PEER_GONE):
+            async with asyncio.timeout(ENDING_TIMEOUT):
+                await self.send({"type": "http.response.body", "body": data or b"", "more_body": False})
+        self.closed = True
+
+    def write_now(self, data: bytes, step: Step | None = None) -> bool:
+        """Take ``data`` without awaiting (uvicorn, chunked HTTP/1.1 only) while the server's flow control
+        says the transport is writable; False otherwise (another server, a full buffer, a closing socket):
+        the reader's own loop sends it. Within a ``step`` the frame is written at the step's flush."""
+        cycle = self._cycle
+        if cycle is None:
+            if self._checked:
+                return False
+            cycle = self._cycle = self._writable_cycle()
+            self._checked = True
+            if cycle is None:
+                return False
+        if cycle.flow.write_paused or cycle.transport.is_closing():
+            return False
+        self._out.append(data)
+        if step is None:
+            self.flush()
+        elif len(self._out) == 1:
+            step.hold(self)
+        return True
+
+    def _writable_cycle(self) -> Any:
+        """The response cycle ``write_now`` writes into: uvicorn's, with flow control, chunked (asked for
+        only once the response started, when the encoding is known)."""
+        cycle = _server_side(self.send)
+        if cycle is None or getattr(cycle, "flow", None) is None:
+            return None
+        return cycle if getattr(cycle, "chunked_encoding", False) or _h11_chunked(cycle) else None
+
+    def flush(self) -> None:
+        """Write what ``write_now`` took as one HTTP chunk."""
+        out, self._out = self._out, []
+        if out and not self._cycle.transport.is_closing():
+            data = out[0] if len(out) == 1 else b"".join(out)
+            self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # one buffer: one send
+
+    async def cut(self, data: bytes | None) -> None:
+        """End now: ``data`` goes after whatever the peer has not read yet, then the connection closes."""
+        self.closed = True
+        cycle = _server_side(self.send)
+        transport = getattr(cycle, "transport", None)
+        if transport is None or transport.is_closing():
+            await self.end(data)
+            return
+        payload = data or b""
+        if hasattr(cycle, "conn") and hasattr(cycle.conn, "send"):  # uvicorn h11: let h11 frame it
+            import h11
+
+            out = (cycle.conn.send(h11.Data(data=payload)) if payload else b"") + cycle.conn.send(h11.EndOfMessage())
+        elif getattr(cycle, "chunked_encoding", False):  # uvicorn httptools
+            out = chunked(payload) + b"0\r\n\r\n"
+        else:
+            out = payload
+        transport.write(out)
+        for attr in ("response_complete",):
+            if hasattr(cycle, attr):
+                setattr(cycle, attr, True)
+        if hasattr(cycle, "keep_alive"):
+            cycle.keep_alive = False
+        _linger_then_abort(transport, self.linger)
+
+
+def _writable_protocol(send: Any) -> Any:
+    """uvicorn's sans-I/O WebSocket protocol behind ``send`` if frames may be written into its transport
+    directly (it has flow control and no compression extension), else None."""
+    proto = _server_side(send)
+    if proto is None or getattr(proto, "writable", None) is None or not hasattr(proto, "close_sent") \
+            or getattr(getattr(proto, "conn", None), "extensions", None):
+        return None
+    return proto
+
+
+def _h11_chunked(cycle: Any) -> bool:
+    writer = getattr(getattr(cycle, "conn", None), "_writer", None)
+    return type(writer).__name__ == "ChunkedWriter"
+
+
+class WsConn:
+    """An accepted WebSocket."""
+
+    transport = "ws"
+
+    def __init__(self, scope: MutableMapping[str, Any], send: Any, linger: float) -> None:
+        self.send = scope.get("tokenfan.raw_send", send)  # accepted already: skip the wrappers
+        self.linger = linger
+        self.closed = False
+        self._proto: Any = _writable_protocol(self.send)
+        self._out: list[bytes] = []  # frame heads and payloads taken by write_now, written at flush
+
+    async def write(self, text: str) -> None:
+        await self.send({"type": "websocket.send", "text": text})
+
+    async def end(self, text: str | None, code: int = 1000, reason: str = "") -> None:
+        """A normal close: the last message, then a close frame (bounded wait)."""
+        with contextlib.suppress(*PEER_GONE):
+            async with asyncio.timeout(ENDING_TIMEOUT):
+                if text is not None:
+                    await self.send({"type": "websocket.send", "text": text})
+                await self.send({"type": "websocket.close", "code": code, "reason": reason})
+        self.closed = True
+
+    def write_now(self, data: bytes, step: Step | None = None) -> bool:
+        """Take one text message (UTF-8 ``data``) without awaiting (uvicorn's sans-I/O WebSocket, no
+        compression only) while the transport is writable; False otherwise: the reader's loop sends it.
+        Within a ``step`` every message of the step goes out in one write at the step's flush."""
+        proto = self._proto
+        if proto is None or not proto.writable.is_set() or proto.close_sent or proto.transport.is_closing():
+            return False
+        out = self._out
+        out.append(ws_head(0x1, len(data)))
+        out.append(data)
+        if step is None:
+            self.flush()
+        elif len(out) == 2:
+            step.hold(self)
+        return True
+
+    def flush(self) -> None:
+        """Write what ``write_now`` took (whole frames, in order) in one transport write."""
+        out, self._out = self._out, []
+        if out and not self._proto.close_sent and not self._proto.transport.is_closing():
+            self._proto.transport.write(b"".join(out))
+
+    async def cut(self, code: int, reason: str, text: str | None = None) -> None:
+        """Close with ``code`` now, without waiting for the stalled peer."""
+        if self.closed:
+            return
+        self.closed = True
+        proto = _server_side(self.send)
+        transport = getattr(proto, "transport", None)
+        if transport is None or transport.is_closing() or not hasattr(proto, "close_sent"):
+            await self.end(text, code, reason)
+            return
+        out = (ws_frame(0x1, text.encode()) if text is not None else b"") + ws_close_frame(code, reason)
+        transport.write(out)
+        proto.close_sent = True  # uvicorn writes nothing more on this socket
+        _linger_then_abort(transport, self.linger)

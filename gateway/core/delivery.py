@@ -1,0 +1,320 @@
+"""The one delivery core: every generation is a :class:`~gateway.core.streams.Stream`, every reader a cursor.
+
+    engine step ──► Generation.on_delta ──► Stream.append ──► Reader.write_now ──► Conn (one write per step)
+                                                   └──────► reader's own loop (follow): replay, resume, lag
+
+- :func:`start_generation` admits a request, submits it, creates its stream (listed for fan-out
+  and background responses, unlisted for a POST SSE response or one ``/v1/ws`` request) and attaches its
+  :class:`gateway.core.generation.Generation` to the request: from then on the engine link hands it each
+  delta in the engine step's pass. :func:`pump` only waits for the generation's end (no wake-up per
+  token) and turns a cancel of its task into the generation's cancel.
+- :func:`read` is the only reader, for every path: a :class:`Reader` writes the :mod:`gateway.core.framing`
+  frames to a :mod:`gateway.core.conn` connection, in the publisher's pass while it is caught up
+  (:meth:`Reader.write_now`) and from its own loop (:func:`gateway.core.streams.follow`: replay, live tail,
+  coalescing when behind, keep-alives) otherwise, with one :class:`ReaderMeter` for both. A write blocked
+  longer than ``--send-timeout`` ends the reader with the framing's cut
+  (SSE ``event: error`` slow_consumer, WebSocket close 1013), never with a normal end.
+- When a reader ends, :func:`release` aborts the generation if nobody else reads it: always, unless the
+  generation is *detached* (fan-out streams, background responses), which only a cut of its last reader
+  (or an explicit cancel) aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from gateway.api.openai_api import ParsedRequest
+from gateway.core import sse
+from gateway.core.conn import HttpConn, WsConn
+from gateway.core.framing import Ending, Framing
+from gateway.core.generation import Generation, Renderer, chat_renderer
+from gateway.core.streams import Event, SlowConsumer, Stream, follow
+from gateway.errors import APIError, error_class
+
+if TYPE_CHECKING:
+    from gateway.api.openai_api import ChunkBuilder
+    from gateway.core.conn import Step
+    from gateway.core.engine_client import RequestHandle
+    from gateway.core.metrics import TransportMetrics
+    from gateway.state import Gateway
+
+log = logging.getLogger(__name__)
+
+# (handle, builder) -> the renderer of one generation's payloads; the default gives OpenAI chunks.
+Source = Callable[["RequestHandle", "ChunkBuilder"], Renderer]
+
+
+def clock() -> tuple[float, int]:
+    """(monotonic seconds, epoch ns): the time of a write outside an engine step."""
+    return time.monotonic(), time.time_ns()
+
+
+async def start_generation(
+    gw: Gateway, parsed: ParsedRequest, scope: Any, *, listed: bool, detached: bool | None = None,
+    source: Source = chat_renderer, stream_id: str | None = None, endpoint: str | None = None,
+) -> Stream:
+    """Admit, submit and wait for the engine's accept; then the stream exists and its pump runs.
+
+    ``listed``: findable by id and retained after it ends; ``detached`` (default: ``listed``): the
+    generation outlives its readers. Raises :class:`APIError` (admission, validation, broker) or
+    :class:`EngineError`."""
+    if listed:
+        try:
+            gw.hub.check_capacity()
+        except APIError as err:
+            raise gw.refused(err) from None
+    handle, builder = await gw.open(parsed, scope)
+    stream = gw.hub.create(endpoint or parsed.endpoint, builder.model, stream_id=stream_id or handle.request_id,
+                           listed=listed)
+    stream.detached = listed if detached is None else detached
+    if listed and gw.publisher is not None:
+        try:
+            await gw.publisher.created(stream)  # announced before its id is handed out
+        except BaseException:
+            handle.close()
+            gw.hub.forget(stream)
+            raise
+    publisher = gw.publisher if listed else None
+    generation = Generation(stream, handle, source(handle, builder), gw.metrics.hot.tokens, publisher)
+    generation.start()
+    stream.task = asyncio.create_task(pump(gw, generation), name=f"pump-{stream.id}")
+    return stream
+
+
+async def pump(gw: Gateway, generation: Generation) -> None:
+    """Wait for the generation's end (its deltas arrive in the engine link's pass, not here); a cancel of
+    this task cancels the generation. Then the request is released and the stream retained."""
+    stream, handle = generation.stream, generation.handle
+    publisher = gw.publisher if stream.listed else None
+    try:
+        err = await asyncio.shield(generation.ended)
+        if err is not None:
+            gw.metrics.errors.labels(error_class(err)).inc()
+    except asyncio.CancelledError:
+        if not handle.done:
+            gw.metrics.aborted.inc()
+            log.info("generation %s aborted (no reader left, or cancelled)", stream.id)
+        generation.cancel()
+        raise
+    finally:
+        handle.close()  # aborts the engine request if it had not finished
+        if publisher is not None:
+            publisher.ended(stream)
+        gw.hub.mark_finished(stream)
+        gw.metrics.retained.set(gw.hub.total_bytes)
+
+
+def cancel(stream: Stream) -> bool:
+    """Cancel the generation behind a local stream; False if it already ended or is not ours."""
+    if stream.finished or stream.mirrored or stream.task is None or stream.task.done():
+        return False
+    stream.task.cancel()
+    return True
+
+
+async def stop(gw: Gateway, stream: Stream) -> bool:
+    """Cancel a stream's generation wherever it runs and wait for its end: here, or on the replica or worker
+    that owns it (through the broker, waiting at most 5 s for its end to arrive). False if it had ended."""
+    if stream.mirrored and not stream.finished:
+        assert gw.broker is not None and stream.task is not None
+        if not await gw.broker.cancel_remote(stream.id):
+            return False
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(stream.task), 5.0)
+        return True
+    if not cancel(stream):
+        return False
+    assert stream.task is not None
+    with contextlib.suppress(asyncio.CancelledError):
+        await stream.task
+    return True
+
+
+def resume_point(raw: str | None, param: str) -> int:
+    """The ``seq`` a reader resumes after (``Last-Event-ID``, ``?after=``, ``starting_after``): an integer
+    ≥ -1, or -1 (from the start) when absent; else a 400 naming ``param``."""
+    try:
+        value = sse.parse_last_event_id(raw)
+    except ValueError as exc:
+        raise APIError(400, f"{param} must be an integer event id >= -1 (-1: from the start), got {raw!r}.",
+                       param=param, code="invalid_value") from exc
+    return -1 if value is None else value
+
+
+def release(stream: Stream, cut: bool) -> None:
+    """A reader left: abort the generation if nobody can read it any more."""
+    if stream.finished or stream.subscriber_count():
+        return
+    if not stream.detached or (cut and not stream.mirrored):
+        cancel(stream)
+
+
+# -- readers ----------------------------------------------------------------------------------
+
+
+class ReaderMeter:
+    """One reader's metrics, whichever path wrote (the publisher's pass or the reader's own loop): each
+    chunk counted once; TTFT at its first content write; each inter-token gap from its previous content
+    write, on either path; delivery latency (engine emit of the newest event written -> the write)."""
+
+    __slots__ = ("_last", "_m", "_t0")
+
+    def __init__(self, m: TransportMetrics, t0: float) -> None:
+        self._m = m
+        self._t0 = t0
+        self._last: float | None = None  # monotonic time of its last content write
+
+    def wrote(self, chunks: int, text: bool, emit_ns: int, now: float, wall_ns: int) -> None:
+        """A write of ``chunks`` events (``text``: any with content) at ``now`` / ``wall_ns``."""
+        m = self._m
+        m.chunks.value += chunks
+        if text:
+            if self._last is None:
+                m.ttft.observe(now - self._t0)
+            else:
+                m.itl.observe(now - self._last)
+            self._last = now
+        if emit_ns:
+            m.delivery.observe(max(0, wall_ns - emit_ns) / 1e9)
+
+
+class Reader:
+    """One reader of a stream on one connection: its framing, its connection and its meter.
+
+    :meth:`write_now` is called by the publisher's pass (:meth:`gateway.core.streams.Stream._wake`) while the
+    reader is caught up; :meth:`write` by the reader's own loop (:func:`gateway.core.streams.follow`) for
+    replay, resume and back-pressure. ``clock`` is read for writes outside an engine step."""
+
+    __slots__ = ("clock", "conn", "delay", "framing", "last_write", "meter")
+
+    def __init__(self, framing: Framing, conn: HttpConn | WsConn, meter: ReaderMeter, *, delay: float = 0.0,
+                 clock: Callable[[], tuple[float, int]] = clock) -> None:
+        self.framing = framing
+        self.conn = conn
+        self.meter = meter
+        self.delay = delay  # --inject-delay (bench calibration): every write of the loop sleeps first
+        self.clock = clock
+        self.last_write = 0.0
+
+    def write_now(self, ev: Event, step: Step | None) -> bool:
+        """Write one live event without awaiting; False if the connection cannot take it now."""
+        if not self.conn.write_now(self.framing.frame_bytes(ev), step):
+            return False
+        now, wall_ns = (step.now, step.wall_ns) if step is not None else self.clock()
+        self.last_write = now
+        self.meter.wrote(1, bool(ev.text), ev.timing.get("emit_ns") or 0, now, wall_ns)
+        return True
+
+    async def write(self, batch: list[Event]) -> None:
+        """Write a batch from the reader's own loop (awaits the server: a stalled client blocks here)."""
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        framing = self.framing
+        for f in framing.join([framing.frame(e) for e in batch]):
+            await self.conn.write(f)  # type: ignore[arg-type]
+        now, wall_ns = self.clock()
+        self.meter.wrote(len(batch), any(e.text for e in batch), batch[-1].timing.get("emit_ns") or 0, now, wall_ns)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How a reader ended: the ending to write, whether it was cut, the last seq it sent."""
+
+    ending: Ending
+    cut: bool
+    last_seq: int
+
+
+async def read(gw: Gateway, stream: Stream, framing: Framing, after: int, conn: HttpConn | WsConn,
+               *, t0: float | None = None, idle: Callable[[], Awaitable[None]] | None = None) -> Outcome:
+    """Follow ``stream`` past ``after`` and write it to ``conn`` until it ends or the reader is cut.
+
+    The caller writes the returned ending (or :func:`finish_reader` does it for a whole connection)."""
+    m = gw.metrics
+    meter = ReaderMeter(m.hot.transports[framing.transport], time.monotonic() if t0 is None else t0)
+    reader = Reader(framing, conn, meter, delay=gw.config.inject_delay.get(framing.transport, 0.0))
+    active = m.active_streams.labels(framing.transport)
+    # --inject-delay (bench calibration) turns the one pass off for every transport, so the arms differ
+    # only by the injected delay, not by the path their writes take.
+    one_pass = gw.config.direct_write and not gw.config.inject_delay
+    active.inc()
+    last = after
+    try:
+        last = await follow(stream, framing.transport, after, reader.write, gw.policy, gw.watchdog, idle=idle,
+                            reader=reader if one_pass else None,
+                            merge=framing.merge if framing.mergeable else None)
+    except SlowConsumer:
+        m.errors.labels("network").inc()
+        log.info("reader of %s cut: a write was blocked for more than %gs", stream.id, gw.policy.send_timeout)
+        return Outcome(framing.cut(gw.policy.send_timeout), True, last)
+    finally:
+        active.dec()
+    return Outcome(framing.ending(stream), False, last)
+
+
+async def until_disconnect(work: Awaitable[Any], receive: Callable[[], Awaitable[Any]]) -> Any:
+    """Run ``work`` until it finishes or the client disconnects (then cancel it and return None)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] in ("http.disconnect", "websocket.disconnect"):
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+class SseResponse:
+    """An ASGI response that is one SSE reader of a stream (POST SSE, fan-out events, Responses SSE)."""
+
+    def __init__(self, gw: Gateway, stream: Stream, framing: Framing, after: int, *, preamble: bytes = b"",
+                 t0: float | None = None) -> None:
+        self.gw, self.stream, self.framing, self.after = gw, stream, framing, after
+        self.preamble = preamble
+        self.t0 = t0
+
+    headers: ClassVar[list[tuple[bytes, bytes]]] = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        gw, stream = self.gw, self.stream
+        conn = HttpConn(scope, send, gw.policy.linger)
+        outcome: Outcome | None = None
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            if self.preamble:
+                await conn.write(self.preamble)
+            keepalive = b": keep-alive\n\n"
+
+            async def idle() -> None:
+                await conn.write(keepalive)
+
+            outcome = await until_disconnect(read(gw, stream, self.framing, self.after, conn, t0=self.t0,
+                                                  idle=idle), receive)
+        finally:
+            release(stream, cut=bool(outcome and outcome.cut))
+        if outcome is None:
+            return  # the client left
+        frame = outcome.ending.frame
+        data = frame.encode() if isinstance(frame, str) else frame
+        if outcome.cut:
+            await conn.cut(data)
+        else:
+            await conn.end(data)

@@ -1,0 +1,141 @@
+"""The Starlette application: routes, middleware and the lifespan that owns the :class:`Gateway`.
+
+Route modules: :mod:`gateway.api.routes_openai` (chat/completions/models), :mod:`gateway.api.ws_mux`
+(``/v1/ws``), :mod:`gateway.api.fanout` (``/v1/streams``), :mod:`gateway.http.service` (health, metrics,
+time, pages). Every streamed token goes through :mod:`gateway.core.delivery`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route, WebSocketRoute
+
+from gateway.api import fanout, responses_ws_route, routes_openai, routes_responses, ws_mux
+from gateway.config import GatewayConfig
+from gateway.core.engine_pool import EnginePool
+from gateway.errors import APIError, EngineError
+from gateway.http import service
+from gateway.http.access_log import AccessLogMiddleware
+from gateway.http.auth import Auth, AuthMiddleware
+from gateway.http.clients import ClientLimitMiddleware, TrustedProxies
+from gateway.http.middleware import (
+    IsolationHeaders,
+    RawSend,
+    api_error_handler,
+    method_not_allowed,
+    not_found,
+    server_error,
+)
+from gateway.scaleout import workers
+from gateway.state import Gateway
+
+log = logging.getLogger(__name__)
+
+
+async def _client_left(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)
+
+
+def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
+    """Build the ASGI app; its lifespan attaches to the engine(s) at ``config.engine_address``."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine = EnginePool([a.strip() for a in config.engine_address.split(",") if a.strip()],
+                            heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout,
+                            curve_dir=config.curve_dir)
+        await engine.start()
+        # Accept connections once the engine answers (bounded: an engine that starts later is fine too),
+        # so a fresh gateway or worker does not answer its first requests with 503.
+        for _ in range(int(2.0 / 0.02)):
+            if engine.healthy:
+                break
+            await asyncio.sleep(0.02)
+        gw = Gateway(config=config, engine=engine)
+        gc.set_threshold(config.gc_gen0_threshold, *gc.get_threshold()[1:])
+        app.state.gateway = gw
+        gw.loop.start()
+        if config.broker_url:
+            from gateway.scaleout.broker import Broker
+
+            redis = Broker(config.broker_url, gw.hub, idle_timeout=config.broker_idle_timeout,
+                           local_cancel=gw.cancel_local_stream, timings=config.broker)
+            await redis.start()
+            gw.broker = gw.publisher = redis
+        if config.workers > 1:
+            from gateway.scaleout.peers import Peers
+
+            gw.peers = Peers(gw.hub, port=config.port, workers=config.workers, me=workers.worker_index(),
+                             idle_timeout=config.broker_idle_timeout, recheck=config.broker.lease_interval)
+            gw.broker = gw.broker or gw.peers  # with --broker, Redis mirrors across workers too
+        others = [b for b in dict.fromkeys((gw.broker, gw.peers)) if b is not None]
+        for transport, delay in config.inject_delay.items():
+            log.warning("DIAGNOSTIC --inject-delay: every %s write is delayed by %.3f ms (benchmark calibration "
+                        "only; never in production)", transport, delay * 1000)
+        try:
+            if extra_lifespan is not None:
+                async with extra_lifespan(gw):
+                    yield
+            else:
+                yield
+        finally:
+            gw.watchdog.stop()
+            gw.loop.stop()
+            for other in others:
+                await other.close()
+            await engine.close()
+
+    routes: list[Any] = [
+        Route("/v1/chat/completions", routes_openai.completions_route("chat.completions"), methods=["POST"]),
+        Route("/v1/completions", routes_openai.completions_route("completions"), methods=["POST"]),
+        Route("/v1/models", routes_openai.models, methods=["GET"]),
+        WebSocketRoute("/v1/ws", ws_mux.ws_endpoint),
+        Route("/v1/streams", fanout.create_stream, methods=["POST"]),
+        Route("/v1/streams/{id}", fanout.stream_status, methods=["GET"]),
+        Route("/v1/streams/{id}", fanout.delete_stream, methods=["DELETE"]),
+        Route("/v1/streams/{id}/events", fanout.stream_events, methods=["GET"]),
+        WebSocketRoute("/v1/streams/{id}/ws", fanout.stream_ws),
+        Route("/v1/responses", routes_responses.create_response, methods=["POST"]),
+        Route("/v1/responses/{id}", routes_responses.retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{id}", routes_responses.delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{id}/cancel", routes_responses.cancel_response, methods=["POST"]),
+        WebSocketRoute("/v1/responses", responses_ws_route.responses_ws_endpoint),
+        Route("/health", service.health, methods=["GET"]),
+        Route("/metrics", service.metrics, methods=["GET"]),
+        Route("/v1/time", service.server_time, methods=["GET"]),
+        *service.page_routes(),
+    ]
+    if config.workers > 1:  # served only over each worker's private Unix socket (gateway.scaleout.workers)
+        routes += [Route("/internal/streams/{id}", workers.internal_stream, methods=["GET"]),
+                   Route("/internal/streams/{id}", workers.internal_cancel, methods=["DELETE"]),
+                   Route("/internal/transcripts/{id}", workers.internal_transcript, methods=["GET"]),
+                   Route("/internal/metrics", workers.internal_metrics, methods=["GET"]),
+                   Route("/internal/ready", workers.internal_ready, methods=["GET"])]
+    auth = Auth(api_keys=frozenset(config.api_keys), token_ttl=config.stream_token_ttl,
+                allowed_origins=config.allowed_origins,
+                **({"secret": config.token_secret.encode()} if config.token_secret else {}))
+    middleware = [Middleware(AccessLogMiddleware), Middleware(IsolationHeaders), Middleware(AuthMiddleware, auth=auth),
+                  Middleware(ClientLimitMiddleware, trusted=TrustedProxies(config.trusted_proxies))]
+    if config.cors_origins:
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
+                                        allow_methods=["GET", "POST", "DELETE"],
+                                        allow_headers=["Authorization", "Content-Type", "Last-Event-ID"]))
+    app = Starlette(
+        routes=routes, lifespan=lifespan, middleware=middleware,
+        exception_handlers={APIError: api_error_handler, EngineError: api_error_handler,
+                            ClientDisconnect: _client_left, 404: not_found, 405: method_not_allowed,
+                            500: server_error},
+    )
+    app.state.auth = auth
+    return RawSend(app)

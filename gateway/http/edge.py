@@ -1,0 +1,39 @@
+"""Helpers at the HTTP edge shared by every route module: the gateway state and a bounded body read."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.requests import Request
+from starlette.websockets import WebSocket
+
+from gateway.errors import APIError
+
+
+def gateway_of(holder: Request | WebSocket) -> Any:
+    """The :class:`gateway.http.app.Gateway` the lifespan put on the app."""
+    return holder.app.state.gateway
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or APIError 413 as soon as it is known to exceed ``limit`` bytes, or 408 if it
+    has not fully arrived within ``--http-body-timeout`` (slowloris; both servers then close the connection)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"Request body is {declared} bytes; the limit is {limit}.", code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    timeout = gateway_of(request).config.http_body_timeout
+    try:
+        async with asyncio.timeout(timeout or None):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"Request body exceeds the limit of {limit} bytes.",
+                                   code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout:g} s.",
+                       code="request_timeout") from None
+    return b"".join(chunks)

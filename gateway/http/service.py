@@ -1,0 +1,87 @@
+"""Service endpoints: ``/health``, ``/metrics``, ``/v1/time`` and the pages."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from engine_worker import protocol as p
+from gateway.http.edge import gateway_of
+from gateway.state import Gateway
+
+
+async def health(request: Request) -> Response:
+    """200 when this gateway can serve: its engine link is up and, with ``--workers``, so is that of every
+    worker listening on the shared port (else 503 + Retry-After; ``workers`` says how many are ready)."""
+    gw: Gateway = gateway_of(request)
+    hb = gw.engine.last_heartbeat
+    engines = gw.engine.status()
+    extra: dict[str, Any] = {}
+    ready = gw.engine.healthy and hb is not None
+    if gw.config.workers > 1:
+        from gateway.scaleout.peers import peers_ready
+        from gateway.scaleout.workers import worker_index
+
+        listening, serving = await peers_ready(gw.config.port, gw.config.workers, worker_index())
+        ready = ready and serving == listening
+        extra["workers"] = {"configured": gw.config.workers, "listening": listening + gw.listening,
+                            "ready": serving + (gw.listening and gw.engine.healthy)}
+    if ready and hb is not None:
+        running, waiting = gw.engine.load()
+        return JSONResponse({"status": "ok", "engine": {"id": hb.engine_id, "backend": hb.backend,
+                                                        "model": hb.model, "running": running,
+                                                        "waiting": waiting}, "engines": engines, **extra})
+    return JSONResponse({"status": "unavailable", "engine": None, "engines": engines, **extra}, status_code=503,
+                        headers={"Retry-After": "1"})
+
+
+async def metrics(request: Request) -> Response:
+    gw: Gateway = gateway_of(request)
+    refresh_metrics(gw)
+    own = gw.metrics.render()
+    if gw.peers is not None:  # --workers: every worker's metrics in one scrape
+        own = await gw.peers.merged_metrics(own)
+    return Response(own, media_type=gw.metrics.content_type)
+
+
+def refresh_metrics(gw: Gateway) -> None:
+    """Set the gauges that are read from the engine link at scrape time."""
+    m = gw.metrics
+    m.engine_up.set(1 if gw.engine.healthy else 0)
+    running, waiting = gw.engine.load()
+    m.engine_running.set(running)
+    m.engine_queue.set(waiting)
+    m.bad_frames.set(gw.engine.bad_frames)
+    m.loop_lag.set(gw.loop.lag)
+    if gw.engine.last_heartbeat is not None:
+        m.engine_bad_frames.set(gw.engine.last_heartbeat.bad_frames)
+
+
+async def server_time(request: Request) -> Response:
+    """The gateway's clock, for NTP-style offset estimation by browser pages."""
+    return Response(b'{"time_ns":%d}' % p.now_ns(), media_type="application/json",
+                    headers={"Cache-Control": "no-store"})
+
+
+def web_dir() -> Path | None:
+    """The pages: ``web/`` ships in the wheel as the ``tokenfan_web`` package (see pyproject.toml)."""
+    spec = importlib.util.find_spec("tokenfan_web")
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(loc) / "index.html").is_file():
+            return Path(loc)
+    return None
+
+
+def page_routes() -> list[Any]:
+    web = web_dir()
+    if web is None:
+        return []
+    return [Route("/", lambda r: FileResponse(web / "index.html"), methods=["GET"]),
+            Route("/ab", lambda r: FileResponse(web / "ab.html"), methods=["GET"]),
+            Mount("/web", StaticFiles(directory=web), name="web")]

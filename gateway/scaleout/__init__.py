@@ -1,0 +1,1 @@
+"""Scale-out: the broker (Redis) and --workers, both feeding one mirror."""

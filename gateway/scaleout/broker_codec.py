@@ -1,0 +1,246 @@
+"""The mirror's records, as pure functions: field dicts in, typed entries out (no I/O).
+
+One record format for every link a mirror reads (:mod:`gateway.scaleout.mirror`): Redis stores each record as a
+stream entry; a peer worker's socket carries each one as an SSE event whose data is the same fields as
+one JSON object (:func:`pack` / :func:`decode_line`).
+
+Keys:
+  ``tokenfan:s:<id>``    the stream: a Redis stream of entries, always starting with its header
+  ``tokenfan:k:<id>``    "this id existed" marker, outlives the stream so an expired id answers 410
+  ``tokenfan:gw:<gid>``  a gateway's lease, refreshed while it runs (a mirror's owner is alive)
+  ``tokenfan:ack:<n>``   the replies to one forwarded cancel (a list; ``1`` = "I held it and cancelled")
+  ``tokenfan:t:<id>``    a finished stored response's transcript (msgpack), for ``previous_response_id``
+
+Entries of ``tokenfan:s:<id>`` (field names are bytes; values UTF-8):
+  header  ``created`` = model, ``endpoint``, ``owner`` = gateway id (or worker index), ``detached`` = 1 | 0,
+          ``held`` = how many records (events, and the end) the owner's log held when it wrote the header
+          (0 in Redis, written at creation; a peer writes one per connection: the mirror waits for those)
+  event   ``seq``, ``data`` = the chunk JSON with its ``tokenfan`` object, ``text``, ``fin`` = finish reason or ""
+  end     ``end`` = done | error | cancelled, ``events`` = how many events the stream has,
+          ``error`` = {"status": n, "error": {message, type, param, code}} or ""
+
+A mirror places each event by ``seq`` (:func:`place`): a repeat is skipped (every write is
+idempotent, so the owner may re-send after a failure), a hole is an explicit loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import orjson
+
+from gateway.errors import APIError, stream_lost
+
+if TYPE_CHECKING:
+    from gateway.core.streams import Event, Stream
+
+Fields = dict[bytes, bytes]
+EndState = Literal["done", "error", "cancelled"]
+END_STATES: tuple[EndState, ...] = ("done", "error", "cancelled")
+
+CANCEL_CHANNEL = "tokenfan:cancel"
+ACK_YES = b"1"
+ACK_NO = b"0"
+
+
+def stream_key(stream_id: str) -> str:
+    return f"tokenfan:s:{stream_id}"
+
+
+def known_key(stream_id: str) -> str:
+    return f"tokenfan:k:{stream_id}"
+
+
+def lease_key(gateway_id: str) -> str:
+    return f"tokenfan:gw:{gateway_id}"
+
+
+def ack_key(nonce: str) -> str:
+    return f"tokenfan:ack:{nonce}"
+
+
+def transcript_key(response_id: str) -> str:
+    return f"tokenfan:t:{response_id}"
+
+
+class CodecError(ValueError):
+    """A Redis record that is not one this codec writes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    endpoint: str
+    model: str
+    owner: str  # gateway id of the replica running the generation ("" if unknown)
+    detached: bool = True  # the generation outlives its readers (fan-out streams, background responses)
+    held: int = 0  # records (events, and the end) the owner held when it wrote this header
+
+
+@dataclass(frozen=True, slots=True)
+class EventEntry:
+    seq: int
+    chunk: dict[str, Any]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class EndEntry:
+    state: EndState
+    events: int | None  # None: the writer did not know the count
+    error: APIError | None
+
+
+Entry = Header | EventEntry | EndEntry
+
+
+def encode_header(endpoint: str, model: str, owner: str, *, detached: bool = True, held: int = 0) -> Fields:
+    return {b"created": model.encode(), b"endpoint": endpoint.encode(), b"owner": owner.encode(),
+            b"detached": b"1" if detached else b"0", b"held": b"%d" % held}
+
+
+def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str | None) -> Fields:
+    return {b"seq": b"%d" % seq, b"data": orjson.dumps(chunk), b"text": text.encode(),
+            b"fin": (finish_reason or "").encode()}
+
+
+def encode_end(state: EndState, events: int | None, error: APIError | None) -> Fields:
+    """``events`` None: the writer does not know the count (an end written for a stream it lost)."""
+    err = orjson.dumps({"status": error.status, **error.body()}) if error is not None else b""
+    return {b"end": state.encode(), b"events": b"" if events is None else b"%d" % events, b"error": err}
+
+
+def encode_event_of(ev: Event) -> Fields:
+    return encode_event(ev.seq, ev.chunk, ev.text, ev.finish_reason)
+
+
+def encode_end_of(stream: Stream) -> Fields:
+    """The end record of a stream that ended (one still running gets ``stream_lost``: its generation
+    ended without an end state, so mirrors must never take it for a normal end)."""
+    if stream.state == "running":
+        return encode_end("error", len(stream.events),
+                          stream_lost(stream.id, "its generation ended without an end state"))
+    return encode_end(stream.state, len(stream.events), stream.error)
+
+
+def decode(fields: Fields) -> Entry:
+    """The typed entry of one Redis stream record; :class:`CodecError` if it is not one of ours."""
+    try:
+        if b"seq" in fields:
+            return _decode_event(fields)
+        if b"end" in fields:
+            return _decode_end(fields)
+        if b"created" in fields:
+            return Header(fields.get(b"endpoint", b"").decode(), fields[b"created"].decode(),
+                          fields.get(b"owner", b"").decode(), fields.get(b"detached", b"1") != b"0",
+                          int(fields.get(b"held") or 0))
+    except (KeyError, ValueError, TypeError) as exc:  # UnicodeDecodeError and orjson's error are ValueErrors
+        raise CodecError(f"malformed broker entry ({exc!r}): {sorted(fields)}") from exc
+    raise CodecError(f"unknown broker entry with fields {sorted(fields)}")
+
+
+def _decode_event(fields: Fields) -> EventEntry:
+    seq = int(fields[b"seq"])
+    if seq < 0:
+        raise ValueError(f"negative seq {seq}")
+    chunk = orjson.loads(fields[b"data"])
+    if not isinstance(chunk, dict):
+        raise TypeError("data is not a JSON object")
+    return EventEntry(seq, chunk, fields[b"text"].decode(), fields.get(b"fin", b"").decode() or None)
+
+
+def _decode_end(fields: Fields) -> EndEntry:
+    state = fields[b"end"].decode()
+    if state not in END_STATES:
+        raise ValueError(f"unknown end state {state!r}")
+    raw_events = fields.get(b"events")
+    events = int(raw_events) if raw_events else None
+    error = None
+    if fields.get(b"error"):
+        obj = orjson.loads(fields[b"error"])
+        e = obj["error"]
+        error = APIError(int(obj.get("status", 502)), e["message"], type=e["type"], param=e.get("param"),
+                         code=e.get("code"))
+    return EndEntry(state, events, error)
+
+
+def pack(fields: Fields) -> bytes:
+    """One record as one line, what a peer worker's socket carries: a JSON object of the same fields, the
+    event's ``data`` embedded as JSON rather than as a string (no second escaping)."""
+    return orjson.dumps({k.decode(): orjson.Fragment(v) if k == b"data" else v.decode() for k, v in fields.items()})
+
+
+def pack_event(ev: Event) -> bytes:
+    """``pack(encode_event_of(ev))`` in one ``orjson.dumps``: the peer link's per-event path."""
+    return orjson.dumps({"seq": str(ev.seq), "data": ev.chunk, "text": ev.text, "fin": ev.finish_reason or ""})
+
+
+def decode_line(line: bytes) -> Entry:
+    """The typed entry of a record :func:`pack` wrote; :class:`CodecError` if it is not one of ours."""
+    try:
+        obj = orjson.loads(line)
+        if "seq" in obj:  # the common case, decoded without a detour through Fields
+            seq, chunk, text, fin = int(obj["seq"]), obj["data"], obj["text"], obj.get("fin")
+            if seq < 0 or not isinstance(chunk, dict) or not isinstance(text, str):
+                raise ValueError(f"seq {seq}, data {type(chunk).__name__}, text {type(text).__name__}")
+            return EventEntry(seq, chunk, text, fin or None)
+        fields = {k.encode(): v.encode() for k, v in obj.items()}
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise CodecError(f"malformed peer record ({exc!r}): {line[:200]!r}") from exc
+    return decode(fields)
+
+
+Placement = Literal["append", "repeat", "hole"]
+
+
+def place(seq: int, have: int) -> Placement:
+    """Where an event with ``seq`` goes in a log that holds ``have`` events."""
+    if seq < have:
+        return "repeat"
+    return "append" if seq == have else "hole"
+
+
+def end_is_complete(end: EndEntry, have: int) -> bool:
+    """Whether a log of ``have`` events holds everything the owner's end says it published."""
+    return end.events is None or end.events == have
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequest:
+    stream_id: str
+    reply_to: str  # the list key each listening gateway pushes its ACK_YES / ACK_NO to
+
+
+def encode_cancel(req: CancelRequest) -> bytes:
+    return orjson.dumps({"id": req.stream_id, "reply": req.reply_to})
+
+
+def decode_cancel(data: bytes) -> CancelRequest:
+    try:
+        obj = orjson.loads(data)
+        return CancelRequest(str(obj["id"]), str(obj["reply"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CodecError(f"malformed cancel message: {data[:200]!r}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerTimings:
+    """The broker's own clocks (seconds). ``idle_timeout`` is ``--broker-idle-timeout``."""
+
+    op_timeout: float = 2.0  # connect and reply timeout of an ordinary command
+    block: float = 2.0  # longest XREAD BLOCK / BLPOP; their socket timeout is block + op_timeout
+    backoff_max: float = 1.0  # reconnect delays double from 50 ms up to this (jittered)
+    lease_interval: float = 0.5  # how often a gateway refreshes its lease
+    lease_ttl: float = 2.0  # a lease not refreshed for this long means the gateway is gone
+    cancel_timeout: float = 3.0  # how long cancel_remote waits for the owner's answer
+    max_pending: int = 65_536  # entries queued for the next pipeline; beyond, streams are repaired later
+
+    def __post_init__(self) -> None:
+        if min(self.op_timeout, self.block, self.backoff_max, self.lease_interval, self.cancel_timeout) <= 0:
+            raise ValueError("the broker's timeouts and intervals must be positive")
+        if self.lease_interval >= self.lease_ttl:
+            raise ValueError(f"--broker-lease-interval ({self.lease_interval}) must be shorter than "
+                             f"--broker-lease-ttl ({self.lease_ttl}), or every lease expires between refreshes")
+        if self.max_pending < 1:
+            raise ValueError("--broker-max-pending must be at least 1")

@@ -1,0 +1,45 @@
+"""What a gateway that is one of several (``--broker`` replicas, ``--workers`` processes) uses of the others.
+
+Two roles, one protocol each, so neither side carries methods it has no use for:
+
+- :class:`Publisher` (``--broker`` only): the owner of a listed stream writes it where other replicas can
+  read it (Redis), and a stored response's transcript with it. Workers need none: a worker serves its own
+  log to its peers over its private socket.
+- :class:`StreamBroker` (``--broker`` or ``--workers``): a stream or a transcript that another gateway
+  holds: a local mirror of the stream (:mod:`gateway.scaleout.mirror`), a cancel sent to its owner, the transcript.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from gateway.core.streams import Event, Stream
+
+
+class Publisher(Protocol):
+    """The owner's side: what the pump tells the other replicas about a listed stream it runs."""
+
+    async def created(self, stream: Stream) -> None:
+        """Announce the stream before its id is handed out (APIError 503 if that fails)."""
+
+    def published(self, stream: Stream, event: Event) -> None: ...
+    def ended(self, stream: Stream) -> None: ...
+
+    def put_transcript(self, response_id: str, data: bytes, ttl: float) -> None:
+        """Keep a finished stored response's transcript for ``ttl`` s where every replica finds it."""
+
+
+class StreamBroker(Protocol):
+    """The reader's side: streams and transcripts that another gateway holds."""
+
+    async def close(self) -> None: ...
+
+    async def mirror(self, stream_id: str) -> Stream:
+        """A local mirror of another gateway's stream; APIError 404 / 410 / 503."""
+
+    async def cancel_remote(self, stream_id: str) -> bool:
+        """Ask the gateway that runs the stream to cancel it; True once it says it did."""
+
+    async def transcript(self, response_id: str) -> bytes | None:
+        """The transcript of a response another gateway ran, or None."""

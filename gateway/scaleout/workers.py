@@ -1,0 +1,187 @@
+"""``--workers N``: N gateway processes on one port, all on the same engine, any reader on any worker.
+
+- Every worker binds the public port with ``SO_REUSEPORT`` (the kernel spreads connections) and a private
+  Unix socket, ``<runtime dir>/gateway-<port>-w<k>.sock`` (0600, in the 0700 runtime directory). Worker 0
+  is the process that was started; it spawns workers 1…N-1 with the same settings
+  (:func:`spawn_workers`). Each worker has its own engine link (the engine serves several gateways).
+- A reader that lands on a worker that does not run its stream gets a local *mirror* of it
+  (:mod:`gateway.scaleout.mirror`, the same as ``--broker``'s), fed from the owner's log over the owner's Unix
+  socket: ``GET /internal/streams/{id}`` here (:class:`PeerFraming`), :class:`gateway.scaleout.peers.PeerLink`
+  on the peer. ``DELETE`` and cancel reach the owner through ``DELETE /internal/streams/{id}``.
+- ``/metrics`` on any worker merges every worker's metrics (:func:`gateway.scaleout.peers.merge_metrics`), so a
+  scrape sees the whole server; ``tokenfan_workers`` says how many answered.
+- With ``--broker redis://…`` mirrors read Redis instead (across workers and replicas).
+
+- Readiness: a worker listens on the shared port only once its engine link is up (before, the kernel
+  sends it no connections), and ``/health`` on any worker answers 200 only when every worker that listens
+  on the port can serve (it asks each peer's ``GET /internal/ready``). So every request after the first
+  200 lands on a worker that can serve it, after a cold start or a worker's restart alike.
+
+Limits (``--max-concurrent``, ``--max-streams``, the per-client limits, …) apply per worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine_worker.settings import default_runtime_dir
+from gateway.api.responses_chat import encode_transcript
+from gateway.api.routes_responses import retained_transcript
+from gateway.core import sse
+from gateway.core.delivery import SseResponse, cancel, resume_point
+from gateway.core.framing import Ending, Framing
+from gateway.core.streams import Event, Stream
+from gateway.errors import APIError
+from gateway.http.edge import gateway_of
+from gateway.scaleout import broker_codec as codec
+
+if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
+    from gateway.state import Gateway
+
+log = logging.getLogger(__name__)
+
+WORKER_INDEX_ENV = "TOKENFAN_WORKER_INDEX"
+
+
+def worker_index() -> int:
+    return int(os.environ.get(WORKER_INDEX_ENV, "0"))
+
+
+def worker_socket(port: int, k: int) -> Path:
+    return default_runtime_dir() / f"gateway-{port}-w{k}.sock"
+
+
+def spawn_workers(config: GatewayConfig) -> list[subprocess.Popen[bytes]]:
+    """Start workers 1…N-1 (this process is worker 0): ``tokenfan gateway`` with the same settings."""
+    from engine_worker.settings import to_argv
+
+    argv = [sys.executable, "-m", "gateway.cli", "gateway", *to_argv(config, "gateway")]
+    procs = []
+    for k in range(1, config.workers):
+        env = {**os.environ, WORKER_INDEX_ENV: str(k)}
+        procs.append(subprocess.Popen(argv, env=env))
+    log.info("started %d more gateway workers on port %d", len(procs), config.port)
+    return procs
+
+
+def stop_workers(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+# -- the owner's side: the internal routes, only on the private Unix socket ----------------------------
+
+
+def _over_unix_socket(request: Request) -> bool:
+    server = request.scope.get("server")
+    return isinstance(server, tuple | list) and len(server) == 2 and server[1] is None
+
+
+class PeerFraming(Framing):
+    """A peer's mirror reads the owner's log as :mod:`gateway.scaleout.broker_codec` records, one SSE event each
+    (``id`` = seq), every event on its own (a mirror's log must match the owner's seqs). A cut reader gets
+    no end: its mirror resumes after the last id it got."""
+
+    name = "peer"
+    mergeable = False
+
+    def build(self, ev: Event) -> bytes:
+        return sse.event(codec.pack_event(ev), id=ev.seq)
+
+    def ending(self, stream: Stream) -> Ending:
+        return Ending(sse.event(codec.pack(codec.encode_end_of(stream))))
+
+    def cut(self, send_timeout: float) -> Ending:
+        return Ending(sse.comment("cut: too slow, resume after the last id"))
+
+
+PEER = PeerFraming()
+
+
+async def internal_stream(request: Request) -> Any:
+    if not _over_unix_socket(request):
+        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+    gw: Gateway = gateway_of(request)
+    stream = gw.hub.get(request.path_params["id"])  # 404 / 410
+    if stream.mirrored:
+        raise APIError(404, "not the owner", code="stream_not_found")
+    after = resume_point(request.query_params.get("after"), "after")
+    header = codec.encode_header(stream.endpoint, stream.model, str(worker_index()), detached=stream.detached,
+                                 held=len(stream.events) + stream.finished)
+    return SseResponse(gw, stream, PEER, after, preamble=sse.event(codec.pack(header)))
+
+
+async def internal_cancel(request: Request) -> Response:
+    if not _over_unix_socket(request):
+        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+    gw: Gateway = gateway_of(request)
+    s = gw.hub.streams.get(request.path_params["id"])
+    return JSONResponse({"cancelled": bool(s is not None and not s.mirrored and cancel(s))})
+
+
+async def internal_transcript(request: Request) -> Response:
+    """A retained response's transcript (msgpack), for a peer resolving ``previous_response_id``."""
+    if not _over_unix_socket(request):
+        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+    transcript = retained_transcript(gateway_of(request).hub, request.path_params["id"])
+    if transcript is None:
+        return Response(status_code=404)
+    return Response(encode_transcript(transcript), media_type="application/msgpack")
+
+
+async def internal_metrics(request: Request) -> Response:
+    if not _over_unix_socket(request):
+        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+    gw: Gateway = gateway_of(request)
+    from gateway.http.service import refresh_metrics
+
+    refresh_metrics(gw)
+    return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
+
+
+async def internal_ready(request: Request) -> Response:
+    """Whether this worker listens on the shared port and whether its engine link is up (for peers' /health)."""
+    if not _over_unix_socket(request):
+        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+    gw: Gateway = gateway_of(request)
+    return JSONResponse({"listening": gw.listening, "ready": gw.engine.healthy})
+
+
+def bind_sockets(config: GatewayConfig) -> list[Any]:
+    """This worker's sockets, bound, not yet listening: the shared public port (``SO_REUSEPORT``) and its
+    private Unix socket. The kernel spreads the port's connections only over the workers that listen, so
+    the server listens on it once this worker's engine link is up (``gateway.http.server``); a peer that finds
+    the private socket refusing knows this worker takes no connections yet (:func:`peers_ready`)."""
+    import socket
+
+    public = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+    public.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    public.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    public.bind((config.host, config.port))
+    path = worker_socket(config.port, worker_index())
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    private = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    private.bind(str(path))
+    os.chmod(path, 0o600)
+    for s in (public, private):
+        s.set_inheritable(False)  # uvicorn listens on the private socket once the app has started
+    return [public, private]

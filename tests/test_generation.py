@@ -51,6 +51,21 @@ def test_responses_send_no_empty_delta_but_count_its_tokens() -> None:
     assert out[-1].chunk["type"] == "response.incomplete"
 
 
+def test_a_response_is_continuable_in_the_pass_that_finishes_it_before_its_last_events() -> None:
+    """The transcript (``previous_response_id``) is kept before ``response.completed`` can reach a reader, so a
+    client that continues at once, here or on another replica, never gets ``previous_response_not_found``."""
+    events = ResponseEvents("resp_1", "m")
+    seen: list[list[dict[str, Any]]] = []
+    renderer = ResponseRenderer(events, lambda: seen.append(events.turn()))
+    renderer.opening()
+    for d in DELTAS[:-1]:
+        renderer.step(d)
+    assert seen == []
+    last = renderer.step(DELTAS[-1])
+    assert len(seen) == 1 and last[-1].chunk["type"] == "response.incomplete"
+    assert seen[0] == events.turn()
+
+
 class EngineChunks:
     """A request the engine served with vLLM's OpenAI layer: whole chunks, then the end delta."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -70,8 +71,9 @@ class ResponseRenderer:
     the items' events per engine step (from the text of the plain path or the chat chunk of vLLM's layer),
     the end; ``response.failed`` or the cancel's events if it ends otherwise."""
 
-    def __init__(self, events: ResponseEvents) -> None:
+    def __init__(self, events: ResponseEvents, on_finish: Callable[[], None] | None = None) -> None:
         self.events = events
+        self.on_finish = on_finish  # called in the pass that finishes the response, before its last events
         self.held = 0  # tokens of steps that added no event (text held back by the detokenizer, a tool
         # call's name before its arguments): counted with the next event, as OpenAI sends no empty deltas
 
@@ -87,7 +89,10 @@ class ResponseRenderer:
             out.append(ChunkEvent(pl, d.emit_ns, delta_text(pl), self.held))
             self.held = 0
         if d.finish_reason is not None:
-            for pl in events.finish(d.finish_reason, d.usage):
+            payloads = events.finish(d.finish_reason, d.usage)
+            if self.on_finish is not None:
+                self.on_finish()  # continuable before any reader sees response.completed
+            for pl in payloads:
                 out.append(ChunkEvent(pl, d.emit_ns, "", self.held, d.finish_reason, d.usage))
                 self.held = 0
         return out
@@ -106,16 +111,21 @@ async def start_response(gw: Gateway, rr: ResponsesRequest, scope: Any, *, lane:
     rid = new_response_id()
     model = gw.check_model(rr.chat.model)
     events = ResponseEvents(rid, model, request=rr)
+
+    def keep() -> None:
+        if (s := gw.hub.streams.get(rid)) is not None and "transcript" not in s.meta:
+            keep_transcript(gw, s, rr.transcript(events.turn()), rr.store)
+
     try:
         stream = await start_generation(gw, rr.chat, scope, listed=rr.store, detached=rr.background,
-                                        source=lambda _handle, _builder: ResponseRenderer(events),
+                                        source=lambda _handle, _builder: ResponseRenderer(events, keep),
                                         stream_id=rid, endpoint=ENDPOINT)
     except (APIError, EngineError) as exc:
         exc.param = responses_param(exc.param)  # the engine validated the chat body: name the Responses field
         raise
     stream.meta["events"] = events
     if stream.task is not None:
-        stream.task.add_done_callback(lambda _t: keep_transcript(gw, stream, rr.transcript(events.turn()), rr.store))
+        stream.task.add_done_callback(lambda _t: keep())  # failed or cancelled: kept at the end
     return stream, events
 
 

@@ -34,10 +34,10 @@ _MAIN = """daemon off;
 master_process off;
 worker_processes 1;
 pid {dir}/nginx.pid;
-error_log {dir}/error.log warn;
-events {{ worker_connections 4096; }}
+error_log {dir}/error.log {error_level};
+events {{ worker_connections {connections}; }}
 http {{
-    access_log off;
+    access_log {access_log};
     client_body_temp_path {dir}/body;
     proxy_temp_path {dir}/proxy;
     fastcgi_temp_path {dir}/fastcgi;
@@ -46,6 +46,14 @@ http {{
     include {dir}/tokenfan.conf;
 }}
 """
+
+
+def main_conf(d: Path, *, logs: bool = False, connections: int = 4096) -> str:
+    """The top-level nginx.conf of an unprivileged nginx in ``d`` (its pid, temp paths and the site
+    ``d/tokenfan.conf``); ``logs``: an access log and info-level errors (tests), else warnings only."""
+    return _MAIN.format(dir=d, error_level="info" if logs else "warn", connections=connections,
+                        access_log=f"{d}/access.log" if logs else "off")
+
 
 _BUFFERING = ("        proxy_buffering         off;\n",
               ("        proxy_buffering         on;      # the mistake (nginx's default)\n"
@@ -95,7 +103,7 @@ def nginx_in_front(gateway_url: str, variant: str = "nginx", keep_dir: Path | No
         generate(d / "tls")
         port = free_port()
         (d / "tokenfan.conf").write_text(site_conf(port, u.netloc, d / "tls", variant))
-        (d / "nginx.conf").write_text(_MAIN.format(dir=d))
+        (d / "nginx.conf").write_text(main_conf(d))
         nginx = nginx_binary()
         cmd = [nginx, "-p", str(d), "-c", str(d / "nginx.conf"), "-e", str(d / "error.log")]
         check = subprocess.run([*cmd, "-t"], check=False, capture_output=True, text=True)

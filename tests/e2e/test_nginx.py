@@ -24,46 +24,16 @@ import pytest
 from websockets.asyncio.client import connect as ws_connect
 
 from tests.e2e.helpers import chunk_text, fat_gateway, metric, sse_events, wait_until
-from tests.procs import ARTIFACTS, ROOT, free_port, start_engine, start_gateway
+from tests.procs import ARTIFACTS, free_port, start_engine, start_gateway
 from tests.system import require
+from tokenfan_bench.via import main_conf, site_conf
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
-CONF = ROOT / "deploy" / "nginx" / "tokenfan.conf"
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _nginx_installed() -> None:
     require(NGINX)
-
-MAIN = """daemon off;
-master_process off;
-worker_processes 1;
-pid {dir}/nginx.pid;
-error_log {dir}/error.log info;
-events {{ worker_connections 1024; }}
-http {{
-    access_log {dir}/access.log;
-    client_body_temp_path {dir}/body;
-    proxy_temp_path {dir}/proxy;
-    fastcgi_temp_path {dir}/fastcgi;
-    uwsgi_temp_path {dir}/uwsgi;
-    scgi_temp_path {dir}/scgi;
-    include {dir}/tokenfan.conf;
-}}
-"""
-
-
-def site_conf(port: int, upstream: str, certs: Path) -> str:
-    """deploy/nginx/tokenfan.conf with only its port, certificate paths and upstream replaced."""
-    text = CONF.read_text()
-    for old, new in (("listen 443 ssl", f"listen 127.0.0.1:{port} ssl"),
-                     ("/etc/tokenfan/tls/cert.pem", str(certs / "cert.pem")),
-                     ("/etc/tokenfan/tls/key.pem", str(certs / "key.pem")),
-                     ("server 127.0.0.1:8000;", f"server {upstream};")):
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    return text
-
 
 @contextlib.contextmanager
 def nginx_in_front(gateway_url: str, certs: Path, name: str) -> Iterator[str]:
@@ -72,7 +42,7 @@ def nginx_in_front(gateway_url: str, certs: Path, name: str) -> Iterator[str]:
     d.mkdir(parents=True)
     port = free_port()
     (d / "tokenfan.conf").write_text(site_conf(port, gateway_url.removeprefix("http://"), certs))
-    (d / "nginx.conf").write_text(MAIN.format(dir=d))
+    (d / "nginx.conf").write_text(main_conf(d, logs=True, connections=1024))
     subprocess.run([NGINX, "-t", "-p", str(d), "-c", str(d / "nginx.conf"), "-e", str(d / "error.log")],
                    check=True, capture_output=True)
     proc = subprocess.Popen([NGINX, "-p", str(d), "-c", str(d / "nginx.conf"), "-e", str(d / "error.log")],

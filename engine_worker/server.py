@@ -137,6 +137,7 @@ class EngineServer:
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._requests: dict[str, _Request] = {}
+        self._replies: set[asyncio.Task[None]] = set()  # error replies being sent (_reply_error)
         self._outbox: dict[bytes, list[p.Delta]] = {}
         self._outbox_ready = asyncio.Event()
         self._step_ns = 0  # the clock of the deltas queued since the last flush (0: not read yet)
@@ -173,6 +174,7 @@ class EngineServer:
             for req in list(self._requests.values()):
                 req.task.cancel()
             await asyncio.gather(*tasks, *(r.task for r in self._requests.values()), return_exceptions=True)
+            await self._finish_replies()
             sock.close(linger=0)
             if authenticator is not None:
                 authenticator.stop()
@@ -285,8 +287,20 @@ class EngineServer:
 
     def _reply_error(self, identity: bytes, rid: str, code: str, message: str, param: str | None = None,
                      status: int = 0, type: str = "") -> None:
-        asyncio.ensure_future(self._send(identity, p.Error(request_id=rid, code=code, message=message, param=param,
-                                                           status=status, error_type=type)))
+        task = asyncio.create_task(self._send(identity, p.Error(request_id=rid, code=code, message=message,
+                                                                param=param, status=status, error_type=type)))
+        self._replies.add(task)
+        task.add_done_callback(self._replies.discard)
+
+    async def _finish_replies(self) -> None:
+        """On the way out: the error replies already decided still reach their gateway (a send never blocks:
+        no high-water mark), unless the socket does not take them within a second."""
+        if not self._replies:
+            return
+        _, late = await asyncio.wait(set(self._replies), timeout=1.0)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
 
     # -- sending ---------------------------------------------------------------------------
 

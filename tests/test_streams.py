@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from gateway.api.openai_api import ChunkBuilder
 from gateway.core.framing import FANOUT_SSE, FANOUT_WS
 from gateway.core.generation import CHUNK_MERGE, ChunkEvent
@@ -206,6 +208,24 @@ def test_retention_expires_by_ttl_then_answers_410() -> None:
             assert exc.status == status
         else:
             raise AssertionError
+
+
+def test_a_dropped_stream_is_unknown_404_not_expired_and_frees_its_bytes() -> None:
+    hub = StreamHub(Retention())
+    finished, running = hub.create("completions", "m"), hub.create("completions", "m")
+    publish_text(finished, ["abc"])
+    finished.finish("done")
+    hub.mark_finished(finished)
+    assert hub.total_bytes > 0
+    for s in (finished, running):
+        hub.drop(s.id)
+        with pytest.raises(APIError) as info:
+            hub.get(s.id)
+        assert (info.value.status, info.value.code) == (404, "stream_not_found")
+    assert hub.total_bytes == 0
+    running.finish("cancelled")
+    hub.mark_finished(running)  # its pump ends after the drop: not retained again
+    assert running.id not in hub.streams
 
 
 def test_retention_byte_budget_drops_oldest_finished_first() -> None:

@@ -145,7 +145,8 @@ def previous_response_not_found(response_id: str) -> APIError:
 
 
 def response_not_found(response_id: str) -> APIError:
-    return APIError(404, f"No response found with id '{response_id}'.", param="response_id", code="not_found")
+    """OpenAI's 404 for an unknown or deleted response (its message; tokenfan names the code and param)."""
+    return APIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
 
 
 def response_expired(response_id: str) -> APIError:

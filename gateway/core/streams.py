@@ -67,17 +67,19 @@ class Event:
     merge, the broker), so a retained log holds each token's text once.
     """
 
-    __slots__ = ("_payload", "_template", "finish_reason", "frames", "seq", "text", "timing")
+    __slots__ = ("_payload", "_template", "_timing", "emit_ns", "finish_reason", "frames", "sent_ns", "seq", "text")
 
-    def __init__(self, seq: int, payload: dict[str, Any] | None, timing: dict[str, Any], text: str,
+    def __init__(self, seq: int, payload: dict[str, Any] | None, timing: dict[str, Any] | None, text: str,
                  finish_reason: str | None, frames: dict[str, Any] | None = None, *,
-                 template: ChunkTemplate | None = None) -> None:
+                 template: ChunkTemplate | None = None, emit_ns: int = 0, sent_ns: int = 0) -> None:
         if payload is None and template is None:
             raise ValueError("an event needs its payload or its template")
         self.seq = seq
         self._payload = payload
         self._template = template
-        self.timing = timing
+        self._timing = timing  # None: built from seq/emit_ns/sent_ns when asked for (fan-out frames, broker)
+        self.emit_ns = emit_ns or (timing.get("emit_ns") or 0 if timing is not None else 0)
+        self.sent_ns = sent_ns
         self.text = text
         self.finish_reason = finish_reason
         self.frames: dict[str, Any] = {} if frames is None else frames
@@ -91,6 +93,13 @@ class Event:
         if self._payload is None:
             return orjson.loads(self.json)  # type: ignore[no-any-return]
         return self._payload
+
+    @property
+    def timing(self) -> dict[str, Any]:
+        """tokenfan's ``{seq, emit_ns, sent_ns}`` object (or the one the event came with)."""
+        if self._timing is None:
+            self._timing = {"seq": self.seq, "emit_ns": self.emit_ns, "sent_ns": self.sent_ns}
+        return self._timing
 
     @property
     def json(self) -> bytes:
@@ -248,9 +257,8 @@ class Stream:
         produced it, whose clock read it shares), and write it to the caught-up readers."""
         seq = len(self.events)
         sent_ns = step.wall_ns if step is not None else p.now_ns()
-        return self.append(Event(seq, ev.payload, {"seq": seq, "emit_ns": ev.emit_ns, "sent_ns": sent_ns},
-                                 ev.text, ev.finish_reason, {} if self.listed else NO_CACHE, template=ev.template),
-                           step)
+        return self.append(Event(seq, ev.payload, None, ev.text, ev.finish_reason, {} if self.listed else NO_CACHE,
+                                 template=ev.template, emit_ns=ev.emit_ns, sent_ns=sent_ns), step)
 
     def append(self, event: Event, step: Step | None = None) -> Event:
         """Add an already built event (its ``seq`` must be the next one) and write it to the readers."""
@@ -273,20 +281,26 @@ class Stream:
         """One pass over the readers for a new event (or the end): a caught-up reader that writes in the
         publisher's pass gets the event written here and now (:meth:`gateway.core.delivery.Reader.write_now`);
         any other reader's loop is woken."""
-        order = TRANSPORTS if seq % 2 == 0 else TRANSPORTS[::-1]
-        for transport in order:
-            group = self._waiters[transport]
+        sse, ws = self._waiters["sse"], self._waiters["ws"]
+        if len(sse) + len(ws) == 1:  # one reader (a POST response, a /v1/ws request): nothing to rotate
+            self._wake_one(next(iter(sse or ws)), seq, event, step)
+            return
+        for group in ((sse, ws) if seq % 2 == 0 else (ws, sse)):
             if not group:
                 continue
             subs = list(group)
             k = seq % len(subs)
             for sub in subs[k:] + subs[:k] if k else subs:
-                if event is not None and sub.parked and sub.cursor == seq and sub.reader is not None \
-                        and sub.reader.write_now(event, step):
-                    sub.cursor = seq + 1
-                    sub.last_write = sub.reader.last_write
-                else:
-                    sub.waiter.set()
+                self._wake_one(sub, seq, event, step)
+
+    @staticmethod
+    def _wake_one(sub: Subscription, seq: int, event: Event | None, step: Step | None) -> None:
+        if event is not None and sub.parked and sub.cursor == seq and sub.reader is not None \
+                and sub.reader.write_now(event, step):
+            sub.cursor = seq + 1
+            sub.last_write = sub.reader.last_write
+        else:
+            sub.waiter.set()
 
     def _register(self, sub: Subscription) -> None:
         self._waiters[sub.transport][sub] = None
@@ -466,11 +480,12 @@ class StreamHub:
         return stream
 
     def drop(self, stream_id: str) -> None:
-        """Delete a stream now (a finished one is remembered as gone: 410)."""
+        """Delete a stream now: from then on its id is unknown (404, as OpenAI answers for a deleted
+        response), not expired (410)."""
         if stream_id in self._finished:
-            self._drop(stream_id)
-        elif self.streams.pop(stream_id, None) is not None:
-            self._gone[stream_id] = None
+            self._drop(stream_id, tombstone=False)
+        else:
+            self.streams.pop(stream_id, None)
 
     def forget(self, stream: Stream) -> None:
         """Remove a stream that never started (its announcement failed)."""
@@ -511,10 +526,12 @@ class StreamHub:
                 break
             self._drop(sid)
 
-    def _drop(self, sid: str) -> None:
+    def _drop(self, sid: str, tombstone: bool = True) -> None:
         del self._finished[sid]
         s = self.streams.pop(sid)
         self.total_bytes -= s.size
+        if not tombstone:
+            return
         self._gone[sid] = None
         while len(self._gone) > self.retention.tombstones:
             self._gone.popitem(last=False)

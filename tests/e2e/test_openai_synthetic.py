@@ -200,10 +200,16 @@ def test_deleting_a_running_response_cancels_its_generation_and_forgets_it(
     assert (r.status_code, r.json()) == (200, {"id": bg.id, "object": "response.deleted", "deleted": True})
     wait_until(lambda: metric(gateway_url, "tokenfan_requests_aborted_total") > before, what="abort counted")
     wait_until(lambda: engine_load(gateway_url) == (0, 0), what="engine idle")
-    for method, path in (("GET", ""), ("POST", "/cancel"), ("DELETE", "")):  # gone, as an expired stream
+    for method, path in (("GET", ""), ("POST", "/cancel"), ("DELETE", "")):  # unknown from now on, as on OpenAI
         r = httpx.request(method, f"{gateway_url}/v1/responses/{bg.id}{path}")
-        assert r.status_code == 410 and r.json()["error"]["code"] == "response_expired", (method, path, r.text)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (method, path, r.text)
+        assert r.json()["error"]["message"] == f"Response with id '{bg.id}' not found."
         assert r.json()["error"]["param"] == "response_id"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(bg.id)
+    with pytest.raises(openai.BadRequestError) as info:  # nor can a conversation continue from it
+        client.responses.create(model="synthetic", input="y", previous_response_id=bg.id, max_output_tokens=2)
+    assert info.value.code == "previous_response_not_found"
     r = httpx.get(f"{gateway_url}/v1/responses/resp_never")
     assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (404, "not_found", "response_id")
 

@@ -3,14 +3,18 @@
 One synthetic engine and one vLLM engine (tiny random-weight Llama built locally) are shared by
 the whole session. A second vLLM engine, configured with vLLM's tool, reasoning and structured-output
 flags (``parser_gateway``), and ``vllm serve`` (the differential suite's reference) are started only when a
-collected test needs them; all of them boot together (:class:`VllmBoot`).
+collected test needs them; all of them boot together (:class:`VllmBoot`). Under pytest-xdist the tests that
+need them all run on one worker (:func:`pytest_xdist_make_scheduler`).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +26,7 @@ from tests.procs import (
     spawn,
     start_engine,
     start_gateway,
+    stop_all,
     wait_healthy,
 )
 
@@ -59,7 +64,90 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # The three vLLM processes a session may need; each boot costs ~35 s of one core (importing torch and vLLM
 # in the front, EngineCore and worker processes), so the first test that needs any of them starts every
 # one the session's collected tests need, and they boot side by side instead of one after another.
-VLLM_FIXTURES = ("vllm_engine", "parser_gateway", "vllm_serve")
+def _start_vllm_engine(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
+    address = f"ipc://{ipc_dir / 'vllm.sock'}"
+    return start_engine(address, "--engine", "vllm", "--model", str(model), "--max-model-len", "512",
+                        name="engine-vllm"), address
+
+
+def _start_parser_gateway(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
+    port = free_port()
+    proc = spawn(["-m", "gateway.cli", "serve", "--engine", "vllm", "--model", str(model),
+                  "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
+                  "--kv-cache-gib", "1", "--engine-address", f"ipc://{ipc_dir / 'parser.sock'}",
+                  "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *PARSER_FLAGS],
+                 "tokenfan-parser", env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _start_vllm_serve(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
+    port = free_port()
+    env = {"VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    proc = spawn(["-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                  "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
+                  "--enforce-eager", "--disable-log-stats", "--host", "127.0.0.1", "--port", str(port),
+                  *PARSER_FLAGS], "vllm-serve", env=env)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+VLLM_STARTS: dict[str, Callable[[Path, Path], tuple[Proc, str]]] = {
+    "vllm_engine": _start_vllm_engine, "parser_gateway": _start_parser_gateway, "vllm_serve": _start_vllm_serve}
+
+
+def needs_vllm(item: pytest.Item) -> bool:
+    return any(name in VLLM_STARTS for name in getattr(item, "fixturenames", ()))
+
+
+# Under pytest-xdist (`make test`: -n 2 --dist loadgroup) every test that needs a vLLM process runs on one
+# worker, so a run still boots each vLLM process once, and the other tests go module by module (a module's
+# fixtures start once). Only a worker collects, so each worker writes its tests' groups to a file the
+# controller's scheduler reads. (xdist's own loadgroup renames nodeids, which pytest 9.2 no longer allows.)
+GROUPS_FILE = "tokenfan_groups_file"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    node.workerinput[GROUPS_FILE] = str(_groups_file(node.config))
+
+
+def _groups_file(config: pytest.Config) -> Path:
+    if not hasattr(config, "_tokenfan_groups"):
+        handle, path = tempfile.mkstemp(prefix="tokenfan-xdist-groups-", suffix=".json")
+        os.close(handle)
+        config._tokenfan_groups = Path(path)  # type: ignore[attr-defined]
+        config.add_cleanup(config._tokenfan_groups.unlink)  # type: ignore[attr-defined]
+    return config._tokenfan_groups  # type: ignore[attr-defined, no-any-return]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    path = getattr(config, "workerinput", {}).get(GROUPS_FILE)
+    if path is None:
+        return
+    groups = {item.nodeid: "vllm" if needs_vllm(item) else item.nodeid.split("::")[0] for item in items}
+    tmp = Path(f"{path}.{os.getpid()}")
+    tmp.write_text(json.dumps(groups))
+    os.replace(tmp, path)  # every worker writes the same groups: whole files only
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    groups_file = _groups_file(config)
+
+    class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        """xdist's scope scheduling with this suite's groups as the scopes (read once every worker collected)."""
+
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                self.groups = json.loads(groups_file.read_text())
+            return self.groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
 
 
 class VllmBoot:
@@ -68,42 +156,16 @@ class VllmBoot:
     def __init__(self, session: pytest.Session, tiny_model: Path, ipc_dir: Path) -> None:
         self.model, self.ipc_dir = tiny_model, ipc_dir
         needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-        self.procs: dict[str, tuple[Proc, str]] = {}
-        for name in VLLM_FIXTURES:
-            if name in needed:
-                self.procs[name] = getattr(self, "_start_" + name.removeprefix("vllm_"))()
-
-    def _start_engine(self) -> tuple[Proc, str]:
-        address = f"ipc://{self.ipc_dir / 'vllm.sock'}"
-        return start_engine(address, "--engine", "vllm", "--model", str(self.model), "--max-model-len", "512",
-                            name="engine-vllm"), address
-
-    def _start_parser_gateway(self) -> tuple[Proc, str]:
-        port = free_port()
-        proc = spawn(["-m", "gateway.cli", "serve", "--engine", "vllm", "--model", str(self.model),
-                      "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
-                      "--kv-cache-gib", "1", "--engine-address", f"ipc://{self.ipc_dir / 'parser.sock'}",
-                      "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *PARSER_FLAGS],
-                     "tokenfan-parser", env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-        return proc, f"http://127.0.0.1:{port}"
-
-    def _start_serve(self) -> tuple[Proc, str]:
-        port = free_port()
-        env = {"VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-        proc = spawn(["-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-                      "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
-                      "--enforce-eager", "--disable-log-stats", "--host", "127.0.0.1", "--port", str(port),
-                      *PARSER_FLAGS], "vllm-serve", env=env)
-        return proc, f"http://127.0.0.1:{port}"
+        self.procs: dict[str, tuple[Proc, str]] = {
+            name: start(tiny_model, ipc_dir) for name, start in VLLM_STARTS.items() if name in needed}
 
     def get(self, name: str) -> tuple[Proc, str]:
         if name not in self.procs:  # a fixture requested dynamically (getfixturevalue) by no collected test
-            self.procs[name] = getattr(self, "_start_" + name.removeprefix("vllm_"))()
+            self.procs[name] = VLLM_STARTS[name](self.model, self.ipc_dir)
         return self.procs[name]
 
     def stop(self) -> None:
-        for proc, _ in self.procs.values():
-            proc.stop(timeout=30)
+        stop_all((proc for proc, _ in self.procs.values()), timeout=30)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -10,9 +11,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -40,21 +42,39 @@ class Proc:
     popen: subprocess.Popen[bytes]
     log_path: Path
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the process group (the process and its children), if the process still runs."""
         if self.popen.poll() is None:
             try:
                 os.killpg(self.popen.pid, sig)
             except ProcessLookupError:
                 pass
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(5)
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the exit; after ``timeout`` s, SIGKILL the group."""
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.signal_group(signal.SIGKILL)
+            self.popen.wait(5)
         return self.popen.returncode
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        self.signal_group(sig)
+        return self.wait(timeout)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+def stop_all(procs: Iterable[Proc], timeout: float = 20.0) -> None:
+    """SIGTERM every process at once, then wait for each: they shut down side by side, not one after another."""
+    procs = list(procs)
+    for proc in procs:
+        proc.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.wait(max(0.0, deadline - time.monotonic()))
 
 
 def spawn(args: list[str], name: str, env: dict[str, str] | None = None) -> Proc:
@@ -71,6 +91,10 @@ def start_engine(address: str, *args: str, name: str = "engine") -> Proc:
     return spawn(["-m", "engine_worker", "--address", address, *args], name)
 
 
+class StartGateway(Protocol):
+    def __call__(self, engine_address: str, *args: str, name: str = ...) -> tuple[Proc, str]: ...
+
+
 def start_gateway(engine_address: str, *args: str, name: str = "gateway", timeout: float = 30.0,
                   port: int | None = None) -> tuple[Proc, str]:
     port = port or free_port()
@@ -79,6 +103,23 @@ def start_gateway(engine_address: str, *args: str, name: str = "gateway", timeou
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, timeout)
     return proc, url
+
+
+@contextlib.contextmanager
+def engine_and_gateway(address: str, engine_args: Sequence[str] = (), gateway_args: Sequence[str] = (), *,
+                       name: str, start: StartGateway = start_gateway) -> Iterator[str]:
+    """An engine worker bound to ``address`` and a gateway attached to it (``start``: :func:`start_gateway` or
+    another with its signature); yields the gateway's URL and stops both at the end."""
+    engine = start_engine(address, *engine_args, name=f"engine-{name}")
+    try:
+        gateway, url = start(address, *gateway_args, name=f"gateway-{name}")
+    except BaseException:
+        engine.stop()
+        raise
+    try:
+        yield url
+    finally:
+        stop_all([gateway, engine])
 
 
 def wait_healthy(url: str, proc: Proc, timeout: float) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from gateway.core import sse
-from tests.procs import start_engine, start_gateway
+from tests.procs import engine_and_gateway
 
 
 def sse_events(text: str) -> list[dict[str, str]]:
@@ -73,17 +73,11 @@ def fat_gateway(ipc_dir: Path, name: str) -> Iterator[str]:
     """An engine emitting 2,000-character tokens at 1,000/s (~2 MB/s per stream) behind a gateway with a
     1 s send timeout: a client that stops reading fills every buffer on the way (the kernel alone may
     hold 4 MB per socket) within seconds, long before a multi-thousand-token stream ends."""
-    address = f"ipc://{ipc_dir / f'{name}.sock'}"
-    engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "1000",
-                          "--synthetic-token-chars", "2000", "--max-model-len", "20000", name=f"engine-{name}")
-    try:
-        gw, url = start_gateway(address, "--send-timeout", "1", "--max-tokens-cap", "20000", name=f"gateway-{name}")
-        try:
-            yield url
-        finally:
-            gw.stop()
-    finally:
-        engine.stop()
+    with engine_and_gateway(f"ipc://{ipc_dir / f'{name}.sock'}",
+                            ("--engine", "synthetic", "--synthetic-tokens-per-s", "1000", "--synthetic-token-chars",
+                             "2000", "--max-model-len", "20000"),
+                            ("--send-timeout", "1", "--max-tokens-cap", "20000"), name=name) as url:
+        yield url
 
 
 def stalled_client(url: str, request: bytes) -> socket.socket:

@@ -14,7 +14,7 @@ import pytest
 import websockets
 
 from tests.e2e.helpers import chunk_text, fat_gateway, metric, sse_events, stalled_client, until, wait_until
-from tests.procs import NO_CLIENT_LIMITS, start_engine, start_gateway
+from tests.procs import NO_CLIENT_LIMITS, engine_and_gateway, start_gateway
 
 
 def create(url: str, max_tokens: int, endpoint: str = "completions", **extra: object) -> dict:
@@ -37,13 +37,10 @@ def full_text(url: str, sid: str) -> tuple[str, int]:
 @pytest.fixture(scope="module")
 def slow_engine_gateway(ipc_dir) -> Iterator[str]:  # type: ignore[no-untyped-def]
     """An engine at 40 tokens/s, so streams last long enough to join, leave and resume mid-way."""
-    address = f"ipc://{ipc_dir / 'fanout-40.sock'}"
-    engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "40",
-                          "--synthetic-ttft-ms", "50", name="engine-fanout")
-    gw, url = start_gateway(address, "--send-timeout", "1", "--keepalive-interval", "0.5", name="gateway-fanout")
-    yield url
-    gw.stop()
-    engine.stop()
+    with engine_and_gateway(f"ipc://{ipc_dir / 'fanout-40.sock'}",
+                            ("--engine", "synthetic", "--synthetic-tokens-per-s", "40", "--synthetic-ttft-ms", "50"),
+                            ("--send-timeout", "1", "--keepalive-interval", "0.5"), name="fanout") as url:
+        yield url
 
 
 class Subscriber:
@@ -135,15 +132,10 @@ def test_a_thousand_subscribers_on_one_stream_all_get_the_full_text(ipc_dir) -> 
     # Its own gateway with the default keep-alive: one Python client process cannot read 1,000 sockets
     # at 40 events/s each in real time, and the shared fixture's 1 s WebSocket ping timeout would
     # (rightly) drop connections whose client stops answering pings for that long.
-    address = f"ipc://{ipc_dir / 'fanout-wide.sock'}"
-    engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "40",
-                          "--synthetic-ttft-ms", "50", name="engine-wide")
-    gw, url = start_gateway(address, "--send-timeout", "10", *NO_CLIENT_LIMITS, name="gateway-wide")
-    try:
+    with engine_and_gateway(f"ipc://{ipc_dir / 'fanout-wide.sock'}",
+                            ("--engine", "synthetic", "--synthetic-tokens-per-s", "40", "--synthetic-ttft-ms", "50"),
+                            ("--send-timeout", "10", *NO_CLIENT_LIMITS), name="wide") as url:
         _thousand_subscribers(url)
-    finally:
-        gw.stop()
-        engine.stop()
 
 
 def _thousand_subscribers(url: str) -> None:
@@ -238,18 +230,13 @@ def test_delete_cancels_the_generation_and_ends_every_subscriber(slow_engine_gat
 
 
 def test_keepalive_comments_flow_before_the_first_token(ipc_dir) -> None:  # type: ignore[no-untyped-def]
-    address = f"ipc://{ipc_dir / 'slow-ttft.sock'}"
-    engine = start_engine(address, "--engine", "synthetic", "--synthetic-ttft-ms", "1500", name="engine-ttft")
-    gw, url = start_gateway(address, "--keepalive-interval", "0.3", name="gateway-ttft")
-    try:
+    with engine_and_gateway(f"ipc://{ipc_dir / 'slow-ttft.sock'}", ("--engine", "synthetic", "--synthetic-ttft-ms",
+                            "1500"), ("--keepalive-interval", "0.3"), name="ttft") as url:
         info = create(url, max_tokens=2)
         with httpx.stream("GET", info["events_url"]) as r:
             assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
             body = r.read().decode()
         assert body.count(": keep-alive") >= 2 and "retry: " in body and body.endswith("data: [DONE]\n\n")
-    finally:
-        gw.stop()
-        engine.stop()
 
 
 def test_unknown_and_expired_streams(ipc_dir, synthetic_engine: str) -> None:  # type: ignore[no-untyped-def]

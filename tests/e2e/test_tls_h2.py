@@ -20,7 +20,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from tests.e2e.helpers import chunk_text, sse_events
-from tests.procs import Proc, free_port, spawn, start_engine
+from tests.procs import Proc, StartGateway, engine_and_gateway, free_port, spawn, start_engine
 
 
 def start_tls_gateway(engine_address: str, certs: Path, *args: str, command: str = "gateway",
@@ -33,6 +33,14 @@ def start_tls_gateway(engine_address: str, certs: Path, *args: str, command: str
     url = f"https://localhost:{port}"
     wait_https(url, proc, 60.0)
     return proc, url
+
+
+def tls(certs: Path) -> StartGateway:
+    """:func:`start_tls_gateway` with these certificates, as :func:`tests.procs.engine_and_gateway` starts it."""
+    def start(engine_address: str, *args: str, name: str = "gateway-tls") -> tuple[Proc, str]:
+        return start_tls_gateway(engine_address, certs, *args, name=name)
+
+    return start
 
 
 def wait_https(url: str, proc: Proc, timeout: float) -> None:
@@ -66,17 +74,10 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tls_gateway(ipc_dir: Path, certs: Path) -> Iterator[str]:
-    address = f"ipc://{ipc_dir / 'tls.sock'}"
-    engine = start_engine(address, "--engine", "synthetic", "--synthetic-ttft-ms", "5",
-                          "--synthetic-tokens-per-s", "200", name="engine-tls")
-    try:
-        gw, url = start_tls_gateway(address, certs)
-        try:
-            yield url
-        finally:
-            gw.stop()
-    finally:
-        engine.stop()
+    with engine_and_gateway(f"ipc://{ipc_dir / 'tls.sock'}",
+                            ("--engine", "synthetic", "--synthetic-ttft-ms", "5", "--synthetic-tokens-per-s", "200"),
+                            name="tls", start=tls(certs)) as url:
+        yield url
 
 
 def alpn(url: str, offered: list[str]) -> str | None:
@@ -203,25 +204,19 @@ def test_one_https_page_holds_ten_eventsources_and_a_fetch_still_answers_over_h2
     from tests.system import require
 
     require(CHROMIUM)
-    address = f"ipc://{ipc_dir / 'tls-browser.sock'}"
-    engine = start_engine(address, "--engine", "synthetic", "--synthetic-ttft-ms", "5",
-                          "--synthetic-tokens-per-s", "20", name="engine-tls-browser")  # 400 tokens: 20 s
-    try:
-        gw, url = start_tls_gateway(address, certs, name="gateway-tls-browser")
-        try:
-            with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                                             args=[*CHROMIUM_ARGS, "--ignore-certificate-errors"])
-                page = browser.new_context(ignore_https_errors=True).new_page()
-                page.goto(url + "/")
-                # Over HTTP/1.1 the seventh EventSource would wait for one of the first six to end (~20 s):
-                # the loop would not finish and the page's sources would no longer all be open.
-                result = page.evaluate(TEN_EVENTSOURCES_AND_A_FETCH, 10)
-                browser.close()
-        finally:
-            gw.stop()
-    finally:
-        engine.stop()
+    with engine_and_gateway(f"ipc://{ipc_dir / 'tls-browser.sock'}",
+                            ("--engine", "synthetic", "--synthetic-ttft-ms", "5",
+                             "--synthetic-tokens-per-s", "20"),  # 400 tokens: 20 s
+                            name="tls-browser", start=tls(certs)) as url, \
+            sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                     args=[*CHROMIUM_ARGS, "--ignore-certificate-errors"])
+        page = browser.new_context(ignore_https_errors=True).new_page()
+        page.goto(url + "/")
+        # Over HTTP/1.1 the seventh EventSource would wait for one of the first six to end (~20 s):
+        # the loop would not finish and the page's sources would no longer all be open.
+        result = page.evaluate(TEN_EVENTSOURCES_AND_A_FETCH, 10)
+        browser.close()
     print(f"fetch with 10 live EventSources: {result['fetchMs']:.1f} ms")
     assert result["status"] == 200
     assert all(s["open"] for s in result["after"]), result["after"]
@@ -239,46 +234,39 @@ def test_a_stalled_reader_over_tls_is_cut_by_the_send_timeout(ipc_dir: Path, cer
 
     from tests.e2e.helpers import wait_until
 
-    address = f"ipc://{ipc_dir / 'tls-fat.sock'}"
-    engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "1000",
-                          "--synthetic-token-chars", "2000", "--max-model-len", "20000", name="engine-tls-fat")
-    try:
-        gw, url = start_tls_gateway(address, certs, "--send-timeout", "1", "--max-tokens-cap", "20000",
-                                    name="gateway-tls-fat")
-        try:
-            def network_errors() -> float:
-                return metric_https(url, "tokenfan_errors_total", '{class="network"}')
+    with engine_and_gateway(f"ipc://{ipc_dir / 'tls-fat.sock'}",
+                            ("--engine", "synthetic", "--synthetic-tokens-per-s", "1000", "--synthetic-token-chars",
+                             "2000", "--max-model-len", "20000"), ("--send-timeout", "1", "--max-tokens-cap", "20000"),
+                            name="tls-fat", start=tls(certs)) as url:
+        def network_errors() -> float:
+            return metric_https(url, "tokenfan_errors_total", '{class="network"}')
 
-            for proto in ("http/1.1", "h2"):
-                info = httpx.post(url + "/v1/streams", json={"endpoint": "completions", "prompt": "hi",
-                                                            "max_tokens": 15000}, verify=False, timeout=10).json()
-                before = network_errors()
-                host, port = url.removeprefix("https://").split(":")
-                raw = socket.socket()
-                raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
-                raw.connect(("127.0.0.1", int(port)))
-                ctx = ssl.create_default_context()
-                ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-                ctx.set_alpn_protocols([proto])
-                stalled = ctx.wrap_socket(raw, server_hostname=host)
-                path = f"/v1/streams/{info['id']}/events"
-                if proto == "h2":
-                    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-                    conn.initiate_connection()
-                    conn.send_headers(1, [(":method", "GET"), (":path", path), (":scheme", "https"),
-                                          (":authority", host)], end_stream=True)
-                    stalled.sendall(conn.data_to_send())
-                else:
-                    stalled.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-                try:  # never read (and never send a WINDOW_UPDATE)
-                    wait_until(lambda b=before: network_errors() > b, timeout=60,
-                               what=f"the stalled {proto} reader closed as slow")
-                finally:
-                    stalled.close()
-        finally:
-            gw.stop()
-    finally:
-        engine.stop()
+        for proto in ("http/1.1", "h2"):
+            info = httpx.post(url + "/v1/streams", json={"endpoint": "completions", "prompt": "hi",
+                                                        "max_tokens": 15000}, verify=False, timeout=10).json()
+            before = network_errors()
+            host, port = url.removeprefix("https://").split(":")
+            raw = socket.socket()
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+            raw.connect(("127.0.0.1", int(port)))
+            ctx = ssl.create_default_context()
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+            ctx.set_alpn_protocols([proto])
+            stalled = ctx.wrap_socket(raw, server_hostname=host)
+            path = f"/v1/streams/{info['id']}/events"
+            if proto == "h2":
+                conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+                conn.initiate_connection()
+                conn.send_headers(1, [(":method", "GET"), (":path", path), (":scheme", "https"),
+                                      (":authority", host)], end_stream=True)
+                stalled.sendall(conn.data_to_send())
+            else:
+                stalled.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            try:  # never read (and never send a WINDOW_UPDATE)
+                wait_until(lambda b=before: network_errors() > b, timeout=60,
+                           what=f"the stalled {proto} reader closed as slow")
+            finally:
+                stalled.close()
 
 
 def metric_https(url: str, name: str, labels: str = "") -> float:

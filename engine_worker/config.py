@@ -46,6 +46,7 @@ class EngineConfig:
     # synthetic backend
     synthetic_ttft_ms: float = declared("synthetic_ttft_ms")
     synthetic_tokens_per_s: float = declared("synthetic_tokens_per_s")
+    synthetic_steps: str = declared("synthetic_steps")  # "per-stream" or "shared" (one step clock)
     synthetic_script: Path | None = declared("synthetic_script")
     synthetic_token_chars: int = declared("synthetic_token_chars")  # 0: natural words; N: tokens of N characters
     # engine server

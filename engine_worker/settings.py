@@ -316,6 +316,10 @@ SETTINGS: tuple[Setting, ...] = (
         "VLLM_CPU_OMP_THREADS_BIND in the environment wins"),
     _en("synthetic_ttft_ms", FLOAT, 20.0, "synthetic engine: time to first token"),
     _en("synthetic_tokens_per_s", FLOAT, 50.0, "synthetic engine: tokens per second per stream"),
+    _en("synthetic_steps", STR, "per-stream", "synthetic engine: `shared`: every running request's token comes "
+        "out on one step clock (one step every 1/tokens-per-s, a request joins at the first step after its TTFT), "
+        "as a GPU engine's continuous batching does; `per-stream`: each request on its own phase (a step per "
+        "token at worst)", choices=("per-stream", "shared")),
     _en("synthetic_token_chars", INT, 0, "synthetic engine: stretch every token to this many characters "
         "(payload-size knob); 0 = natural words"),
     _en("synthetic_script", PATH, None, "synthetic engine: a JSON script of replies ({\"match\": regex, "

@@ -104,6 +104,47 @@ def test_synthetic_one_timer_paces_every_request_to_its_end() -> None:
     assert load == (0, 0)
 
 
+def test_synthetic_shared_steps_put_every_running_request_in_the_same_ticks() -> None:
+    """``--synthetic-steps shared``: a request that starts between two steps joins the step clock, so each
+    of its tokens comes out in a tick that also carries a token of the request already running (as
+    continuous batching on a GPU); one step carries one token per request."""
+
+    async def main() -> tuple[list[int], list[int]]:
+        backend = SyntheticBackend(EngineConfig(backend="synthetic", synthetic_tokens_per_s=50.0,
+                                                synthetic_ttft_ms=0.0, synthetic_steps="shared"))
+        ticks = 0
+        tick = backend._tick
+
+        def counted() -> None:
+            nonlocal ticks
+            ticks += 1
+            tick()
+
+        backend._tick = counted  # type: ignore[method-assign]
+        seen: dict[str, list[int]] = {"a": [], "b": []}
+
+        def sink(rid: str) -> Steps:
+            s = Steps()
+            record = s.__call__
+
+            def call(text: str, n: int, finish: p.FinishReason | None = None, chunk: bytes = b"") -> None:
+                seen[rid].append(ticks)
+                record(text, n, finish)
+            s.__call__ = call  # type: ignore[method-assign]
+            return s
+
+        sa, sb = sink("a"), sink("b")
+        a = asyncio.create_task(backend.stream(_prepared("a", 40, 0), lambda *x: sa.__call__(*x)))
+        await asyncio.sleep(0.007)  # between two steps of the 20 ms clock
+        await backend.stream(_prepared("b", 5, 3), lambda *x: sb.__call__(*x))
+        await a
+        return seen["a"], seen["b"]
+
+    a, b = asyncio.run(main())
+    assert len(b) == 5 and set(b) <= set(a)  # b's every token rode one of a's steps
+    assert len(a) == len(set(a))  # one token per request per step
+
+
 def test_synthetic_stop_string_spanning_steps_ends_the_request() -> None:
     # "receives tok" begins in the 3rd token (already sent, so it stays) and completes in the 4th, which
     # is cut before it: the stop is found across steps although each step holds one word.

@@ -178,14 +178,14 @@ class Server:
 @contextlib.contextmanager
 def spawned(kind: str, ns: argparse.Namespace, out: Path, workers: int = 1) -> Iterator[Server]:
     if kind == "raw":
-        with procs.spawn_raw(ns.tokens_per_s, ns.ttft_ms, out / "logs") as raw:
+        with procs.spawn_raw(ns.tokens_per_s, ns.ttft_ms, out / "logs", ns.steps) as raw:
             yield Server("raw", raw.url, ProcCpu(raw.server_pid), None)
         return
     gw_args = ["--max-tokens-cap", str(10 * steady_tokens(ns)), "--ws-max-in-flight", str(max(32, ns.per_connection)),
                *ns.gateway_arg,
                *(["--workers", str(workers)] if workers > 1 else [])]
     with procs.spawn_synthetic(ns.tokens_per_s, ns.ttft_ms, out / "logs", gw_args,
-                               engine_args=["--max-model-len", "1000000"]) as s:
+                               engine_args=["--max-model-len", "1000000", "--synthetic-steps", ns.steps]) as s:
         yield Server("gateway", s.url, ProcCpu(s.server_pid), ProcCpu(s.procs[0].pid, tree=False))
 
 
@@ -381,7 +381,8 @@ def summary_md(results: dict[str, Any]) -> str:
     s = meta["settings"]
     lines = ["# tokenfan bench cpu", "", f"`{' '.join(meta['command'])}`", "",
              (f"{m['cpus']} CPUs ({m['cpu_model']}), {m['platform']}; load (1/5/15 min) {meta['load']} at start, "
-             f"{meta.get('load_end', '–')} at end; {meta['time']}. {s['tokens_per_s']:g} tokens/s per generation; "
+             f"{meta.get('load_end', '–')} at end; {meta['time']}. {s['tokens_per_s']:g} tokens/s per generation, "
+             f"{s.get('steps', 'per-stream')} engine steps; "
              f"medians over {s['repeats']} windows of {s['window']:g} s in steady state (after {s['warmup']:g} s); "
              "CPU µs per delivered event (user + system of the process tree)."), ""]
     if results.get("modes"):
@@ -458,6 +459,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--per-connection", type=int, default=50, help="generations per /v1/ws socket (default 50)")
     ap.add_argument("--tokens-per-s", type=float, default=50.0, help="synthetic tokens/s per generation (50)")
     ap.add_argument("--ttft-ms", type=float, default=20.0)
+    ap.add_argument("--steps", choices=("shared", "per-stream"), default="shared",
+                    help="engine step clock (engine --synthetic-steps, same for the raw floor): `shared`, every "
+                         "generation's token in one step as a GPU engine batches them (default); `per-stream`, "
+                         "each generation on its own phase, so most steps carry one token (the worst case)")
     ap.add_argument("--ramp", type=float, default=2.0, help="seconds over which generations start")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds after every reader's first event")
     ap.add_argument("--window", type=float, default=4.0, help="seconds per measured window")

@@ -109,13 +109,14 @@ def spawn_synthetic(tokens_per_s: float, ttft_ms: float, log_dir: Path, gateway_
     return spawned
 
 
-def spawn_raw(tokens_per_s: float, ttft_ms: float, log_dir: Path) -> Spawned:
+def spawn_raw(tokens_per_s: float, ttft_ms: float, log_dir: Path, steps: str = "per-stream") -> Spawned:
     port = free_port()
     log = log_dir / f"raw-{tokens_per_s:g}tps-{port}.log"
     spawned = Spawned(f"http://127.0.0.1:{port}")
     try:
         spawned.procs.append(_popen(["-m", "tokenfan_bench.raw_server", "--port", str(port),
-                                     "--tokens-per-s", str(tokens_per_s), "--ttft-ms", str(ttft_ms)], log))
+                                     "--tokens-per-s", str(tokens_per_s), "--ttft-ms", str(ttft_ms),
+                                     "--steps", steps], log))
         wait_healthy(spawned.url, spawned.procs, 30.0, log)
     except BaseException:
         spawned.stop()

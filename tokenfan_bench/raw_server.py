@@ -3,7 +3,8 @@
 It speaks just enough of the gateway's API for the bench clients, on one port:
 ``POST /v1/streams``, ``GET events_url`` (SSE over HTTP/1.1, chunked, keep-alive), ``ws_url``
 (WebSocket upgrade on the same port), ``DELETE /v1/streams/{id}``, ``/health`` and ``/metrics`` (``process_cpu_seconds_total``),
-and paces every stream like the synthetic engine (TTFT, then one token every ``1/tokens_per_s``).
+and paces every stream like the synthetic engine (TTFT, then one token every ``1/tokens_per_s``; with
+``--steps shared`` on one step clock, as ``--synthetic-steps shared``).
 For ``tokenfan bench cpu`` (:mod:`tokenfan_bench.cpu`) also the per-request paths, minimally:
 ``POST /v1/chat/completions`` and ``POST /v1/responses`` with ``stream: true`` (the chunks, resp. the
 ``response.created`` / ``response.output_text.delta`` / ``response.completed`` events, nothing else) and
@@ -12,7 +13,7 @@ For ``tokenfan bench cpu`` (:mod:`tokenfan_bench.cpu`) also the per-request path
 One timer heap drives every stream. When tokens are due, each is formatted once (a byte template
 with the numbers spliced in), framed once per wire format (an HTTP chunk holding the SSE event, a
 WebSocket text frame), and the same bytes go to every subscriber with ``transport.write`` in one
-loop: no engine, no ZeroMQ, no ASGI, no task and no await per connection or per stream, no
+loop (a ``/v1/ws`` socket gets one write per tick for all its generations): no engine, no ZeroMQ, no ASGI, no task and no await per connection or per stream, no
 per-subscriber state but the socket. What is left is the cost of the sockets.
 
 Run: ``python -m tokenfan_bench.raw_server --port P --tokens-per-s 20 --ttft-ms 20``.
@@ -27,6 +28,7 @@ import contextlib
 import hashlib
 import heapq
 import itertools
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -91,8 +93,10 @@ def respond(transport: asyncio.Transport, status: int, body: bytes, ctype: bytes
 
 
 class RawServer:
-    def __init__(self, tokens_per_s: float, ttft_ms: float, host: str, port: int) -> None:
+    def __init__(self, tokens_per_s: float, ttft_ms: float, host: str, port: int, shared_steps: bool = False) -> None:
         self.interval = 1.0 / tokens_per_s
+        self.shared_steps = shared_steps
+        self._mux_out: dict[asyncio.Transport, list[bytes]] = {}  # /v1/ws frames of this tick, per socket
         self.ttft = ttft_ms / 1000.0
         self.host, self.port = host, port
         self.streams: dict[str, RawStream] = {}
@@ -132,7 +136,8 @@ class RawServer:
                 for t in s.posts:
                     t.write(frame)
             for t, cid in s.mux:
-                t.write(ws_frame(OP_TEXT, b'{"type":"chunk","id":%b,"data":%b}' % (cid, plain)))
+                self._mux_out.setdefault(t, []).append(
+                    ws_frame(OP_TEXT, b'{"type":"chunk","id":%b,"data":%b}' % (cid, plain)))
         if s.responses and seq > 0:
             frame = http_chunk(RESP_DELTA % (s.id.encode(), WORDS[(seq - 1) % len(WORDS)], seq))
             for t in s.responses:
@@ -153,7 +158,7 @@ class RawServer:
                                b'"response":{"id":"%s","status":"completed"}}\n\n' % (s.max_tokens + 1, s.id.encode()))
                     + b"0\r\n\r\n")
         for t, cid in s.mux:
-            t.write(ws_frame(OP_TEXT, b'{"type":"done","id":%b}' % cid))
+            self._mux_out.setdefault(t, []).append(ws_frame(OP_TEXT, b'{"type":"done","id":%b}' % cid))
         s.sse.clear()
         s.ws.clear()
         s.posts.clear()
@@ -188,13 +193,24 @@ class RawServer:
                 heapq.heappush(due, (at + self.interval, next(self._tie), s))
         if due:
             self._arm(due[0][0])
+        self.flush()
+
+    def flush(self) -> None:
+        """One write per ``/v1/ws`` socket for everything this tick produced on it."""
+        for t, frames in self._mux_out.items():
+            t.write(b"".join(frames))
+        self._mux_out.clear()
 
     # -- requests -------------------------------------------------------------------------------
 
     def start(self, s: RawStream) -> None:
         self.streams[s.id] = s
         self.publish(s)  # the role chunk at once, as the gateway does
-        self.schedule(s, asyncio.get_running_loop().time() + self.ttft)
+        self.flush()
+        at = asyncio.get_running_loop().time() + self.ttft
+        if self.shared_steps:
+            at = math.ceil(at / self.interval) * self.interval
+        self.schedule(s, at)
 
     def generate(self, body: bytes, transport: asyncio.Transport, path: str) -> RawStream:
         """``POST /v1/chat/completions`` or ``/v1/responses`` with ``stream: true``: this response only."""
@@ -234,6 +250,7 @@ class RawServer:
         """``DELETE /v1/streams/{id}``: the generation stops (its subscribers get their end)."""
         if not s.finished:
             self.finish(s)
+            self.flush()
 
     def subscribe_sse(self, s: RawStream, transport: asyncio.Transport) -> None:
         transport.write(SSE_HEAD + b"".join(s.sse_frames) + (SSE_DONE if s.finished else b""))
@@ -380,8 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True, help="HTTP port (SSE and WebSocket)")
     ap.add_argument("--tokens-per-s", type=float, default=20.0)
     ap.add_argument("--ttft-ms", type=float, default=20.0)
+    ap.add_argument("--steps", choices=("per-stream", "shared"), default="per-stream",
+                    help="pace like the synthetic engine's --synthetic-steps")
     ns = ap.parse_args(argv)
-    server = RawServer(ns.tokens_per_s, ns.ttft_ms, ns.host, ns.port)
+    server = RawServer(ns.tokens_per_s, ns.ttft_ms, ns.host, ns.port, ns.steps == "shared")
     try:
         import uvloop
 

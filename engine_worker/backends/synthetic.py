@@ -9,7 +9,10 @@ in one step (as a real engine step would) instead of drifting.
 
 One timer drives every request, like an engine's step loop: :meth:`SyntheticBackend._tick` runs when
 the earliest token is due and emits every token due by then, for all requests, in one synchronous pass
-(a heap of next-due times; no task, sleep or generator per request and token).
+(a heap of next-due times; no task, sleep or generator per request and token). With
+``--synthetic-steps shared`` every request's tokens fall on one step clock (multiples of the token
+interval), so a step carries a token of every running request, as continuous batching on a GPU does;
+by default each request keeps its own phase and a step usually carries one token.
 
 With ``--synthetic-script`` it also plays a model for vLLM's OpenAI layer (tools, reasoning): see
 :mod:`engine_worker.backends.scripted`.
@@ -21,6 +24,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import math
 import re
 import zlib
 from dataclasses import dataclass
@@ -88,6 +92,7 @@ class SyntheticBackend:
         self._running = 0
         self._openai: vllm_openai.OpenAILayer | None = None
         self._interval = 1.0 / config.synthetic_tokens_per_s
+        self._shared_steps = config.synthetic_steps == "shared"
         self._due: list[tuple[float, int, _Paced]] = []  # (loop time of the next token, tie-breaker, request)
         self._tie = itertools.count()
         self._timer: asyncio.Handle | None = None  # the pending tick (uvloop's handles have no when())
@@ -163,9 +168,11 @@ class SyntheticBackend:
             sink("", 0, "length")
             return
         loop = asyncio.get_running_loop()
+        start = loop.time() + self._config.synthetic_ttft_ms / 1000.0
+        if self._shared_steps:  # join the step clock at its next step
+            start = math.ceil(start / self._interval) * self._interval
         req = _Paced(sink=sink, done=loop.create_future(), offset=int(prepared.payload),  # type: ignore[call-overload]
-                     max_tokens=sampling.max_tokens, stops=list(sampling.stop),
-                     start=loop.time() + self._config.synthetic_ttft_ms / 1000.0)
+                     max_tokens=sampling.max_tokens, stops=list(sampling.stop), start=start)
         self._waiting += 1
         self._push(req, req.start)
         try:

@@ -97,6 +97,13 @@ class OpenAISse(Framing):
     def build(self, ev: Event) -> bytes:
         return b"data: " + ev.json + b"\n\n"
 
+    def frame_bytes(self, ev: Event) -> bytes:
+        frames = ev.frames
+        cached = frames.get(self.name)
+        if cached is None:
+            cached = frames[self.name] = self.build(ev)
+        return cached  # type: ignore[no-any-return]
+
     def ending(self, stream: Stream) -> Ending:
         if stream.state == "error" and stream.error is not None:
             return Ending(sse.event(stream.error.to_bytes(), event="error"))

@@ -275,5 +275,4 @@ class Generation:
         event = self.stream.publish(ev, step)
         if self.publisher is not None:
             self.publisher.published(self.stream, event)
-        if ev.tokens:
-            self.tokens.inc(ev.tokens)
+        self.tokens.value += ev.tokens

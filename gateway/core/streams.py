@@ -256,9 +256,13 @@ class Stream:
         """Append the next payload, stamped with its ``seq`` and timing (``step``: the engine step that
         produced it, whose clock read it shares), and write it to the caught-up readers."""
         seq = len(self.events)
-        sent_ns = step.wall_ns if step is not None else p.now_ns()
-        return self.append(Event(seq, ev.payload, None, ev.text, ev.finish_reason, {} if self.listed else NO_CACHE,
-                                 template=ev.template, emit_ns=ev.emit_ns, sent_ns=sent_ns), step)
+        event = Event(seq, ev.payload, None, ev.text, ev.finish_reason, {} if self.listed else NO_CACHE,
+                      template=ev.template, emit_ns=ev.emit_ns,
+                      sent_ns=step.wall_ns if step is not None else p.now_ns())
+        self.events.append(event)  # what append does, without its check: seq is the next one by construction
+        self.size += event.size
+        self._wake(seq, event, step)
+        return event
 
     def append(self, event: Event, step: Step | None = None) -> Event:
         """Add an already built event (its ``seq`` must be the next one) and write it to the readers."""

@@ -10,6 +10,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -88,3 +89,31 @@ def stalled_client(url: str, request: bytes) -> socket.socket:
     sock.connect((host, int(port)))
     sock.sendall(request)
     return sock
+
+
+# -- the Responses API through the openai SDK ----------------------------------------------------------------
+
+TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
+
+
+def until_terminal(conn: Any, lanes: int = 1) -> list[Any]:
+    """Events of a ``responses.connect()`` socket up to the terminal event of each of ``lanes`` responses."""
+    events, done = [], 0
+    for ev in conn:
+        events.append(ev)
+        if ev.type in TERMINAL:
+            done += 1
+            if done == lanes:
+                return events
+    raise AssertionError("socket closed before the terminal event")
+
+
+def drop_inside_the_call(stream: Any) -> list[Any]:
+    """A streamed response's events up to its first function-call arguments delta, then the connection drops."""
+    seen = []
+    for ev in stream:
+        seen.append(ev)
+        if ev.type == "response.function_call_arguments.delta":
+            break
+    stream.close()
+    return seen

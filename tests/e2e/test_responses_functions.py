@@ -18,7 +18,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.e2e.test_responses_sdk import TERMINAL, client_for
+from tests.e2e.helpers import drop_inside_the_call, until_terminal
+from tests.e2e.test_responses_sdk import client_for
 
 pytestmark = pytest.mark.vllm
 
@@ -109,14 +110,6 @@ def test_a_tool_loop_continues_by_previous_response_id_exactly_as_with_the_whole
 
 
 def test_a_tool_loop_over_websocket_mode(client: openai.OpenAI) -> None:
-    def until_terminal(conn: Any) -> list[Any]:
-        events = []
-        for ev in conn:
-            events.append(ev)
-            if ev.type in TERMINAL:
-                return events
-        raise AssertionError("socket closed before the terminal event")
-
     with client.responses.connect() as conn:
         # vLLM's extension fields travel in the event itself (the SDK's create() has no extra_body here)
         conn.send({"type": "response.create", "model": "tiny", "input": QUESTION, "tools": [WEATHER],
@@ -133,13 +126,8 @@ def test_a_tool_loop_over_websocket_mode(client: openai.OpenAI) -> None:
 
 
 def test_a_background_tool_call_resumes_after_a_drop_with_every_event_once(client: openai.OpenAI) -> None:
-    stream = client.responses.create(model="tiny", input=QUESTION, background=True, stream=True, **FORCED_CALL)
-    seen: list[Any] = []
-    for ev in stream:
-        seen.append(ev)
-        if ev.type == "response.function_call_arguments.delta":
-            break  # the connection drops inside the call's arguments
-    stream.close()
+    seen = drop_inside_the_call(client.responses.create(model="tiny", input=QUESTION, background=True, stream=True,
+                                                        **FORCED_CALL))
     rid, last = seen[0].response.id, seen[-1].sequence_number
     rest = list(client.responses.retrieve(rid, stream=True, starting_after=last))
     replay = list(client.responses.retrieve(rid, stream=True))

@@ -24,13 +24,11 @@ from typing import Any
 import openai
 import pytest
 
+from tests.e2e.helpers import TERMINAL, until_terminal
 from tests.e2e.responses_stub import StubServer
 from tests.procs import ROOT, free_port
 
 NODE_DIR = ROOT / "tests" / "node"
-TERMINAL = {"response.completed", "response.incomplete", "response.failed", "error"}
-
-
 def client_for(url: str, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key, max_retries=0, timeout=60)
 
@@ -111,16 +109,6 @@ def scenario_ws(url: str) -> dict[str, Any]:
     client = client_for(url)
     model = model_of(client)
     out: dict[str, Any] = {}
-
-    def until_terminal(conn: Any, lanes: int = 1) -> list[Any]:
-        events, done = [], 0
-        for ev in conn:
-            events.append(ev)
-            if ev.type in TERMINAL:
-                done += 1
-                if done == lanes:
-                    return events
-        raise AssertionError("socket closed before the terminal event")
 
     with client.responses.connect() as conn:
         conn.response.create(model=model, input="My name is Ada.", max_output_tokens=8)

@@ -28,7 +28,7 @@ import httpx2
 import openai
 import pytest
 
-from tests.e2e.helpers import wait_until
+from tests.e2e.helpers import drop_inside_the_call, until_terminal, wait_until
 from tests.e2e.test_broker import RedisServer
 from tests.procs import Proc, free_port, run_node, start_engine, start_gateway
 from tests.system import require
@@ -61,7 +61,6 @@ SCRIPT = [
 WEATHER: Any = {"type": "function", "name": "get_weather", "description": "Current weather of a city",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 TURN: dict[str, Any] = {"model": "tiny", "tools": [WEATHER], "max_output_tokens": 200}
-TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
 
 
 def tool_output(call_id: str) -> dict[str, Any]:
@@ -189,15 +188,6 @@ def check_answer(response: Any, previous_id: str | None) -> None:
     assert [o.type for o in response.output] == ["reasoning", "message"]
 
 
-def until_terminal(conn: Any) -> list[Any]:
-    events = []
-    for ev in conn:
-        events.append(ev)
-        if ev.type in TERMINAL:
-            return events
-    raise AssertionError("socket closed before the terminal event")
-
-
 # -- the tool loop on the other replica / worker -------------------------------------------------------------
 
 
@@ -257,13 +247,7 @@ def test_a_function_call_made_on_one_gateway_is_answered_on_the_other(pair: Any)
 
 def test_a_background_tool_call_resumes_on_the_other_gateway_with_every_event_once(pair: Any) -> None:
     a, b, _ = pair
-    stream = a.responses.create(input=QUESTION, background=True, stream=True, **TURN)
-    seen: list[Any] = []
-    for ev in stream:
-        seen.append(ev)
-        if ev.type == "response.function_call_arguments.delta":
-            break  # the connection drops inside the call's arguments
-    stream.close()
+    seen = drop_inside_the_call(a.responses.create(input=QUESTION, background=True, stream=True, **TURN))
     rid, last = seen[0].response.id, seen[-1].sequence_number
     rest = list(b.responses.retrieve(rid, stream=True, starting_after=last))
     got = seen + rest

@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 
+from gateway.scaleout.workers import worker_socket
+from tests.e2e.helpers import wait_until
 from tests.procs import Proc, free_port, spawn, start_engine
 
 REQUESTS = 24
@@ -69,7 +72,8 @@ def test_a_worker_takes_no_connections_on_the_shared_port_until_its_engine_link_
                   "127.0.0.1", "--port", str(port), "--log-level", "warning"], "gateway-workers-late-engine")
     engine = None
     try:
-        time.sleep(4.0)  # both workers started long ago (a gateway without an engine waits 2 s at most)
+        for k in (0, 1):  # a worker serves its private socket at once, the shared port only with its engine
+            wait_until(partial(answers, worker_socket(port, k)), timeout=60, what=f"worker {k}'s private socket")
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/health")  # nobody listens: a load balancer sees the port closed, not a 503
         engine = start_engine(address, "--engine", "synthetic", name="engine-late")
@@ -79,6 +83,16 @@ def test_a_worker_takes_no_connections_on_the_shared_port_until_its_engine_link_
         proc.stop()
         if engine is not None:
             engine.stop()
+
+
+def answers(path: Path) -> bool:
+    """Whether a worker's private Unix socket answers HTTP (whatever the status: it runs)."""
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path))) as c:
+            c.get("http://worker/health", timeout=2)
+            return True
+    except httpx.HTTPError:
+        return False
 
 
 def test_after_the_engine_restarts_health_is_200_only_when_both_workers_can_serve() -> None:

@@ -250,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         from tokenfan_bench.cpu import main as cpu_main
 
         return cpu_main(argv[1:])
+    if argv[:1] == ["pass"]:  # the Python cost of the gateway's one pass per engine step, in-process
+        from tokenfan_bench.pass_cost import main as pass_main
+
+        return pass_main(argv[1:])
     if argv[:1] == ["net"]:  # the /ab page through every network profile, for a person
         from tokenfan_bench.net_cmd import main as net_main
 

@@ -37,10 +37,10 @@ test-deps:
 browser: test-deps
 
 # CI (.ci/run) runs exactly `make test`: the lint first, so a finding fails the build before the suite runs.
-# Two pytest-xdist workers: most e2e time is spent waiting on real processes and sockets, so two workers fit
-# on 2 cores; every test that needs a vLLM process runs on one of them (tests/conftest.py groups them).
+# One process: two pytest-xdist workers (PYTEST_ARGS="-n 2 --dist loadgroup --no-loadscope-reorder", see
+# docs/tests.md) take 8.5 min instead of 13, but on 2 cores the contention fails timing-sensitive tests.
 test: setup test-deps lint
-	$(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # ruff and mypy at the versions pinned in the `dev` extra (installed by setup); fails on any finding.
 lint: setup

@@ -98,7 +98,7 @@ def needs_vllm(item: pytest.Item) -> bool:
     return any(name in VLLM_STARTS for name in getattr(item, "fixturenames", ()))
 
 
-# Under pytest-xdist (`make test`: -n 2 --dist loadgroup) every test that needs a vLLM process runs on one
+# Under pytest-xdist (opt-in, docs/tests.md: -n 2 --dist loadgroup) every test that needs a vLLM process runs on one
 # worker, so a run still boots each vLLM process once, and the other tests go module by module (a module's
 # fixtures start once). Only a worker collects, so each worker writes its tests' groups to a file the
 # controller's scheduler reads. (xdist's own loadgroup renames nodeids, which pytest 9.2 no longer allows.)

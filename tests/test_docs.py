@@ -16,7 +16,7 @@ from pathlib import Path
 from engine_worker import settings
 from gateway import cli
 from tests.procs import ROOT
-from tokenfan_bench import clientcost
+from tokenfan_bench import clientcost, matrix
 
 README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").glob("*.md"))
@@ -96,7 +96,8 @@ def accepted_flags() -> frozenset[str]:
     assert spec and spec.loader
     asgi_servers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(asgi_servers)
-    parsers = [*cli.parsers().values(), settings.parser(), clientcost.parser(), asgi_servers.parser()]
+    parsers = [*cli.parsers().values(), settings.parser(), clientcost.parser(), matrix.parser(),
+               asgi_servers.parser()]
     return frozenset().union(*map(flags_of, parsers))
 
 

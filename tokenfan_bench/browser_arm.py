@@ -16,7 +16,9 @@ named ``browser-es``, ``browser-fetch``, ``browser-ws``.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,24 +90,25 @@ def samples(records: list[dict[str, Any]], arm: int, transport: str, offset_ms: 
 
 def run_browser(url: str, arms: tuple[str, ...], *, streams: int, rounds: int, max_tokens: int,
                 metrics_url: str | None = None, timeout_s: float = 60.0, ramp: float = 0.5, n_boot: int = 1000,
-                seed: int = 0) -> dict[str, Any]:
+                seed: int = 0, ws_origins: tuple[str, ...] = (), browser: Any = None) -> dict[str, Any]:
     """One browser run against the gateway (or proxy) at ``url``: a bench result dictionary, plus the
-    clock offset, its uncertainty and whether every arm's text was identical per stream."""
-    from playwright.sync_api import sync_playwright
-
+    clock offset, its uncertainty and whether every arm's text was identical per stream. ``ws_origins``:
+    stream slot ``i`` opens its WebSockets to ``ws_origins[i]`` (the gateway must allow those origins).
+    ``browser``: a Chromium from :func:`chromium` to run in (a fresh context); default: launch one."""
     bad = [a for a in arms if a not in BROWSER_ARMS]
     if bad or len(arms) < 2:
         raise ValueError(f"browser arms: 2 or more of {', '.join(BROWSER_ARMS)}; got {arms}")
     metrics_url = metrics_url or url
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+    with contextlib.ExitStack() as stack:
+        if browser is None:
+            browser = stack.enter_context(chromium())
+        context = browser.new_context(ignore_https_errors=True)
         try:
-            context = browser.new_context(ignore_https_errors=True)
             page = context.new_page()
             page.goto(url.rstrip("/") + "/ab", wait_until="load")
             offset_ms, uncertainty_ms = clock_offset_ms(page)
             cfg = {"arms": list(arms), "streams": streams, "rounds": rounds, "maxTokens": max_tokens,
-                   "timeoutMs": int(timeout_s * 1000), "ramp": ramp}
+                   "timeoutMs": int(timeout_s * 1000), "ramp": ramp, "wsOrigins": list(ws_origins)}
             pid = _browser_pid(browser)
             cpu0_server, _ = scrape(metrics_url)
             cpu0, t0 = _tree_cpu(pid), time.time()
@@ -113,7 +116,7 @@ def run_browser(url: str, arms: tuple[str, ...], *, streams: int, rounds: int, m
             cpu1, wall = _tree_cpu(pid), time.time() - t0
             cpu1_server, _ = scrape(metrics_url)
         finally:
-            browser.close()
+            context.close()
     transports = tuple(f"browser-{a}" for a in arms)
     plan = Plan(url=url, transports=transports, streams=streams, max_tokens=max_tokens, duration=None,
                 separate=False, client="browser")
@@ -131,6 +134,19 @@ def run_browser(url: str, arms: tuple[str, ...], *, streams: int, rounds: int, m
                          "chromium": str(CHROMIUM), "rounds": rounds}
     result["_run"] = run
     return result
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator[Any]:
+    """Headless Debian Chromium under Playwright, closed on exit (one launch for many runs)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()
 
 
 def _browser_pid(browser: Any) -> int:

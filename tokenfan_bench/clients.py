@@ -33,6 +33,9 @@ TRANSPORTS = ("sse", "ws", "sse-h2", "ws-h2", *RESPONSES_TRANSPORTS)  # resp-*: 
 CLIENTS = ("fast", "python")
 
 
+WARMUP_SLOTS = 64  # warm-up streams at most (see Worker._warmup)
+
+
 def arm_names(n: int) -> tuple[str, ...]:
     """``A``, ``B``, ``C``… for ``n`` arms."""
     return tuple(string.ascii_uppercase[:n])
@@ -46,7 +49,7 @@ class Plan:
     transports: tuple[str, ...]  # one per arm: A, B, (C…)
     streams: int  # concurrency slots in the whole run
     max_tokens: int
-    duration: float | None  # None: each slot runs one stream
+    duration: float | None  # None: each slot runs ``rounds`` streams, one after another
     separate: bool  # one stream per arm instead of one stream watched by every arm
     endpoint: str = "chat.completions"
     ramp: float = 1.0
@@ -62,6 +65,7 @@ class Plan:
     # Per arm, the base URL its subscriptions go to (a shaping-proxy route, nginx…); empty: ``url``.
     arm_urls: tuple[str, ...] = ()
     metrics_url: str = ""  # where the server's /metrics is scraped (default ``url``)
+    rounds: int = 1  # streams per slot, one after another, when ``duration`` is None
 
     @property
     def arms(self) -> tuple[str, ...]:
@@ -136,6 +140,7 @@ class Worker:
         self.rng = random.Random(plan.seed * 7919 + plan.worker)
         self.recs: dict[str, list[Recorder]] = {arm: [] for arm in plan.arms}
         self._ids = itertools.count()
+        self._last_order: list[str] | None = None  # see _order
         self.backend: Backend | None = None
         self.responses: dict[str, ResponsesClient] = {}  # the resp-sse / resp-ws arms, by base URL
         self._errors: tuple[type[Exception], ...] = (TimeoutError,)
@@ -178,10 +183,27 @@ class Worker:
                 rec.fail(err)
         if info is None:
             return
-        order = list(arms)
-        self.rng.shuffle(order)  # no arm systematically connects (and is registered) first
+        order = self._order(arms)
         infos = {arm: rebase(info, self.plan.arm_url(arm)) if self.plan.arm_urls else info for arm in arms}
         await asyncio.gather(*(self._subscribe(transports[arm], infos[arm], recs[arm]) for arm in order))
+
+    def _order(self, arms: tuple[str, ...]) -> list[str]:
+        """The order in which ``arms`` subscribe to the next stream: a random permutation, then its
+        reverse for the stream after, and so on.
+
+        The gateway registers a stream's subscribers in arrival order and writes every event to them in
+        that order (rotated by ``seq`` within a transport: with three SSE subscribers the rotation has
+        period 3, which the even/odd pairing of :func:`tokenfan_bench.stats.order_balanced_differences`
+        does not cancel). A random order per stream only balances who is written first on average; over
+        ten streams one order can dominate and an A/A pair then reads a few tens of µs apart. Reversing
+        every other permutation puts each pair of arms in each order equally often, exactly."""
+        if self._last_order is not None and sorted(self._last_order) == sorted(arms):
+            order, self._last_order = self._last_order[::-1], None
+            return order
+        order = list(arms)
+        self.rng.shuffle(order)
+        self._last_order = order
+        return list(order)
 
     async def _respond(self, arm: str, transport: str) -> None:
         """An arm's own response (``resp-sse``/``resp-ws``, :mod:`.responses_arms`); for a plain
@@ -200,6 +222,7 @@ class Worker:
 
     async def _slot(self, end: float | None) -> None:
         await _sleep_until(self.plan.start_at + self.plan.ramp * self.rng.random())
+        rounds = self.plan.rounds
         while True:
             if self.plan.separate:
                 await asyncio.gather(*(self._watch((arm,)) for arm in self.plan.arms))
@@ -208,16 +231,19 @@ class Worker:
             if self.progress is not None:
                 with self.progress.get_lock():
                     self.progress.value += 1
-            if end is None or time.time() >= end:
+            rounds -= 1
+            if (end is None and rounds <= 0) or (end is not None and time.time() >= end):
                 return
 
     async def _warmup(self, slots: int) -> None:
-        """A few short streams first, so connection pools and the server's first-request paths are
-        warm; their samples are dropped."""
+        """Short streams first, one per slot (up to :data:`WARMUP_SLOTS`), so connection pools hold a
+        connection per slot and the server's first-request paths are warm: otherwise only the first few
+        slots reuse a connection and the others pay a handshake (one RTT more over TLS) in their TTFT.
+        Their samples are dropped."""
         real = self.plan
         self.plan = replace(real, max_tokens=min(real.max_tokens, 4))
         try:
-            await asyncio.gather(*(self._watch(real.arms) for _ in range(min(4, slots))))
+            await asyncio.gather(*(self._watch(real.arms) for _ in range(min(WARMUP_SLOTS, slots))))
         finally:
             self.plan = real
             self.recs = {arm: [] for arm in real.arms}

@@ -11,10 +11,15 @@ difference is the path's and the transport's):
   arm (:mod:`tokenfan_bench.browser_arm`: ``es, es, fetch, ws`` plus its calibration ``es, ws``);
 - per ``--via-profiles`` profile, against a plain gateway: ``sse`` and ``ws`` each straight, through
   nginx with the shipped config and through the buffering variant (:mod:`tokenfan_bench.via`), all six
-  on the same streams, so "what nginx costs" is a paired difference with an interval;
-- on the first profile, CPU: one single-transport run per transport, ``--cpu-repeats`` times (server
-  CPU per delivered token from ``/metrics``, client CPU per received event), and bytes on the wire per
-  token from the proxy's per-arm counters (with a deflate estimate on the plaintext routes).
+  on the same streams, so "what nginx costs" is a paired difference with an interval, and "no damage"
+  an equivalence test (:func:`equivalent`) against ``--equivalence-ms``;
+- per profile, CPU: one single-transport run per transport, ``--cpu-repeats`` times (server CPU per
+  delivered token from ``/metrics``, client CPU per received event), and bytes on the wire per token
+  from the proxy's per-arm counters (with a deflate estimate on the plaintext routes).
+
+Every run has at least ``--min-streams`` (:data:`tokenfan_bench.stats.MIN_CLUSTERS`) streams (each slot
+runs enough rounds), so its interval comes from the stream-cluster bootstrap: with ten streams the token bootstrap
+took ~175 token pairs as independent, and a 3g A/A read -0.027 ms [-0.043, -0.011].
 
 Differences come with 95% bootstrap intervals over streams: delivery latency as ``tokenfan bench``
 (paired per token), TTFT paired per stream, p99 inter-token gap as a difference of pooled p99s. A
@@ -30,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,11 +172,51 @@ def verdict(diff: dict[str, Any], a: str, b: str) -> str:
     return "no difference resolved"
 
 
-def recovered(diff: dict[str, Any], inject_ms: float, slack_ms: float) -> bool:
-    """The calibration is recovered when its interval meets [inject, inject + slack] (asyncio's sleep
-    runs a little long, more on a busy machine) and excludes 0."""
+# How far a calibration's interval may miss the expected delay and still count as recovered: the
+# resolution of the slower instrument, Chromium's performance.now() (100 µs in a page that is not
+# cross-origin isolated); the shaping proxy's timers are finer (tens of µs).
+RESOLUTION_MS = 0.1
+
+
+def recovered(diff: dict[str, Any], expected_ms: float, resolution_ms: float = RESOLUTION_MS) -> bool:
+    """The calibration is recovered when its 95% interval excludes 0 and comes within ``resolution_ms``
+    of ``expected_ms``, the delay the gateway really injects (:func:`injected_sleep_ms`)."""
     lo, hi = diff["ci95"]
-    return bool(lo > 0 and lo <= inject_ms + slack_ms and hi >= inject_ms)
+    if lo is None or hi is None or not (np.isfinite(lo) and np.isfinite(hi)):
+        return False
+    return bool(lo > 0 and lo - resolution_ms <= expected_ms <= hi + resolution_ms)
+
+
+def equivalent(diff: dict[str, Any], margin_ms: float) -> bool:
+    """Two one-sided tests: the difference is within ``±margin_ms`` when its 95% interval lies inside
+    (each one-sided test at 2.5%, more conservative than TOST's usual 90% interval)."""
+    lo, hi = diff["ci95"]
+    if diff.get("median") is None or lo is None or hi is None or not (np.isfinite(lo) and np.isfinite(hi)):
+        return False
+    return bool(-margin_ms <= lo and hi <= margin_ms)
+
+
+def injected_sleep_ms(inject_ms: float, n: int = 200, seed: int = 0) -> float:
+    """The delay ``--inject-delay`` really adds: the median duration of ``asyncio.sleep(inject_ms)`` on
+    uvloop (the gateway's loop), each started at a random phase of the loop's millisecond timer."""
+    import asyncio
+    import random
+
+    import uvloop
+
+    rng = random.Random(seed)
+
+    async def measure() -> float:
+        took = []
+        for _ in range(n):
+            await asyncio.sleep(rng.random() * 0.003)
+            t0 = time.perf_counter()
+            await asyncio.sleep(inject_ms / 1e3)
+            took.append(time.perf_counter() - t0)
+        return float(np.median(took)) * 1e3
+
+    with ThreadPoolExecutor(1) as pool:  # a thread of its own: Playwright's loop runs in this one
+        return pool.submit(lambda: uvloop.run(measure())).result()
 
 
 def difference_in_differences(cal: tuple[ArmSamples, ArmSamples], placebo: tuple[ArmSamples, ArmSamples], *,
@@ -211,7 +257,9 @@ class Settings:
     rate: float
     ttft_ms: float
     inject_ms: float
-    slack_ms: float
+    equivalence_ms: float
+    min_streams: int
+    ramp: float
     h2_k: int
     browser: bool
     browser_streams: int
@@ -228,17 +276,19 @@ class Matrix:
         self.logs = s.data / "logs"
         self.rows: list[dict[str, Any]] = []
         self.runs: dict[str, Run] = {}
+        self.chromium: Any = None  # one Chromium for every browser run (see run)
 
     def measure(self, paths: Paths | None, gateway: str, arms: tuple[str, ...], streams: int, tag: str,
-                h2_k: int = 1) -> dict[str, Any]:
+                h2_k: int = 1, rounds: int | None = None) -> dict[str, Any]:
+        """One socket run; ``rounds`` streams per slot (default: enough for ``min_streams`` streams)."""
         from tokenfan_bench.paths import split_arm
 
         transports = tuple(split_arm(a)[0] for a in arms)
         separate = any(t.startswith("resp-") for t in transports)
         plan = Plan(url=paths.post_url if paths else gateway, transports=transports, streams=streams,
-                    max_tokens=self.s.max_tokens, duration=None, separate=separate, ramp=1.0, seed=self.s.seed,
+                    max_tokens=self.s.max_tokens, duration=None, separate=separate, ramp=self.s.ramp, seed=self.s.seed,
                     timeout=120.0, h2_streams_per_connection=h2_k, arm_urls=paths.arm_urls if paths else (),
-                    metrics_url=gateway)
+                    metrics_url=gateway, rounds=rounds or -(-self.s.min_streams // streams))
         workers = 1
         run = run_clients(plan, workers, tag, False, paths.start_counting if paths else None,
                           paths.stop_counting if paths else None)
@@ -280,19 +330,22 @@ class Matrix:
                                                        seed=self.s.seed),
                       "gap_p50_ms": _median_gap(run.arms[k]), "straight_gap_p50_ms": _median_gap(ref)}
             out[k]["buffers"] = bool(out[k]["gap_p50_ms"] < out[k]["straight_gap_p50_ms"] / 4)
+            out[k]["no_damage"] = (not out[k]["buffers"]
+                                   and equivalent(out[k]["delivery_ms"], self.s.equivalence_ms))
         return out
 
-    def browser(self, url: str, gateway: str, arms: tuple[str, ...], tag: str) -> dict[str, Any]:
-        """A browser run. The calibration pair runs one stream at a time: Chromium opens one WebSocket at a
-        time per host (RFC 6455 4.1), so with several streams on a slow path the later sockets open after
-        their stream has ended and no token is live."""
+    def browser(self, p: Paths, gateway: str, arms: tuple[str, ...], tag: str) -> dict[str, Any]:
+        """A browser run: the page from the first route of ``p``, each stream slot's WebSockets to a route
+        of its own (:func:`_browser_routes`). The calibration pair runs more rounds (its difference-in-
+        differences wants ``min_streams`` streams)."""
         from tokenfan_bench.browser_arm import run_browser
 
-        one = arms == BROWSER_CAL
-        result = run_browser(url, arms, streams=1 if one else self.s.browser_streams,
-                             rounds=self.s.browser_rounds + 2 if one else self.s.browser_rounds,
-                             max_tokens=self.s.max_tokens, metrics_url=gateway, n_boot=self.s.n_boot,
-                             seed=self.s.seed)
+        streams = self.s.browser_streams
+        rounds = self.s.browser_rounds if arms != BROWSER_CAL else max(self.s.browser_rounds,
+                                                                        -(-self.s.min_streams // streams))
+        result = run_browser(p.arm_urls[0], arms, streams=streams, rounds=rounds, ws_origins=p.arm_urls[1:],
+                             max_tokens=self.s.max_tokens, metrics_url=gateway, ramp=self.s.ramp / 2,
+                             n_boot=self.s.n_boot, seed=self.s.seed, browser=self.chromium)
         run = result.pop("_run")
         self._extras(run, result)
         self.runs[tag] = run
@@ -306,9 +359,13 @@ class Matrix:
                                "profiles": {}, "via": {}, "cpu": {}}
         out["settings"]["profiles"] = [p.name for p in s.profiles]
         out["settings"]["via_profiles"] = [p.name for p in s.via_profiles]
-        with gateways(s, self.logs) as (tls, cal, placebo, plain):
-            for i, profile in enumerate(s.profiles):
-                out["profiles"][profile.name] = self.profile(profile, tls, cal, placebo, cpu=i == 0, out=out)
+        with gateways(s, self.logs) as (tls, cal, placebo, plain), contextlib.ExitStack() as stack:
+            if s.browser:
+                from tokenfan_bench.browser_arm import chromium
+
+                self.chromium = stack.enter_context(chromium())
+            for profile in s.profiles:
+                out["profiles"][profile.name] = self.profile(profile, tls, cal, placebo, out=out)
             for profile in s.via_profiles:
                 with open_paths(plain, tuple(_via(a) for a in VIA), profile, self.logs, s.seed) as p:
                     r = self.measure(p, plain, VIA, s.levels[0], f"{profile.name} via")
@@ -316,8 +373,7 @@ class Matrix:
                                                 "vs_straight": self.vs_straight(self.runs[f"{profile.name} via"])}
         return out
 
-    def profile(self, profile: Profile, tls: str, cal: str, placebo: str, *, cpu: bool,
-                out: dict[str, Any]) -> dict[str, Any]:
+    def profile(self, profile: Profile, tls: str, cal: str, placebo: str, *, out: dict[str, Any]) -> dict[str, Any]:
         s = self.s
         res: dict[str, Any] = {"levels": {}}
         with open_paths(tls, ("direct",) * len(FANOUT), profile, self.logs, s.seed) as p:
@@ -327,31 +383,38 @@ class Matrix:
                                                      h2_k=min(s.h2_k, n))
         with open_paths(tls, ("direct",) * len(RESPONSES), profile, self.logs, s.seed, probe=False) as p:
             res["responses"] = self.measure(p, tls, RESPONSES, s.levels[0], f"{profile.name} responses")
+        res["injected_ms"] = injected_sleep_ms(s.inject_ms, seed=s.seed)
         with open_paths(cal, ("direct",) * 2, profile, self.logs, s.seed, probe=False) as p:
             res["calibration"] = self.measure(p, cal, CALIBRATION, s.levels[0], f"{profile.name} calibration")
-            if s.browser:
-                res["browser_calibration"] = self.browser(p.arm_urls[0], cal, BROWSER_CAL,
-                                                          f"{profile.name} browser calibration")
         if s.browser:
-            with open_paths(placebo, ("direct",), profile, self.logs, s.seed, probe=False) as p:
-                res["browser_placebo"] = self.browser(p.arm_urls[0], placebo, BROWSER_CAL,
-                                                      f"{profile.name} browser placebo")
+            with open_paths(cal, _browser_routes(s), profile, self.logs, s.seed, probe=False) as p:
+                res["browser_calibration"] = self.browser(p, cal, BROWSER_CAL, f"{profile.name} browser calibration")
+            with open_paths(placebo, _browser_routes(s), profile, self.logs, s.seed, probe=False) as p:
+                res["browser_placebo"] = self.browser(p, placebo, BROWSER_CAL, f"{profile.name} browser placebo")
             c, z = self.runs[f"{profile.name} browser calibration"], self.runs[f"{profile.name} browser placebo"]
             res["browser_calibration"]["did_ms"] = difference_in_differences(
                 (c.arms["A"], c.arms["B"]), (z.arms["A"], z.arms["B"]), n_boot=s.n_boot, seed=s.seed)
         if s.browser:
-            with open_paths(tls, ("direct",), profile, self.logs, s.seed, probe=False) as p:
-                res["browser"] = self.browser(p.arm_urls[0], tls, BROWSER, f"{profile.name} browser")
-        if cpu:
-            with open_paths(tls, ("direct",) * 2, profile, self.logs, s.seed, probe=False) as p:
-                out["cpu"] = {"profile": profile.name, "runs": {
-                    t: [self.measure(p, tls, (t, t), s.levels[0], f"{profile.name} cpu {t} #{r}")
-                        for r in range(s.cpu_repeats)] for t in CPU_TRANSPORTS}}
+            with open_paths(tls, _browser_routes(s), profile, self.logs, s.seed, probe=False) as p:
+                res["browser"] = self.browser(p, tls, BROWSER, f"{profile.name} browser")
+        with open_paths(tls, ("direct",) * 2, profile, self.logs, s.seed, probe=False) as p:
+            out["cpu"][profile.name] = {"runs": {
+                t: [self.measure(p, tls, (t, t), s.levels[0], f"{profile.name} cpu {t} #{r}", rounds=1)
+                    for r in range(s.cpu_repeats)] for t in CPU_TRANSPORTS}}
         return res
 
 
 def _via(arm: str) -> str:
     return arm.partition("@")[2] or "direct"
+
+
+def _browser_routes(s: Settings) -> tuple[str, ...]:
+    """The page's route, then one route (its own port) per stream slot for the slot's WebSockets.
+
+    Chromium lets one WebSocket per IP address and port be in its opening handshake at a time (RFC 6455
+    4.1); with every slot on one port, a 3g run opened its sockets 2.7-4.5 s after their streams' POST,
+    after the streams had ended. One port per slot is what a page talking to as many hosts would get."""
+    return ("direct",) * (1 + s.browser_streams)
 
 
 @contextlib.contextmanager
@@ -362,13 +425,18 @@ def gateways(s: Settings, logs: Path) -> Iterator[tuple[str, str, str, str]]:
 
     with tempfile.TemporaryDirectory(prefix="tokenfan-report-") as tmp, contextlib.ExitStack() as stack:
         cert, key = generate(Path(tmp) / "tls")
-        tls_args = [f"--ssl-certfile={cert}", f"--ssl-keyfile={key}"]
-        tls = stack.enter_context(procs.spawn_synthetic(s.rate, s.ttft_ms, logs, tls_args))
-        cal = stack.enter_context(procs.spawn_synthetic(s.rate, s.ttft_ms, logs,
-                                                        [*tls_args, f"--inject-delay=ws:{s.inject_ms:g}"]))
-        placebo = stack.enter_context(procs.spawn_synthetic(s.rate, s.ttft_ms, logs,
-                                                            [*tls_args, "--inject-delay=ws:0"]))
-        plain = stack.enter_context(procs.spawn_synthetic(s.rate, s.ttft_ms, logs))
+        # The browser arm's WebSockets go to other ports of the shaping proxy than its page: other origins.
+        tls_args = [f"--ssl-certfile={cert}", f"--ssl-keyfile={key}", "--allowed-origins=*"]
+        args = [tls_args, [*tls_args, f"--inject-delay=ws:{s.inject_ms:g}"], [*tls_args, "--inject-delay=ws:0"], []]
+        with ThreadPoolExecutor(len(args)) as pool:  # started together: each waits seconds for its imports
+            futures = [pool.submit(procs.spawn_synthetic, s.rate, s.ttft_ms, logs, a) for a in args]
+        failed = [e for e in (f.exception() for f in futures) if e is not None]
+        for f in futures:
+            if f.exception() is None:
+                stack.enter_context(f.result())
+        if failed:
+            raise failed[0]
+        tls, cal, placebo, plain = (f.result() for f in futures)
         yield tls.url, cal.url, placebo.url, plain.url
 
 
@@ -393,13 +461,19 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rate", type=float, default=20.0, help="synthetic tokens/s per stream (default 20)")
     ap.add_argument("--ttft-ms", type=float, default=20.0, help="synthetic engine TTFT (default 20)")
     ap.add_argument("--inject-ms", type=float, default=2.0, help="calibration delay on WebSocket writes (default 2)")
-    ap.add_argument("--slack-ms", type=float, default=1.0,
-                    help="how much longer than --inject-ms the calibration may read (asyncio's sleep overshoots)")
+    ap.add_argument("--equivalence-ms", type=float, default=16.7,
+                    help="the margin within which a proxied path does no damage (default 16.7: one 60 Hz frame)")
+    ap.add_argument("--min-streams", type=int, default=MIN_CLUSTERS,
+                    help=f"streams per run at least, slots running several in turn (default {MIN_CLUSTERS}: the "
+                    "stream-cluster bootstrap's minimum)")
     ap.add_argument("--h2-streams-per-connection", type=int, default=8, dest="h2_k", metavar="K")
+    ap.add_argument("--ramp", type=float, default=1.0,
+                    help="seconds over which a run's slots start (default 1; the browser's: half of it)")
     ap.add_argument("--no-browser", action="store_true", help="skip the Chromium arm")
     ap.add_argument("--browser-streams", type=int, default=4)
     ap.add_argument("--browser-rounds", type=int, default=3)
-    ap.add_argument("--cpu-repeats", type=int, default=3)
+    ap.add_argument("--cpu-repeats", type=int, default=2, help="single-transport CPU runs per transport and "
+                    "profile (default 2)")
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("docs/ab-report.md"), help="the markdown report")
@@ -421,7 +495,7 @@ def main(argv: list[str]) -> int:
     data.mkdir(parents=True, exist_ok=True)
     s = Settings(profiles=_profiles(ns.profiles), via_profiles=_profiles(ns.via_profiles) if ns.via_profiles else [],
                  levels=[int(x) for x in ns.levels.split(",")], max_tokens=ns.max_tokens, rate=ns.rate,
-                 ttft_ms=ns.ttft_ms, inject_ms=ns.inject_ms, slack_ms=ns.slack_ms, h2_k=ns.h2_k,
+                 ttft_ms=ns.ttft_ms, inject_ms=ns.inject_ms, equivalence_ms=ns.equivalence_ms, min_streams=ns.min_streams, ramp=ns.ramp, h2_k=ns.h2_k,
                  browser=not ns.no_browser, browser_streams=ns.browser_streams, browser_rounds=ns.browser_rounds,
                  cpu_repeats=ns.cpu_repeats, n_boot=ns.bootstrap, seed=ns.seed, data=data)
     t0 = time.monotonic()

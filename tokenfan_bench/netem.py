@@ -23,7 +23,16 @@ The model, per direction of one connection (:class:`Link`, pure, clock passed in
   recovery are not modelled (a stall stands in for the latter).
 
 The proxy stops reading from a side whose queued bytes pass :data:`WINDOW` (a bounded path buffer), so
-a slow link back-pressures the sender as TCP would. Run as ``python -m tokenfan_bench.netem``
+a slow link back-pressures the sender as TCP would.
+
+Timer precision: the proxy runs on asyncio's selector loop over ``select(2)`` (:func:`precise_loop`),
+whose timeout and clock are sub-millisecond. uvloop (and asyncio's epoll loop) wait in whole
+milliseconds, and uvloop's clock is the millisecond of its last wake-up: every read was then delivered
+on a millisecond tick, so a difference of 2.1 ms between two arms read as 2 or 3 ms depending on the
+phase of the token clock against the tick, a phase that stays put for a whole run (measured: the
+browser calibration read +3.2 ms in two profiles of one report and +2.0-2.4 ms in the others, the
+probe's 1 ms RTT read 1.9 ms). ``select`` handles file descriptors below 1024 only, so a run is limited
+to about 500 proxied connections at once (:data:`MAX_FD`: beyond it new connections are refused). Run as ``python -m tokenfan_bench.netem``
 (:func:`main`), controlled over stdin/stdout by :class:`Shaper` in the bench process; it also serves a
 probe target so the bench measures the profile's real RTT and bandwidth through the same code
 (:func:`probe`).
@@ -38,6 +47,7 @@ import json
 import math
 import random
 import re
+import selectors
 import socket
 import struct
 import subprocess
@@ -50,7 +60,8 @@ from typing import Any, Self, cast
 
 SEGMENT = 4096  # bytes scheduled as one unit (a read is cut into these)
 WINDOW = 256 * 1024  # bytes queued per direction before the proxy stops reading that side
-EARLY_S = 0.0002  # deliver what is due this close to now in the same wake-up
+EARLY_S = 0.00005  # deliver what is due this close to now in the same wake-up
+MAX_FD = 1000  # select(2) takes descriptors below FD_SETSIZE (1024); keep a margin for the loop's own
 
 
 @dataclass(frozen=True)
@@ -292,7 +303,10 @@ class _Direction:
             elif data == _EOF:
                 self.done = True
                 if dst.can_write_eof() and not dst.is_closing():
-                    dst.write_eof()
+                    try:
+                        dst.write_eof()
+                    except OSError:  # the peer is already gone (asyncio raises where uvloop did not)
+                        dst.close()
             elif not dst.is_closing():
                 self.queued -= len(data)
                 dst.write(data)
@@ -369,6 +383,12 @@ class _ClientSide(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.fileno() >= MAX_FD:
+            print(f"netem: refusing a connection: descriptor {sock.fileno()} >= {MAX_FD} (select(2) limit; "
+                  "too many proxied connections at once)", file=sys.stderr, flush=True)
+            transport.abort()
+            return
         self.route.stats.connections += 1
         self.route.opened += 1
         _nodelay(transport)
@@ -395,7 +415,8 @@ class _ClientSide(asyncio.Protocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
-        assert self.pipe is not None
+        if self.pipe is None:  # refused (MAX_FD)
+            return
         self.pipe.from_client(_CLOSE)
         self.pipe.closed()
 
@@ -563,12 +584,17 @@ def main(argv: list[str] | None = None) -> None:
     ns = ap.parse_args(argv)
     ups = [(h, int(p)) for h, p in (u.rsplit(":", 1) for u in ns.upstream)]
     compress = [str(i) in ns.compress for i in range(len(ups))]
+    loop = precise_loop()
     try:
-        import uvloop
+        loop.run_until_complete(serve(parse_profile(ns.net), ups, ns.seed, compress))
+    finally:
+        loop.close()
 
-        uvloop.run(serve(parse_profile(ns.net), ups, ns.seed, compress))
-    except ImportError:
-        asyncio.run(serve(parse_profile(ns.net), ups, ns.seed, compress))
+
+def precise_loop() -> asyncio.AbstractEventLoop:
+    """An asyncio loop whose timers fire within tens of µs of their time (``select(2)`` takes a
+    microsecond timeout; see the module docstring for why not uvloop or epoll)."""
+    return asyncio.SelectorEventLoop(selectors.SelectSelector())
 
 
 class Shaper:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenfan_bench.matrix import contains_zero, recovered, verdict
+from tokenfan_bench.matrix import RESOLUTION_MS, contains_zero, recovered, verdict
 from tokenfan_bench.runner import Run
 from tokenfan_bench.stats import delivery_ns
 
@@ -63,9 +63,9 @@ def _cal_diff(r: dict[str, Any]) -> dict[str, Any]:
     return r.get("did_ms") or r["diffs_ms"]["B-A"]
 
 
-def _cal(r: dict[str, Any], inject: float, slack: float) -> str:
+def _cal(r: dict[str, Any], expected: float) -> str:
     d = _cal_diff(r)
-    return f"{_ci(d, 3)} {'✓ recovered' if recovered(d, inject, slack) else '✗ not recovered'}"
+    return f"{_ci(d, 3)} {'✓ recovered' if recovered(d, expected) else '✗ not recovered'}"
 
 
 def _verdicts(r: dict[str, Any], ref: str, others: dict[str, str]) -> dict[str, str]:
@@ -78,10 +78,21 @@ def _verdicts(r: dict[str, Any], ref: str, others: dict[str, str]) -> dict[str, 
     return {m: "; ".join(v) for m, v in out.items()}
 
 
-def cpu_rows(cpu: dict[str, Any]) -> tuple[list[str], dict[str, tuple[float, float, float]]]:
-    rows = [("| transport | server CPU µs per delivered token: mean (min–max of runs) | client CPU µs per received "
-            "event: mean (min–max) | down bytes per token (TLS) | up bytes per token |"),
-            "| --- | --- | --- | --- | --- |"]
+def cpu_rows(cpu: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, tuple[float, float, float]]]]:
+    """The CPU and bytes table (a row per profile and transport) and, per profile, each transport's
+    server CPU per token as (mean, min, max) over the repeated runs."""
+    rows = [("| profile | transport | server CPU µs per delivered token: mean (min–max of runs) | client CPU µs per "
+            "received event: mean (min–max) | down bytes per token (TLS) | up bytes per token |"),
+            "| --- | --- | --- | --- | --- | --- |"]
+    out: dict[str, dict[str, tuple[float, float, float]]] = {}
+    for profile, per in cpu.items():
+        prows, out[profile] = _cpu_profile(per)
+        rows += [f"| {profile} {r}" for r in prows]
+    return rows, out
+
+
+def _cpu_profile(cpu: dict[str, Any]) -> tuple[list[str], dict[str, tuple[float, float, float]]]:
+    rows: list[str] = []
     server: dict[str, tuple[float, float, float]] = {}
     for t, runs in cpu.get("runs", {}).items():
         sv = [x["server"].get("cpu_us_per_token") for x in runs]
@@ -115,7 +126,7 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
     s = results["settings"]
     m = results["meta"]
     rel = os.path.relpath(plots, out.parent)
-    inject, slack = float(s["inject_ms"]), float(s["slack_ms"])
+    inject, margin = float(s["inject_ms"]), float(s["equivalence_ms"])
     level0 = str(s["levels"].strip("[]").split(",")[0]).strip()
     lines = [
         "# SSE or WebSocket under real conditions: the A/B report", "",
@@ -129,28 +140,48 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
         "every arm, so every difference is the path's and the transport's."),
         ("- Every arm goes through the same userspace shaping proxy (`tokenfan_bench/netem.py`: per-connection "
         "bandwidth and stalls, a one-RTT handshake, a path jitter shared by the run), one route per arm so "
-        "bytes are counted per arm. TCP slow start and loss recovery are not modelled."),
+        "bytes are counted per arm. TCP slow start and loss recovery are not modelled. The proxy's timers "
+        "fire within tens of µs (`select(2)`; on uvloop they fired on millisecond ticks, which turned a 2.1 ms "
+        "difference into 2 or 3 ms depending on a phase that held for a whole run)."),
         ("- Fan-out arms (one stream, every arm subscribed; paired per token): A `sse` (HTTP/1.1 over TLS), "
         f"B `sse` again (the A/A), C `ws` (wss), D `sse-h2` ({s['h2_k']} subscribers per HTTP/2 connection, as "
         "a page shares one). The gateway is TLS (Granian, h2 by ALPN). Responses API: A `resp-sse`, B "
-        "`resp-sse` (A/A), C `resp-ws`, one response each (unpaired)."),
+        "`resp-sse` (A/A), C `resp-ws`, one response each (unpaired). Every run has at least 20 streams (a slot "
+        "runs several in turn), so intervals come from the stream-cluster bootstrap. Who subscribes first "
+        "matters: the gateway writes an event to a stream's subscribers in their subscription order (rotated by "
+        "`seq`), so the arms subscribe in a random order and the next stream in the reverse of it: every pair "
+        "of arms is written first equally often. Each slot warms one connection per pool first, so no arm "
+        "pays a handshake the other does not."),
         (f"- Calibration: a second gateway started with `--inject-delay ws:{inject:g}` (every WebSocket write "
-        f"sleeps {inject:g} ms); `sse, ws` against it must read about +{inject:g} ms. *Recovered* = the 95% "
-        f"interval excludes 0 and meets [{inject:g}, {inject + slack:g}] ms (asyncio's sleep overshoots)."),
+        f"sleeps {inject:g} ms); `sse, ws` against it must read the delay the gateway really adds. That expected "
+        f"value is measured in each profile's run: the median duration of `asyncio.sleep({inject / 1e3:g})` on "
+        "uvloop, the gateway's loop, started at random phases of its millisecond timer (it sleeps a little "
+        f"longer than asked). *Recovered* = the 95% interval excludes 0 and comes within {RESOLUTION_MS:g} ms "
+        "of the expected value: the resolution of the coarser instrument, Chromium's `performance.now()`."),
         (f"- Browser arm: headless Chromium (`/usr/bin/chromium`, Playwright) on the gateway's `/ab` page through "
         f"the same proxy: A `EventSource`, B `EventSource` (A/A), C streamed `fetch`, D `WebSocket`, "
         f"{s['browser_streams']} concurrent streams × {s['browser_rounds']} rounds; receive times from "
         "`performance.timeOrigin + performance.now()`, aligned to the server clock over CDP (± reported). "
+        "Chromium lets one WebSocket per host and port be in its opening handshake at a time (RFC 6455 §4.1): "
+        "with every stream's socket on one port, a 3g run opened them one after another, 2.7–4.5 s after "
+        "their streams' POST, when the streams had ended. So each stream slot opens its WebSockets to a port "
+        "of its own on the proxy (same profile), as a page talking to that many hosts would; EventSource and "
+        "fetch share the page's HTTP/2 connection. A WebSocket still costs its own TCP + TLS + upgrade "
+        "handshake, which is the browser's WebSocket TTFT. "
         "Chromium's EventSource and WebSocket differ without any delay, so the browser's calibration is a "
         "difference-in-differences: `EventSource, WebSocket` on the delayed gateway minus the same on a placebo "
-        "gateway (`--inject-delay ws:0`: the same server path, no sleep), one stream at a time (Chromium opens "
-        "one WebSocket at a time per host, RFC 6455 §4.1: with several streams on a slow path the later sockets "
-        "open after their stream ended, which is also why the browser's WebSocket TTFT grows with the RTT and "
-        "the number of streams opened together)."),
+        "gateway (`--inject-delay ws:0`: the same server path, no sleep), each over at least 20 streams."),
         ("- Intervals: bootstrap 95% over streams. Δ delivery is paired per token (as `tokenfan bench`); "
         "Δ TTFT is paired per stream (unpaired for the Responses arms); Δ p99 gap is the difference of the "
         "pooled p99 inter-token gaps with streams resampled. An interval holding 0 reads *no difference "
         "resolved*. A stall is a gap > 5 × the stream's median gap and > 250 ms."),
+        (f"- A proxy does *no damage* when its tokens are not held back: an equivalence test (two one-sided "
+        f"tests) on Δ delivery against the straight path, the 95% interval inside ±{margin:g} ms. The margin is "
+        "one frame of a 60 Hz display: a token shown less than a frame later cannot be seen to be late. A proxy "
+        "hop on loopback costs tens of µs, which a paired test resolves but nobody sees."),
+        ("- CPU per token is measured in every profile: one single-transport run per transport, "
+        f"{s['cpu_repeats']} times (server CPU from the gateway's `/metrics`, client CPU of the bench's client "
+        "process); a transport wins when its range of runs lies below the other's."),
         "",
     ]
     # profiles
@@ -166,12 +197,13 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
     cpu_table, server_cpu = cpu_rows(results.get("cpu", {}))
     lines += ["## The answer per profile", "",
               (f"At {level0} concurrent streams. Each cell: the winner (lower is better) or *no difference resolved*; "
-              "the intervals are in the per-profile tables below. CPU is measured once (first profile; the bytes "
-              "each transport sends do not depend on the path) as the range of repeated single-transport runs."), "",
+              "the intervals are in the per-profile tables below. CPU: server µs per delivered token, the range "
+              "of repeated single-transport runs in that profile."), "",
               ("| profile | TTFT: ws vs sse · sse-h2 vs sse | p99 gap: ws vs sse · sse-h2 vs sse | delivery: ws vs sse | "
+              "server CPU: ws vs sse · sse-h2 vs sse · resp-ws vs resp-sse | "
               "Responses TTFT: resp-ws vs resp-sse | browser TTFT: WebSocket vs EventSource | A/A contains 0 "
               "(socket · Responses · browser) | calibration recovered (socket · browser) |"),
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, p in results["profiles"].items():
         r = p["levels"][level0]
         v = _verdicts(r, "sse", {"C": "ws", "D": "sse-h2"})
@@ -180,13 +212,13 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
         bv = verdict(b["ttft_diffs_ms"]["D-A"], "EventSource", "WebSocket") if b else "–"
         aa = " · ".join("✓" if contains_zero(x["diffs_ms"]["B-A"]) else "✗"
                         for x in (r, p["responses"], b) if x is not None)
-        cal = " · ".join("✓" if recovered(_cal_diff(x), inject, slack) else "✗"
+        cal = " · ".join("✓" if recovered(_cal_diff(x), p["injected_ms"]) else "✗"
                          for x in (p["calibration"], p.get("browser_calibration")) if x is not None)
-        lines.append(f"| {name} | {v['TTFT']} | {v['p99 gap']} | {v['delivery'].split('; ')[0]} | {rv} | {bv} | "
-                     f"{aa} | {cal} |")
-    lines += ["", "CPU (server µs per delivered token, first profile): "
-              + "; ".join(f"{b} vs {a}: {cpu_verdict(server_cpu, a, b)}"
-                          for a, b in (("sse", "ws"), ("sse", "sse-h2"), ("resp-sse", "resp-ws"))), ""]
+        cpu = " · ".join(cpu_verdict(server_cpu.get(name, {}), a, b)
+                         for a, b in (("sse", "ws"), ("sse", "sse-h2"), ("resp-sse", "resp-ws")))
+        lines.append(f"| {name} | {v['TTFT']} | {v['p99 gap']} | {v['delivery'].split('; ')[0]} | {cpu} | {rv} | "
+                     f"{bv} | {aa} | {cal} |")
+    lines.append("")
     lines += [f"![TTFT p50 per profile and transport]({rel}/ttft.png)", "",
               f"![inter-token gap p50 and p99]({rel}/gaps.png)", "",
               f"![paired differences with intervals]({rel}/diffs.png)", ""]
@@ -203,8 +235,9 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
                       *arm_table(p["browser"]), ""]
         lines += [f"A/A: socket {_aa(p['levels'][level0])}; Responses {_aa(p['responses'])}"
                   + (f"; browser {_aa(p['browser'])}" if p.get("browser") else "") + ".",
-                  f"Calibration (+{inject:g} ms on WebSocket writes): socket {_cal(p['calibration'], inject, slack)}"
-                  + (f"; browser {_cal(p['browser_calibration'], inject, slack)}"
+                  (f"Calibration (+{inject:g} ms on WebSocket writes; expected {p['injected_ms']:.3f} ms, "
+                   f"the sleep measured on uvloop): socket {_cal(p['calibration'], p['injected_ms'])}")
+                  + (f"; browser {_cal(p['browser_calibration'], p['injected_ms'])}"
                      if p.get("browser_calibration") else "") + ".", "",
                   f"![delivery latency CDF, {name}]({rel}/cdf_{slug(name)}.png)", ""]
     # via
@@ -218,15 +251,18 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
                    "connection pays the TLS handshake (one more RTT), which WebSocket subscribers, opening one "
                    "connection each, show in TTFT; SSE subscribers reuse keep-alive connections. A buffering proxy "
                    "holds SSE events until it flushes (here: the stream's end), so none arrives live; *buffers* = "
-                   "the arm's median gap is under a quarter of the straight arm's (tokens arrive in bursts)."), ""]
+                   "the arm's median gap is under a quarter of the straight arm's (tokens arrive in bursts); "
+                   f"*no damage* = the equivalence test of the method: Δ delivery's 95% interval inside ±{margin:g} ms."),
+                  ""]
         for name, v in results["via"].items():
             r = v["run"]
             lines += [f"### via, {name}", "", *arm_table(r), "",
                       ("| arm | path | Δ TTFT vs straight ms [95% CI] | Δ delivery vs straight ms [95% CI] | "
                       "gap p50 ms (straight) | verdict |"), "| --- | --- | --- | --- | --- | --- |"]
             for k, d in v["vs_straight"].items():
-                verdict_text = ("**buffers**: tokens arrive in bursts" if d["buffers"]
-                                else "streams: tokens arrive one by one")
+                verdict_text = ("**damage: buffers**, tokens arrive in bursts" if d["buffers"]
+                                else f"no damage: within ±{margin:g} ms" if d.get("no_damage")
+                                else f"streams, but not shown within ±{margin:g} ms")
                 lines.append(f"| {k} | {d['transport']} via {d['via']} | {_ci(d['ttft_ms'])} | "
                              f"{_ci(d['delivery_ms'], 3) if d['delivery_ms']['n'] else 'no live token'} | "
                              f"{_f(d['gap_p50_ms'])} ({_f(d['straight_gap_p50_ms'])}) | {verdict_text} |")
@@ -342,28 +378,41 @@ def _plots(results: dict[str, Any], runs: dict[str, Run], plots: Path) -> None:
         fig.savefig(plots / f"cdf_{slug(name)}.png", dpi=100)
         plt.close(fig)
 
-    cpu = results.get("cpu", {}).get("runs", {})
+    cpu = results.get("cpu", {})
     if cpu:
-        fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-        names = list(cpu)
+        fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
+        names = list(dict.fromkeys(t for per in cpu.values() for t in per.get("runs", {})))
+        xs = np.arange(len(names))
+        w = 0.8 / max(1, len(cpu))
         for ax, getter, title in (
                 (axes[0], lambda r: r["server"].get("cpu_us_per_token"), "server CPU µs / delivered token"),
                 (axes[1], lambda r: r["client"].get("cpu_us_per_event"), "client CPU µs / received event"),
                 (axes[2], lambda r: (r.get("wire") or {}).get("A", {}).get("down_bytes_per_token"),
                  "down bytes / token (TLS)")):
-            means, lo, hi = [], [], []
-            for t in names:
-                vals = [v for v in (getter(r) for r in cpu[t]) if v is not None] or [0.0]
-                means.append(float(np.mean(vals)))
-                lo.append(means[-1] - min(vals))
-                hi.append(max(vals) - means[-1])
-            ax.bar(names, means, yerr=[lo, hi], capsize=4)
+            for j, (profile, per) in enumerate(cpu.items()):
+                means, lo, hi = [], [], []
+                for t in names:
+                    vals = [v for v in (getter(r) for r in per.get("runs", {}).get(t, [])) if v is not None] or [0.0]
+                    means.append(float(np.mean(vals)))
+                    lo.append(means[-1] - min(vals))
+                    hi.append(max(vals) - means[-1])
+                ax.bar(xs + j * w, means, w, yerr=[lo, hi], capsize=2, label=profile)
+            ax.set_xticks(xs + 0.4 - w / 2, names, fontsize=8)
             ax.set_title(title, fontsize=10)
-            ax.tick_params(axis="x", labelsize=8)
             ax.grid(True, axis="y", alpha=0.3)
+        axes[0].legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(plots / "cpu_bytes.png", dpi=100)
         plt.close(fig)
+
+
+def _symlog_limits(lo: float, hi: float, linthresh: float, pad: float = 1.6) -> tuple[float, float]:
+    """Axis limits of a symlog axis that hold ``[lo, hi]`` with room for the markers: ``pad`` times the
+    value beyond the linear range, a linear margin inside it."""
+    def out(x: float) -> float:
+        return x * pad if abs(x) > linthresh else x + np.sign(x or 1) * linthresh * (pad - 1)
+
+    return (min(out(lo), -linthresh), max(out(hi), linthresh))
 
 
 def _plot_diffs(results: dict[str, Any], level0: str, path: Path) -> None:
@@ -380,8 +429,13 @@ def _plot_diffs(results: dict[str, Any], level0: str, path: Path) -> None:
                      (f"{name}: browser ws − es", p["browser"]["diffs_ms"]["D-A"]),
                      (f"{name}: browser calibration", _cal_diff(p["browser_calibration"]))]
     fig, ax = plt.subplots(figsize=(8, 0.28 * len(rows) + 1.2))
+    ends = [float(results["settings"]["inject_ms"]), 0.0]
     for i, (label, d) in enumerate(rows):
         lo, hi = d["ci95"]
+        if d.get("median") is None or not all(np.isfinite([d["median"], lo, hi])):
+            ax.text(0, i, "not measured", fontsize=6, va="center", ha="center", color="grey")
+            continue
+        ends += [lo, hi, d["median"]]
         ax.errorbar([d["median"]], [i], xerr=[[d["median"] - lo], [hi - d["median"]]], fmt="o", capsize=3,
                     color="C3" if "calibration" in label else "C0")
     ax.axvline(0, color="grey", linewidth=1)
@@ -389,6 +443,7 @@ def _plot_diffs(results: dict[str, Any], level0: str, path: Path) -> None:
     ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("symlog", linthresh=0.1)
+    ax.set_xlim(*_symlog_limits(min(ends), max(ends), 0.1))
     ax.set_xlabel("median paired delivery difference (ms), 95% CI")
     ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()

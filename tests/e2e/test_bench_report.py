@@ -22,9 +22,9 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
     out, data = tmp_path / "ab-report.md", tmp_path / "data"
     tokens, streams = 8, 3
     assert bench_main(["report", "--profiles", "rtt=10ms,jitter=2ms,down=10mbit,up=5mbit", "--via-profiles", "lan",
-                       "--levels", str(streams), "--max-tokens", str(tokens), "--browser-streams", "2",
-                       "--browser-rounds", "1", "--cpu-repeats", "1", "--bootstrap", "100", "--out", str(out),
-                       "--data", str(data)]) == 0
+                       "--levels", str(streams), "--max-tokens", str(tokens), "--rate", "50", "--ttft-ms", "100", "--ramp", "0.2",
+                       "--browser-streams", "2", "--browser-rounds", "1", "--min-streams", "1", "--cpu-repeats", "1",
+                       "--bootstrap", "100", "--out", str(out), "--data", str(data)]) == 0
     results = json.loads((data / "results.json").read_text())
     (name, profile), = results["profiles"].items()
     assert profile["network"]["profile"]["measured"]["rtt_ms"] > 0
@@ -46,7 +46,7 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
     assert [(w["transport"], w["via"]) for k, w in via["wire"].items() if k != "post"] == \
         [(a.partition("@")[0], a.partition("@")[2] or "direct") for a in VIA]
     assert all(a["deltas_delivered"] == streams * tokens for a in via["arms"].values())
-    assert set(results["cpu"]["runs"]) == {"sse", "ws", "sse-h2", "resp-sse", "resp-ws"}
+    assert set(results["cpu"][name]["runs"]) == {"sse", "ws", "sse-h2", "resp-sse", "resp-ws"}  # per profile
     text = out.read_text()
     for heading in ("## Method", "## The answer per profile", f"## {name}", "## Through nginx",
                     "## CPU and bytes on the wire"):

@@ -4,6 +4,9 @@
 // events_url, "ws" WebSocket. Per chunk it keeps [seq, emit_ns, sent_ns, receive ms, deltas, content]
 // with the receive time taken first thing in the handler (performance.timeOrigin + performance.now());
 // the bench aligns that clock with the server's and computes the metrics as for its socket clients.
+// `wsOrigins` (optional): slot i opens its WebSockets to wsOrigins[i] (another port of the shaping
+// proxy): Chromium opens one WebSocket per host:port at a time, so on a slow path sockets sharing one
+// port open one after another, after their streams have ended.
 
 import { authHeaders, createStream, epochMs, samePath } from "./api.js";
 import { SSEParser } from "./sse.js";
@@ -63,10 +66,11 @@ function row(chunk, recvMs) {
   return [tf.seq ?? -1, tf.emit_ns ?? 0, tf.sent_ns ?? 0, recvMs, tf.coalesced || 1, piece ? 1 : 0];
 }
 
-async function subscribeOne(arm, index, stream, id, postMs, timeoutMs) {
+async function subscribeOne(arm, index, stream, id, postMs, timeoutMs, wsOrigin) {
   const rec = { arm: index, stream: id, postMs, openMs: null, rows: [], text: "", error: null };
   const sub = new SUBSCRIPTIONS[arm]({
     timeoutMs,
+    origin: arm === "ws" ? wsOrigin : undefined,
     onChunk: (chunk, recvMs) => {
       const r = row(chunk, recvMs);
       rec.rows.push(r);
@@ -88,7 +92,8 @@ async function subscribeOne(arm, index, stream, id, postMs, timeoutMs) {
 }
 
 /**
- * @param {{arms: string[], streams: number, rounds: number, maxTokens: number, timeoutMs: number, ramp: number}} cfg
+ * @param {{arms: string[], streams: number, rounds: number, maxTokens: number, timeoutMs: number, ramp: number,
+ *   wsOrigins?: string[]}} cfg
  * @returns {Promise<object[]>} one record per subscriber
  */
 export async function run(cfg) {
@@ -108,8 +113,9 @@ export async function run(cfg) {
         continue;
       }
       const order = cfg.arms.map((arm, k) => [arm, k]).sort(() => Math.random() - 0.5); // no arm always first
+      const wsOrigin = cfg.wsOrigins && cfg.wsOrigins.length ? cfg.wsOrigins[i % cfg.wsOrigins.length] : undefined;
       out.push(...await Promise.all(order.map(([arm, k]) => subscribeOne(arm, k, stream, id, postMs,
-        cfg.timeoutMs))));
+        cfg.timeoutMs, wsOrigin))));
     }
   };
   await Promise.all(Array.from({ length: cfg.streams }, (_, i) => slot(i)));

@@ -189,10 +189,15 @@ export class EventSourceSubscription extends Generation {
   }
 }
 
-/** Subscribes to a fan-out stream over WebSocket, resuming with `?after=<last seq>` on a drop. */
+/**
+ * Subscribes to a fan-out stream over WebSocket, resuming with `?after=<last seq>` on a drop. `origin`
+ * (optional, e.g. "https://127.0.0.1:8443") sends the socket to another host:port than the page's (the
+ * bench's browser arm: one port per stream slot, as Chromium opens one WebSocket per host:port at a time).
+ */
 export class WebSocketSubscription extends Generation {
-  constructor(opts) {
+  constructor(opts = {}) {
     super(opts);
+    this.origin = opts.origin || null;
     this.stream = null;
     this.lastSeq = -1;
     this.attempts = 0;
@@ -207,6 +212,7 @@ export class WebSocketSubscription extends Generation {
   connect() {
     this.onState(this.openMs === null ? "connecting" : "reconnecting");
     const url = new URL(samePath(this.stream.ws_url, { ws: true }));
+    if (this.origin) url.host = new URL(this.origin).host;
     if (this.lastSeq >= 0) url.searchParams.set("after", String(this.lastSeq));
     const ws = (this.ws = new WebSocket(url));
     let opened = false;

@@ -95,7 +95,10 @@ class Subscriber:
 
     async def ws(self, budget: int) -> bool:
         url = f"{self.url.replace('http', 'ws')}/v1/streams/{self.sid}/ws?after={self.last}"
-        async with websockets.connect(url, close_timeout=2) as ws:
+        # max_queue=None: a subscriber that drops mid-replay leaves unread frames; with the client's own
+        # flow control (16 messages) websockets stops reading, never sees the gateway's close reply (sent at
+        # once: checked with a raw socket) and waits close_timeout on every drop.
+        async with websockets.connect(url, close_timeout=2, max_queue=None) as ws:
             async for raw in ws:
                 msg = json.loads(raw)
                 if msg["type"] == "done":

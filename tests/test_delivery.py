@@ -11,7 +11,6 @@ from typing import Any
 
 import orjson
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from uvicorn.protocols.http.flow_control import FlowControl
 
 from engine_worker import protocol as p
 from gateway.api.openai_api import ChunkBuilder
@@ -25,6 +24,7 @@ from gateway.core.sse import decode
 from gateway.core.streams import Event, SlowConsumerPolicy, Stream, Watchdog, follow
 from gateway.errors import APIError
 from tests.test_engine_client import FakeEngine, run, submit, until
+from tokenfan_bench.pass_cost import HttpCycle, WsProto
 
 
 class Clock:
@@ -54,33 +54,6 @@ class Peer:
         while len(self.data) < until_bytes:
             self.data += await loop.sock_recv(self.sock, 1 << 16)
         return self.data
-
-
-class Cycle:
-    """What uvicorn's httptools request cycle exposes to :class:`HttpConn` (its transport, its flow
-    control, chunked encoding), over a real transport."""
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
-        self.flow = FlowControl(transport)
-        self.chunked_encoding = True
-
-    async def send(self, message: dict[str, Any]) -> None:
-        body = message.get("body", b"")
-        self.transport.write(b"%x\r\n%b\r\n" % (len(body), body) if body else b"")
-
-
-class WsProto:
-    """What uvicorn's sans-I/O WebSocket protocol exposes to :class:`WsConn`, over a real transport."""
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
-        self.writable = asyncio.Event()
-        self.writable.set()
-        self.close_sent = False
-
-    async def send(self, message: dict[str, Any]) -> None:
-        raise AssertionError("the one-pass path must not go through ASGI send")
 
 
 class ServerSide(asyncio.Protocol):
@@ -146,7 +119,7 @@ def test_a_reader_counts_each_chunk_once_and_measures_gaps_across_both_paths() -
         m = metrics()
         meter = ReaderMeter(m, t0=clock.now - 0.5)
         transport, _peer = await loopback()
-        cycle = Cycle(transport)
+        cycle = HttpCycle(transport)
         conn = HttpConn({}, cycle.send, linger=1.0)
         reader = Reader(OPENAI_SSE, conn, meter, clock=clock)
         ev = [Event(i, {"choices": [{"index": 0, "delta": {"content": f"t{i}"}}]},
@@ -193,7 +166,7 @@ def bisect(v: float) -> int:
 def test_http_direct_writes_of_one_step_are_one_chunk_and_stop_at_the_high_water_mark() -> None:
     async def main() -> None:
         transport, peer = await loopback()
-        cycle = Cycle(transport)
+        cycle = HttpCycle(transport)
         conn = HttpConn({}, cycle.send, linger=1.0)
         step = Step(0.0, 0)
         assert conn.write_now(b"data: a\n\n", step) and conn.write_now(b"data: b\n\n", step)
@@ -316,7 +289,7 @@ def test_a_reader_behind_the_tail_is_woken_not_written_by_the_pass() -> None:
     async def main() -> None:
         clock = Clock()
         transport, peer = await loopback()
-        cycle = Cycle(transport)
+        cycle = HttpCycle(transport)
         conn = HttpConn({}, cycle.send, linger=1.0)
         stream = Stream("s", "chat.completions", "m", listed=False)
         m = metrics()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine_worker import protocol as p
-from engine_worker.backends.base import Prepared
+from engine_worker.backends.base import Prepared, StepSink
 from engine_worker.backends.synthetic import _WORDS, SyntheticBackend
 from engine_worker.config import EngineConfig
 from engine_worker.server import Emitter, EngineServer, IntervalMerger
@@ -123,20 +123,16 @@ def test_synthetic_shared_steps_put_every_running_request_in_the_same_ticks() ->
         backend._tick = counted  # type: ignore[method-assign]
         seen: dict[str, list[int]] = {"a": [], "b": []}
 
-        def sink(rid: str) -> Steps:
-            s = Steps()
-            record = s.__call__
-
-            def call(text: str, n: int, finish: p.FinishReason | None = None, chunk: bytes = b"") -> None:
+        def sink(rid: str) -> StepSink:
+            """A sink that records the tick each of the request's steps came in."""
+            def call(text: str, token_count: int, finish_reason: p.FinishReason | None = None,
+                     chunk: bytes = b"") -> None:
                 seen[rid].append(ticks)
-                record(text, n, finish)
-            s.__call__ = call  # type: ignore[method-assign]
-            return s
+            return call
 
-        sa, sb = sink("a"), sink("b")
-        a = asyncio.create_task(backend.stream(_prepared("a", 40, 0), lambda *x: sa.__call__(*x)))
+        a = asyncio.create_task(backend.stream(_prepared("a", 40, 0), sink("a")))
         await asyncio.sleep(0.007)  # between two steps of the 20 ms clock
-        await backend.stream(_prepared("b", 5, 3), lambda *x: sb.__call__(*x))
+        await backend.stream(_prepared("b", 5, 3), sink("b"))
         await a
         return seen["a"], seen["b"]
 

@@ -58,29 +58,32 @@ class NullTransport:
         return 0
 
 
-class _HttpCycle:
-    """What uvicorn's httptools request cycle shows :class:`HttpConn` (flow control, chunked encoding)."""
+class HttpCycle:
+    """What uvicorn's httptools request cycle shows :class:`HttpConn` (its transport, its flow control,
+    chunked encoding); ``send`` is the ASGI path a reader's own loop takes, chunked like uvicorn's."""
 
-    def __init__(self, transport: NullTransport) -> None:
+    def __init__(self, transport: Any) -> None:
         self.transport = transport
-        self.flow = FlowControl(transport)  # type: ignore[arg-type]
+        self.flow = FlowControl(transport)
         self.chunked_encoding = True
 
     async def send(self, message: dict[str, Any]) -> None:
-        raise AssertionError("a caught-up reader is written in the pass, not through ASGI")
+        body = message.get("body", b"")
+        self.transport.write(b"%x\r\n%b\r\n" % (len(body), body) if body else b"")
 
 
-class _WsProto:
-    """What uvicorn's sans-I/O WebSocket protocol shows :class:`WsConn`."""
+class WsProto:
+    """What uvicorn's sans-I/O WebSocket protocol shows :class:`WsConn`; its ASGI ``send`` must not be
+    reached by a caught-up reader."""
 
-    def __init__(self, transport: NullTransport) -> None:
+    def __init__(self, transport: Any) -> None:
         self.transport = transport
         self.writable = asyncio.Event()
         self.writable.set()
         self.close_sent = False
 
     async def send(self, message: dict[str, Any]) -> None:
-        raise AssertionError("a caught-up reader is written in the pass, not through ASGI")
+        raise AssertionError("the one-pass path must not go through ASGI send")
 
 
 class _Handle:
@@ -95,7 +98,7 @@ async def run_mode(mode: str, generations: int, readers: int, steps: int, repeat
     clock: Callable[[], tuple[float, int]] = lambda: (time.monotonic(), time.time_ns())
     metrics, tokens = TransportMetrics(), HotCounter()
     transports: list[NullTransport] = []
-    ws = WsConn({}, _WsProto(t := NullTransport()).send, 1.0)
+    ws = WsConn({}, WsProto(t := NullTransport()).send, 1.0)
     transports.append(t)
     gens: list[Generation] = []
     tasks: list[asyncio.Task[int]] = []
@@ -114,7 +117,7 @@ async def run_mode(mode: str, generations: int, readers: int, steps: int, repeat
                 conn, framing = ws, MuxWs(rid)
             else:
                 transports.append(t := NullTransport())
-                conn, framing = HttpConn({}, _HttpCycle(t).send, 1.0), FANOUT_SSE if mode == "b" else OPENAI_SSE
+                conn, framing = HttpConn({}, HttpCycle(t).send, 1.0), FANOUT_SSE if mode == "b" else OPENAI_SSE
             reader = Reader(framing, conn, ReaderMeter(metrics, 0.0), clock=clock)
 
             async def write(batch: list[Event], reader: Reader = reader) -> None:

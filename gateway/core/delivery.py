@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from bisect import bisect_left
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -178,17 +177,11 @@ class ReaderMeter:
         if text:
             if self._last is None:
                 m.ttft.observe(now - self._t0)
-            else:  # HotHistogram.observe, inlined: this runs for every event written
-                gap = now - self._last
-                itl = m.itl
-                itl.counts[bisect_left(itl.bounds, gap)] += 1
-                itl.sum += gap
+            else:
+                m.itl.observe(now - self._last)
             self._last = now
         if emit_ns:
-            late = max(0, wall_ns - emit_ns) / 1e9
-            delivery = m.delivery
-            delivery.counts[bisect_left(delivery.bounds, late)] += 1
-            delivery.sum += late
+            m.delivery.observe(max(0, wall_ns - emit_ns) / 1e9)
 
 
 class Reader:

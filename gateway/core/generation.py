@@ -275,4 +275,5 @@ class Generation:
         event = self.stream.publish(ev, step)
         if self.publisher is not None:
             self.publisher.published(self.stream, event)
-        self.tokens.value += ev.tokens
+        if ev.tokens:
+            self.tokens.inc(ev.tokens)

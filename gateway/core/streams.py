@@ -67,7 +67,7 @@ class Event:
     merge, the broker), so a retained log holds each token's text once.
     """
 
-    __slots__ = ("_payload", "_template", "_timing", "emit_ns", "finish_reason", "frames", "sent_ns", "seq", "text")
+    __slots__ = ("_payload", "_sent_ns", "_template", "_timing", "emit_ns", "finish_reason", "frames", "seq", "text")
 
     def __init__(self, seq: int, payload: dict[str, Any] | None, timing: dict[str, Any] | None, text: str,
                  finish_reason: str | None, frames: dict[str, Any] | None = None, *,
@@ -79,7 +79,7 @@ class Event:
         self._template = template
         self._timing = timing  # None: built from seq/emit_ns/sent_ns when asked for (fan-out frames, broker)
         self.emit_ns = emit_ns or (timing.get("emit_ns") or 0 if timing is not None else 0)
-        self.sent_ns = sent_ns
+        self._sent_ns = sent_ns  # only for the timing object built on demand
         self.text = text
         self.finish_reason = finish_reason
         self.frames: dict[str, Any] = {} if frames is None else frames
@@ -98,7 +98,7 @@ class Event:
     def timing(self) -> dict[str, Any]:
         """tokenfan's ``{seq, emit_ns, sent_ns}`` object (or the one the event came with)."""
         if self._timing is None:
-            self._timing = {"seq": self.seq, "emit_ns": self.emit_ns, "sent_ns": self.sent_ns}
+            self._timing = {"seq": self.seq, "emit_ns": self.emit_ns, "sent_ns": self._sent_ns}
         return self._timing
 
     @property
@@ -256,13 +256,9 @@ class Stream:
         """Append the next payload, stamped with its ``seq`` and timing (``step``: the engine step that
         produced it, whose clock read it shares), and write it to the caught-up readers."""
         seq = len(self.events)
-        event = Event(seq, ev.payload, None, ev.text, ev.finish_reason, {} if self.listed else NO_CACHE,
-                      template=ev.template, emit_ns=ev.emit_ns,
-                      sent_ns=step.wall_ns if step is not None else p.now_ns())
-        self.events.append(event)  # what append does, without its check: seq is the next one by construction
-        self.size += event.size
-        self._wake(seq, event, step)
-        return event
+        return self.append(Event(seq, ev.payload, None, ev.text, ev.finish_reason, {} if self.listed else NO_CACHE,
+                                 template=ev.template, emit_ns=ev.emit_ns,
+                                 sent_ns=step.wall_ns if step is not None else p.now_ns()), step)
 
     def append(self, event: Event, step: Step | None = None) -> Event:
         """Add an already built event (its ``seq`` must be the next one) and write it to the readers."""

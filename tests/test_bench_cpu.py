@@ -140,15 +140,15 @@ def test_a_mode_that_failed_is_reported_as_such_and_the_others_still_compare() -
 def test_bench_pass_drives_the_real_one_pass_and_writes_each_connection_once_per_step(tmp_path: Path) -> None:
     """``tokenfan bench pass`` runs the real token path in-process: every reader caught up is written in the
     pass (an event per reader per step), and each connection gets one write per step whatever it carries
-    (a /v1/ws socket with all its generations: one)."""
+    (a /v1/ws socket with all its generations: one; a Responses stream: one)."""
     import json
 
     from tokenfan_bench import pass_cost
 
-    assert pass_cost.main(["--modes", "a,b,c", "--generations", "6", "--streams", "2", "--readers", "3",
+    assert pass_cost.main(["--modes", "a,b,c,d", "--generations", "6", "--streams", "2", "--readers", "3",
                            "--steps", "10", "--repeats", "2", "--out", str(tmp_path)]) == 0
     modes = json.loads((tmp_path / "results.json").read_text())["modes"]
     assert {k: (r["generations"], r["readers"], r["writes_per_step"]) for k, r in modes.items()} == {
-        "a": (6, 1, 6.0), "b": (2, 3, 6.0), "c": (6, 1, 1.0)}
+        "a": (6, 1, 6.0), "b": (2, 3, 6.0), "c": (6, 1, 1.0), "d": (6, 1, 6.0)}
     assert all(r["us_per_event"]["n"] == 2 and r["us_per_event"]["p50"] > 0 for r in modes.values())
     assert "| c /v1/ws | 6 × 1 | 1 |" in (tmp_path / "summary.md").read_text()

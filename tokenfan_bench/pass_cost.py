@@ -1,14 +1,16 @@
 """``tokenfan bench pass``: the Python cost of the gateway's one pass per engine step, in-process.
 
-The real classes of the token path (``Generation`` → ``ChatRenderer`` → ``Stream.publish`` → ``Reader.write_now``
-→ ``HttpConn``/``WsConn`` → ``Step.flush``), readers parked and caught up as in steady state, driven by
+The real classes of the token path (``Generation`` → ``ChatRenderer`` or ``ResponseRenderer`` → ``Stream.publish``
+→ ``Reader.write_now`` → ``HttpConn``/``WsConn`` → ``Step.flush``), readers parked and caught up as in steady state, driven by
 engine steps of one ``Delta`` per generation, with transports that take the bytes and do nothing: no
 socket, no event-loop wake-up, no engine. What is left is the interpreter's work per delivered event,
 the part of ``tokenfan bench cpu``'s figure that the gateway's code decides (the rest is the kernel's
 socket write, which the raw floor pays too). Process CPU time, so another process's load changes it little.
 
 Modes as in ``tokenfan bench cpu``: ``a`` POST SSE (one connection per generation), ``b`` fan-out
-(``--readers`` SSE readers per stream), ``c`` ``/v1/ws`` (every generation on one socket).
+(``--readers`` SSE readers per stream), ``c`` ``/v1/ws`` (every generation on one socket), ``d`` Responses SSE
+(a stored response per connection, as ``POST /v1/responses`` makes it; its events are
+``response.output_text.delta`` in steady state).
 Output: ``DIR/results.json`` and ``DIR/summary.md`` (also printed): median and percentiles of µs per
 event over ``--repeats`` runs of ``--steps`` steps.
 """
@@ -28,16 +30,19 @@ from uvicorn.protocols.http.flow_control import FlowControl
 
 from engine_worker import protocol as p
 from gateway.api.openai_api import ChunkBuilder
+from gateway.api.responses_api import ResponseEvents
+from gateway.api.responses_stream import RESPONSES_SSE
+from gateway.api.routes_responses import ResponseRenderer
 from gateway.core.conn import HttpConn, Step, WsConn
 from gateway.core.delivery import Reader, ReaderMeter
 from gateway.core.framing import FANOUT_SSE, OPENAI_SSE, Framing, MuxWs
-from gateway.core.generation import ChatRenderer, Generation
+from gateway.core.generation import ChatRenderer, Generation, Renderer
 from gateway.core.metrics import HotCounter, TransportMetrics
 from gateway.core.streams import Event, SlowConsumerPolicy, Stream, Watchdog, follow
 from tokenfan_bench import report
 from tokenfan_bench.stats import summary_plain
 
-MODES = {"a": "POST SSE", "b": "fan-out SSE", "c": "/v1/ws"}
+MODES = {"a": "POST SSE", "b": "fan-out SSE", "c": "/v1/ws", "d": "Responses SSE"}
 
 
 class NullTransport:
@@ -104,10 +109,9 @@ async def run_mode(mode: str, generations: int, readers: int, steps: int, repeat
     tasks: list[asyncio.Task[int]] = []
     per_stream = readers if mode == "b" else 1
     for i in range(generations):
-        rid = f"chatcmpl-{i}"
-        stream = Stream(rid, "chat.completions", "m", listed=mode == "b")
-        gen = Generation(stream, _Handle(), ChatRenderer(ChunkBuilder("chat.completions", rid, "m",  # type: ignore[arg-type]
-                                                                      include_usage=False)), tokens)
+        rid = f"resp_{i}" if mode == "d" else f"chatcmpl-{i}"
+        stream = Stream(rid, "responses" if mode == "d" else "chat.completions", "m", listed=mode in ("b", "d"))
+        gen = Generation(stream, _Handle(), _renderer(mode, rid), tokens)  # type: ignore[arg-type]
         gen.start()
         gens.append(gen)
         for _ in range(per_stream):
@@ -117,7 +121,8 @@ async def run_mode(mode: str, generations: int, readers: int, steps: int, repeat
                 conn, framing = ws, MuxWs(rid)
             else:
                 transports.append(t := NullTransport())
-                conn, framing = HttpConn({}, HttpCycle(t).send, 1.0), FANOUT_SSE if mode == "b" else OPENAI_SSE
+                conn = HttpConn({}, HttpCycle(t).send, 1.0)
+                framing = {"b": FANOUT_SSE, "d": RESPONSES_SSE}.get(mode, OPENAI_SSE)
             reader = Reader(framing, conn, ReaderMeter(metrics, 0.0), clock=clock)
 
             async def write(batch: list[Event], reader: Reader = reader) -> None:
@@ -138,7 +143,8 @@ async def run_mode(mode: str, generations: int, readers: int, steps: int, repeat
             step.flush()
             seq += 1
 
-    run(5)  # the role chunks and the first writes
+    run(5)  # the role chunks, a response's first item, the first writes
+    writes = sum(t.writes for t in transports)
     out: list[float] = []
     for _ in range(repeats):
         before, chunks = time.process_time(), metrics.chunks.value
@@ -150,8 +156,15 @@ async def run_mode(mode: str, generations: int, readers: int, steps: int, repeat
     await asyncio.gather(*tasks, return_exceptions=True)
     return {"name": MODES[mode], "generations": generations, "readers": per_stream,
             "events_per_repeat": generations * per_stream * steps,
-            "writes_per_step": sum(t.writes for t in transports) / (seq or 1),
+            "writes_per_step": (sum(t.writes for t in transports) - writes) / (repeats * steps or 1),
             "us_per_event": summary_plain(np.array(out)), "runs": out}
+
+
+def _renderer(mode: str, rid: str) -> Renderer:
+    """What renders a generation's events: a stored response's (mode d) or the chat chunks."""
+    if mode == "d":
+        return ResponseRenderer(ResponseEvents(rid, "m"))
+    return ChatRenderer(ChunkBuilder("chat.completions", rid, "m", include_usage=False))
 
 
 def summary_md(results: dict[str, Any]) -> str:
@@ -171,8 +184,8 @@ def summary_md(results: dict[str, Any]) -> str:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tokenfan bench pass", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", default="a,b,c", help="comma-separated: a (POST SSE), b (fan-out SSE), c (/v1/ws)")
-    ap.add_argument("--generations", type=int, default=100, help="generations of modes a and c (default 100)")
+    ap.add_argument("--modes", default="a,b,c", help="comma-separated: a (POST SSE), b (fan-out SSE), c (/v1/ws), d (Responses SSE)")
+    ap.add_argument("--generations", type=int, default=100, help="generations of modes a, c and d (default 100)")
     ap.add_argument("--streams", type=int, default=10, help="fan-out streams of mode b (default 10)")
     ap.add_argument("--readers", type=int, default=20, help="SSE readers per stream in mode b (default 20)")
     ap.add_argument("--steps", type=int, default=200, help="engine steps per repeat (default 200)")

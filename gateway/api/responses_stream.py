@@ -5,6 +5,9 @@ deltas merge. The delivery core (:mod:`gateway.core.streams`, :mod:`gateway.core
   framing            event                                   failure without a terminal event
   ``responses_sse``  ``event: <type>`` + ``data: {event}``    ``event: error`` (the Responses error event)
   ``responses_ws``   ``{event}`` (+ the lane's ``stream_id``)  the WebSocket error shape; the socket stays
+
+A text delta rendered from its item's :class:`gateway.api.responses_api.TextDeltaTemplate` is framed from
+its bytes, never parsed into a dict (the same bytes as the dict's: tests/test_responses_template.py).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from gateway.api.responses_api import TERMINAL_TYPES
+from gateway.api.responses_api import TERMINAL_TYPES, TextDeltaTemplate
 from gateway.api.responses_ws import ws_error, ws_event, ws_text
 from gateway.core import sse
 from gateway.core.framing import Ending, Framing, Transport
@@ -55,6 +58,11 @@ class ResponsesSse(Framing):
             self.name = "responses_sse+timing"
 
     def build(self, ev: Event) -> bytes:
+        t = ev.template
+        if isinstance(t, TextDeltaTemplate):
+            if not self.timing:
+                return t.sse(ev.text, ev.seq)
+            return b"event: %b\ndata: %b\n\n" % (t.TYPE.encode(), _with_timing(ev))
         data = orjson.dumps(ev.chunk) if self.timing else ev.json
         return b"event: %b\ndata: %b\n\n" % (str(ev.payload.get("type", "message")).encode(), data)
 
@@ -80,6 +88,8 @@ class ResponsesWs(Framing):
         self.name = "responses_ws" + ("+timing" if timing else "") + (":" + stream_id if stream_id else "")
 
     def build(self, ev: Event) -> str:
+        if isinstance(ev.template, TextDeltaTemplate):
+            return ws_text(_with_timing(ev) if self.timing else ev.json, self.stream_id)
         return self.build_payload(ev.chunk if self.timing else ev.payload)
 
     def build_payload(self, payload: dict[str, object]) -> str:
@@ -92,6 +102,12 @@ class ResponsesWs(Framing):
             return Ending(orjson.dumps(ws_error(stream.error, self.stream_id, len(stream.events))).decode(),
                           last=False)
         return Ending(None, last=False)
+
+
+def _with_timing(ev: Event) -> bytes:
+    """``orjson.dumps(ev.chunk)`` of a templated event without parsing it: its JSON with the ``tokenfan``
+    timing object spliced in before the closing brace (the key ``ev.chunk`` adds last)."""
+    return ev.json[:-1] + b',"tokenfan":' + orjson.dumps(ev.timing) + b"}"
 
 
 def _error_fields(err: APIError) -> dict[str, object]:

@@ -4,7 +4,7 @@ The engine link (:meth:`gateway.core.engine_client.EngineClient._on_batch`) hand
 ``DeltaBatch`` to its request's :class:`Generation` (``on_delta``), synchronously: the generation renders
 the step's payloads (:class:`ChatRenderer`: OpenAI chunks from a per-generation byte template with only
 the text spliced in; vLLM's layer's whole chunks; or an API module's renderer, e.g. the Responses
-events), appends them to its :class:`gateway.core.streams.Stream`, which writes them to every caught-up reader
+events, their text deltas from a template too), appends them to its :class:`gateway.core.streams.Stream`, which writes them to every caught-up reader
 in the same pass. No queue, task wake-up or generator chain per token.
 
 :func:`chunk_events` is the same rendering as an async iterator over a request's deltas, for what reads a
@@ -33,18 +33,27 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class Template(Protocol):
+    """A generation's payload as pre-encoded bytes with holes (:class:`ChunkTemplate`, the Responses API's
+    ``TextDeltaTemplate``): rendering splices in an event's text and, for a payload that numbers itself (a
+    Responses event's ``sequence_number``), its ``seq`` in the stream's log."""
+
+    def render(self, text: str, seq: int) -> bytes: ...
+
+
 class ChunkEvent:
     """One payload to append: its dict (``chunk``), or its ``template`` and text (the template renders the
     JSON; the dict is parsed only if asked for), the engine emit time of the delta behind it, and its
-    accounting."""
+    accounting. ``seq``: the log position a payload that numbers itself names (the stream checks it)."""
 
-    __slots__ = ("emit_ns", "finish_reason", "payload", "template", "text", "tokens", "usage")
+    __slots__ = ("emit_ns", "finish_reason", "payload", "seq", "template", "text", "tokens", "usage")
 
     def __init__(self, chunk: dict[str, Any] | None, emit_ns: int, text: str, tokens: int,
                  finish_reason: str | None = None, usage: p.Usage | None = None, *,
-                 template: ChunkTemplate | None = None) -> None:
+                 template: Template | None = None, seq: int | None = None) -> None:
         self.payload = chunk  # None when rendered from a template
         self.template = template
+        self.seq = seq
         self.emit_ns = emit_ns  # engine emit time of the delta behind this chunk
         self.text = text  # the content text it carries ("" for role/usage chunks)
         self.tokens = tokens
@@ -55,7 +64,7 @@ class ChunkEvent:
     def chunk(self) -> dict[str, Any] | None:
         """The payload as a dict (rendered and parsed if it comes from a template)."""
         if self.payload is None and self.template is not None:
-            self.payload = orjson.loads(self.template.render(self.text))
+            self.payload = orjson.loads(self.template.render(self.text, self.seq or 0))
         return self.payload
 
 
@@ -88,7 +97,8 @@ class ChunkTemplate:
         whole = orjson.dumps(builder.delta_chunk(self._HOLE, None))
         self.prefix, self.suffix = whole.split(orjson.dumps(self._HOLE))
 
-    def render(self, text: str) -> bytes:
+    def render(self, text: str, seq: int = 0) -> bytes:
+        """The chunk carrying ``text`` (a chunk does not number itself: ``seq`` is not in it)."""
         return self.prefix + orjson.dumps(text) + self.suffix
 
 

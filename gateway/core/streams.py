@@ -42,7 +42,7 @@ State = Literal["running", "done", "error", "cancelled"]
 if TYPE_CHECKING:
     from gateway.core.conn import Step
     from gateway.core.delivery import Reader
-    from gateway.core.generation import ChunkTemplate
+    from gateway.core.generation import Template
 
 
 class _NoCache(dict):  # type: ignore[type-arg]
@@ -62,21 +62,21 @@ class Event:
     ``payload`` is what OpenAI clients receive; ``timing`` is tokenfan's ``{seq, emit_ns, sent_ns}``
     object that fan-out frames add as ``"tokenfan"``. Each wire frame is built at most once per
     event (:mod:`gateway.core.framing` caches it in ``frames``), however many readers send it. An event
-    rendered from a ``template`` (:class:`gateway.core.generation.ChunkTemplate`) keeps only its text: its JSON
-    is rendered when a frame is built, its ``payload`` dict parsed only when something asks for it (a
-    merge, the broker), so a retained log holds each token's text once.
+    rendered from a ``template`` (:class:`gateway.core.generation.Template`) keeps only its text: its JSON
+    is rendered (with its ``seq``) when a frame is built, its ``payload`` dict parsed only when something
+    asks for it (a merge, the broker), so a retained log holds each token's text once.
     """
 
-    __slots__ = ("_payload", "_sent_ns", "_template", "_timing", "emit_ns", "finish_reason", "frames", "seq", "text")
+    __slots__ = ("_payload", "_sent_ns", "_timing", "emit_ns", "finish_reason", "frames", "seq", "template", "text")
 
     def __init__(self, seq: int, payload: dict[str, Any] | None, timing: dict[str, Any] | None, text: str,
                  finish_reason: str | None, frames: dict[str, Any] | None = None, *,
-                 template: ChunkTemplate | None = None, emit_ns: int = 0, sent_ns: int = 0) -> None:
+                 template: Template | None = None, emit_ns: int = 0, sent_ns: int = 0) -> None:
         if payload is None and template is None:
             raise ValueError("an event needs its payload or its template")
         self.seq = seq
         self._payload = payload
-        self._template = template
+        self.template = template
         self._timing = timing  # None: built from seq/emit_ns/sent_ns when asked for (fan-out frames, broker)
         self.emit_ns = emit_ns or (timing.get("emit_ns") or 0 if timing is not None else 0)
         self._sent_ns = sent_ns  # only for the timing object built on demand
@@ -105,8 +105,8 @@ class Event:
     def json(self) -> bytes:
         """The payload alone, as OpenAI clients get it (not cached: orjson's output buffer is
         oversized, so frames keep tight copies built from it instead)."""
-        if self._template is not None:
-            return self._template.render(self.text)
+        if self.template is not None:
+            return self.template.render(self.text, self.seq)
         return orjson.dumps(self._payload)
 
     @property
@@ -254,8 +254,11 @@ class Stream:
 
     def publish(self, ev: ChunkEvent, step: Step | None = None) -> Event:
         """Append the next payload, stamped with its ``seq`` and timing (``step``: the engine step that
-        produced it, whose clock read it shares), and write it to the caught-up readers."""
+        produced it, whose clock read it shares), and write it to the caught-up readers. A payload that
+        numbers itself (``ev.seq``) must land at that ``seq``."""
         seq = len(self.events)
+        if ev.seq is not None and ev.seq != seq:
+            raise ValueError(f"stream {self.id}: a payload numbered {ev.seq} published at seq {seq}")
         return self.append(Event(seq, ev.payload, None, ev.text, ev.finish_reason, {} if self.listed else NO_CACHE,
                                  template=ev.template, emit_ns=ev.emit_ns,
                                  sent_ns=step.wall_ns if step is not None else p.now_ns()), step)

@@ -240,3 +240,35 @@ def test_retention_byte_budget_drops_oldest_finished_first() -> None:
     assert hub.total_bytes <= 3000
     alive = [s.id in hub.streams for s in streams]
     assert alive[-1] and not alive[0] and alive == sorted(alive)  # a suffix survives
+
+
+def test_frames_are_kept_only_when_several_readers_share_them() -> None:
+    """A listed stream read by one client (a stored response) keeps no frames in its log: nothing shares
+    them; once two readers follow it, each new event's frame is built once for both. A reader that joins
+    later gets the earlier events rebuilt, byte for byte what the first reader got."""
+
+    async def main() -> tuple[dict[str, list[bytes]], list[Event]]:
+        s = StreamHub(Retention()).create("chat.completions", "m")
+        got: dict[str, list[bytes]] = {"first": [], "late": []}
+
+        def reader(name: str) -> asyncio.Task[int]:
+            async def write(batch: list[Event]) -> None:
+                got[name] += [FANOUT_SSE.frame(e) for e in batch]  # type: ignore[misc]
+
+            return asyncio.create_task(follow(s, "sse", -1, write, SlowConsumerPolicy()))
+
+        tasks = [reader("first")]
+        await asyncio.sleep(0.01)
+        for w in ("a", "b"):
+            s.publish(ChunkEvent(B.delta_chunk(w, None), 1, w, 1))
+            await asyncio.sleep(0.01)
+        tasks.append(reader("late"))
+        await asyncio.sleep(0.01)
+        publish_text(s, ["c", "d"])
+        s.finish("done")
+        await asyncio.gather(*tasks)
+        return got, s.events
+
+    got, events = asyncio.run(main())
+    assert [FANOUT_SSE.name in e.frames for e in events] == [False, False, True, True]
+    assert got["first"] == got["late"] == [FANOUT_SSE.build(e) for e in events]

@@ -155,7 +155,32 @@ def test_browser_records_become_samples_on_the_server_clock():
 def test_difference_in_differences_removes_the_arms_own_difference():
     base_a, base_b = arm(25, 12), arm(25, 12, shift_ms=-2.0)  # B is 2 ms ahead without any delay
     cal_a, cal_b = arm(25, 12), arm(25, 12, shift_ms=-2.0 + 1.5)  # and 1.5 ms is injected into B
-    d = difference_in_differences((cal_a, cal_b), (base_a, base_b), n_boot=200, seed=0)
+    d = difference_in_differences((cal_a, cal_b), (base_a, base_b), paired=True, n_boot=200, seed=0)
     assert d["median"] == pytest.approx(1.5) and d["ci95"] == [pytest.approx(1.5), pytest.approx(1.5)]
     assert d["cal_ms"] == pytest.approx(-0.5) and d["placebo_ms"] == pytest.approx(-2.0)
     assert recovered(d, 1.5)
+
+
+def on_streams(a: ArmSamples, first: int) -> ArmSamples:
+    """``a`` moved to stream ids ``first``, ``first + 1``, ... (another arm's streams)."""
+    a.stream, a.sub_stream = a.stream + first, a.sub_stream + first
+    return a
+
+
+def test_difference_in_differences_on_separate_streams_compares_the_arms_medians():
+    rng = np.random.default_rng(3)
+
+    def noisy(first: int, shift_ms: float) -> ArmSamples:
+        """Delivery 1 ms + ``shift_ms`` + 0-0.2 ms of receive noise."""
+        a = on_streams(arm(25, 12), first)
+        a.recv_ns = a.recv_ns + int(shift_ms * MS) + rng.integers(0, 200_000, a.recv_ns.size)
+        return a
+
+    base = (noisy(0, 0.0), noisy(100, -2.0))
+    cal = (noisy(200, 0.0), noisy(300, -2.0 + 1.5))
+    d = difference_in_differences(cal, base, paired=False, n_boot=300, seed=0)
+    assert d["median"] == pytest.approx(1.5, abs=0.05) and d["cal_ms"] == pytest.approx(-0.5, abs=0.05)
+    assert d["ci95"][0] < 1.5 < d["ci95"][1] and d["ci95"][1] - d["ci95"][0] < 0.2
+    assert d["streams"] == 25 and "unpaired" in d["method"]
+    # paired, the arms have no token in common: nothing to compare
+    assert difference_in_differences(cal, base, paired=True, n_boot=50, seed=0)["median"] is None

@@ -1,8 +1,18 @@
 """The browser arm: headless Chromium (Playwright, Debian's ``/usr/bin/chromium``) reads fan-out streams
 with the browser's own ``EventSource`` (``es``), a streamed ``fetch`` (``fetch``) and ``WebSocket``
-(``ws``), every arm on the same stream (paired), from a page served by the gateway at ``url`` (a shaping-
-proxy route or nginx, so the page's own connections take the run's path). The page code is
-``web/js/bencharm.js``.
+(``ws``) from a page served by the gateway at ``url`` (a shaping-proxy route or nginx, so the page's own
+connections take the run's path). The page code is ``web/js/bencharm.js``.
+
+``separate=True`` (what ``tokenfan bench report`` runs) gives each stream to one arm, as a page reads a
+stream with one API, and compares the arms' medians (unpaired); otherwise every arm reads every stream
+(paired per token). Two APIs reading the same token in one browser act on each other, so paired figures
+are not the transports' own. Measured on the calibration (lan, ``--inject-delay ws:2`` against
+``ws:0``, 4 slots × 5 rounds, two runs each, 2026-11-24): paired, EventSource's median delivery was
+2.78 / 2.54 ms on the delayed gateway, where the WebSocket copy of a token arrived after it, and 3.39 / 3.17
+ms on the placebo, where the WebSocket copy arrived ~1.5 ms before it, so the difference-in-differences
+read 2.43 / 2.48 ms for a 2.08 ms delay (the report's browser calibration missed in 4 profiles of 5 by
+0.3-0.5 ms); on separate streams EventSource read 2.82 / 2.31 ms and 2.81 / 2.46 ms on the two gateways
+and the difference-in-differences 2.23 / 2.13 ms.
 
 Clock alignment: receive times are the page's ``performance.timeOrigin + performance.now()``; the
 offset to the server's clock (``time.time_ns()`` on this machine) is measured over CDP, not over the
@@ -90,11 +100,14 @@ def samples(records: list[dict[str, Any]], arm: int, transport: str, offset_ms: 
 
 def run_browser(url: str, arms: tuple[str, ...], *, streams: int, rounds: int, max_tokens: int,
                 metrics_url: str | None = None, timeout_s: float = 60.0, ramp: float = 0.5, n_boot: int = 1000,
-                seed: int = 0, ws_origins: tuple[str, ...] = (), browser: Any = None) -> dict[str, Any]:
+                seed: int = 0, ws_origins: tuple[str, ...] = (), browser: Any = None, separate: bool = False
+                ) -> dict[str, Any]:
     """One browser run against the gateway (or proxy) at ``url``: a bench result dictionary, plus the
-    clock offset, its uncertainty and whether every arm's text was identical per stream. ``ws_origins``:
-    stream slot ``i`` opens its WebSockets to ``ws_origins[i]`` (the gateway must allow those origins).
-    ``browser``: a Chromium from :func:`chromium` to run in (a fresh context); default: launch one."""
+    clock offset, its uncertainty and whether every arm received the same text for the same seed (the
+    streams of a round share one). ``ws_origins``: stream slot ``i`` opens its WebSockets to
+    ``ws_origins[i]`` (the gateway must allow those origins). ``separate``: each stream read by one arm
+    (module docstring). ``browser``: a Chromium from :func:`chromium` to run in (a fresh context);
+    default: launch one."""
     bad = [a for a in arms if a not in BROWSER_ARMS]
     if bad or len(arms) < 2:
         raise ValueError(f"browser arms: 2 or more of {', '.join(BROWSER_ARMS)}; got {arms}")
@@ -108,7 +121,8 @@ def run_browser(url: str, arms: tuple[str, ...], *, streams: int, rounds: int, m
             page.goto(url.rstrip("/") + "/ab", wait_until="load")
             offset_ms, uncertainty_ms = clock_offset_ms(page)
             cfg = {"arms": list(arms), "streams": streams, "rounds": rounds, "maxTokens": max_tokens,
-                   "timeoutMs": int(timeout_s * 1000), "ramp": ramp, "wsOrigins": list(ws_origins)}
+                   "timeoutMs": int(timeout_s * 1000), "ramp": ramp, "wsOrigins": list(ws_origins),
+                   "separate": separate}
             pid = _browser_pid(browser)
             cpu0_server, _ = scrape(metrics_url)
             cpu0, t0 = _tree_cpu(pid), time.time()
@@ -119,7 +133,7 @@ def run_browser(url: str, arms: tuple[str, ...], *, streams: int, rounds: int, m
             context.close()
     transports = tuple(f"browser-{a}" for a in arms)
     plan = Plan(url=url, transports=transports, streams=streams, max_tokens=max_tokens, duration=None,
-                separate=False, client="browser")
+                separate=separate, client="browser")
     arm_samples = {name: samples(records, k, t, offset_ms) for k, (name, t) in enumerate(zip(plan.arms, transports))}
     run = Run(plan=plan, workers=1, arms=arm_samples, wall_s=wall,
               cpu_s=(cpu1_server - cpu0_server) if cpu0_server is not None and cpu1_server is not None else None,
@@ -128,10 +142,11 @@ def run_browser(url: str, arms: tuple[str, ...], *, streams: int, rounds: int, m
     texts: dict[int, set[str]] = {}
     for r in records:
         if r["error"] is None:
-            texts.setdefault(r["stream"], set()).add(r["text"])
+            texts.setdefault(r["seed"], set()).add(r["text"])
     result["browser"] = {"clock_offset_ms": offset_ms, "clock_uncertainty_ms": uncertainty_ms,
                          "texts_identical": all(len(t) == 1 for t in texts.values()) and bool(texts),
-                         "chromium": str(CHROMIUM), "rounds": rounds}
+                         "chromium": str(CHROMIUM), "rounds": rounds,
+                         "separate_streams": separate}
     result["_run"] = run
     return result
 

@@ -50,10 +50,9 @@ from tokenfan_bench.runner import Run, run_clients
 from tokenfan_bench.stats import (
     MIN_CLUSTERS,
     ArmSamples,
-    bootstrap_medians,
+    difference_boots,
     itl_ns,
     median_difference,
-    order_balanced_differences,
 )
 
 FANOUT = ("sse", "sse", "ws", "sse-h2")
@@ -220,24 +219,24 @@ def injected_sleep_ms(inject_ms: float, n: int = 200, seed: int = 0) -> float:
 
 
 def difference_in_differences(cal: tuple[ArmSamples, ArmSamples], placebo: tuple[ArmSamples, ArmSamples], *,
-                               n_boot: int, seed: int) -> dict[str, Any]:
-    """(B − A on the delayed gateway) − (B − A on the placebo gateway), medians of the paired per-token
-    differences (write order balanced) with a 95% interval from independent stream-cluster bootstraps.
+                               paired: bool, n_boot: int, seed: int) -> dict[str, Any]:
+    """(B − A on the delayed gateway) − (B − A on the placebo gateway), each B − A as
+    :func:`tokenfan_bench.stats.difference_boots` (paired per token, or per arm on separate streams), with a
+    95% interval from independent stream-cluster bootstraps of the two runs.
 
     For arms whose difference is not 0 without a delay (Chromium's EventSource and WebSocket are not), the
     injected delay is what the delayed gateway adds to the placebo's difference: same server path
-    (``--inject-delay ws:0`` turns the one-pass write off as the real delay does), no sleep."""
+    (``--inject-delay ws:0`` turns the one-pass write off as the real delay does), no sleep. That holds
+    only if the arms do not act on each other; the browser's do when they read the same tokens
+    (:mod:`tokenfan_bench.browser_arm`), so its runs give each stream to one arm (``paired=False``)."""
     rng = np.random.default_rng(seed)
-    parts = []
-    for a, b in (cal, placebo):
-        d, streams = order_balanced_differences(a, b)
-        if not d.size:
-            return {"median": None, "ci95": [None, None], "n": 0}
-        clusters = streams if np.unique(streams).size >= MIN_CLUSTERS else np.arange(d.size)
-        parts.append((float(np.median(d)), bootstrap_medians(d, clusters, n_boot, rng), int(d.size)))
-    (m1, b1, n1), (m0, b0, n0) = parts
-    return {"median": (m1 - m0) / 1e6, "ci95": [x / 1e6 for x in _interval(b1 - b0)], "n": min(n1, n0),
-            "cal_ms": m1 / 1e6, "placebo_ms": m0 / 1e6}
+    d1, d0 = (difference_boots(a, b, paired=paired, n_boot=n_boot, rng=rng) for a, b in (cal, placebo))
+    if not (np.isfinite(d1["median"]) and np.isfinite(d0["median"])):
+        return {"median": None, "ci95": [None, None], "n": 0}
+    return {"median": (d1["median"] - d0["median"]) / 1e6,
+            "ci95": [x / 1e6 for x in _interval(d1["boots"] - d0["boots"])], "n": min(d1["n"], d0["n"]),
+            "streams": min(d1["streams"], d0["streams"]), "method": d1["method"],
+            "cal_ms": d1["median"] / 1e6, "placebo_ms": d0["median"] / 1e6}
 
 
 def contains_zero(diff: dict[str, Any]) -> bool:
@@ -336,16 +335,16 @@ class Matrix:
 
     def browser(self, p: Paths, gateway: str, arms: tuple[str, ...], tag: str) -> dict[str, Any]:
         """A browser run: the page from the first route of ``p``, each stream slot's WebSockets to a route
-        of its own (:func:`_browser_routes`). The calibration pair runs more rounds (its difference-in-
-        differences wants ``min_streams`` streams)."""
+        of its own (:func:`_browser_routes`). Each stream is read by one arm (the arms act on each other
+        when they read the same tokens: :mod:`tokenfan_bench.browser_arm`), and each arm reads at least
+        ``min_streams`` streams (slots run enough rounds), so every interval is a stream-cluster one."""
         from tokenfan_bench.browser_arm import run_browser
 
         streams = self.s.browser_streams
-        rounds = self.s.browser_rounds if arms != BROWSER_CAL else max(self.s.browser_rounds,
-                                                                        -(-self.s.min_streams // streams))
+        rounds = max(self.s.browser_rounds, -(-self.s.min_streams * len(arms) // streams))
         result = run_browser(p.arm_urls[0], arms, streams=streams, rounds=rounds, ws_origins=p.arm_urls[1:],
                              max_tokens=self.s.max_tokens, metrics_url=gateway, ramp=self.s.ramp / 2,
-                             n_boot=self.s.n_boot, seed=self.s.seed, browser=self.chromium)
+                             n_boot=self.s.n_boot, seed=self.s.seed, browser=self.chromium, separate=True)
         run = result.pop("_run")
         self._extras(run, result)
         self.runs[tag] = run
@@ -393,7 +392,8 @@ class Matrix:
                 res["browser_placebo"] = self.browser(p, placebo, BROWSER_CAL, f"{profile.name} browser placebo")
             c, z = self.runs[f"{profile.name} browser calibration"], self.runs[f"{profile.name} browser placebo"]
             res["browser_calibration"]["did_ms"] = difference_in_differences(
-                (c.arms["A"], c.arms["B"]), (z.arms["A"], z.arms["B"]), n_boot=s.n_boot, seed=s.seed)
+                (c.arms["A"], c.arms["B"]), (z.arms["A"], z.arms["B"]), paired=not c.plan.separate, n_boot=s.n_boot,
+                seed=s.seed)
         if s.browser:
             with open_paths(tls, _browser_routes(s), profile, self.logs, s.seed, probe=False) as p:
                 res["browser"] = self.browser(p, tls, BROWSER, f"{profile.name} browser")
@@ -470,8 +470,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ramp", type=float, default=1.0,
                     help="seconds over which a run's slots start (default 1; the browser's: half of it)")
     ap.add_argument("--no-browser", action="store_true", help="skip the Chromium arm")
-    ap.add_argument("--browser-streams", type=int, default=4)
-    ap.add_argument("--browser-rounds", type=int, default=3)
+    ap.add_argument("--browser-streams", type=int, default=8,
+                    help="concurrent streams in the browser's page (default 8), each read by one arm")
+    ap.add_argument("--browser-rounds", type=int, default=1,
+                    help="streams each browser slot runs in turn at least (default 1; more when an arm would read "
+                    "fewer than --min-streams)")
     ap.add_argument("--cpu-repeats", type=int, default=2, help="single-transport CPU runs per transport and "
                     "profile (default 2)")
     ap.add_argument("--bootstrap", type=int, default=1000)

@@ -160,7 +160,11 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
         "of the expected value: the resolution of the coarser instrument, Chromium's `performance.now()`."),
         (f"- Browser arm: headless Chromium (`/usr/bin/chromium`, Playwright) on the gateway's `/ab` page through "
         f"the same proxy: A `EventSource`, B `EventSource` (A/A), C streamed `fetch`, D `WebSocket`, "
-        f"{s['browser_streams']} concurrent streams × {s['browser_rounds']} rounds; receive times from "
+        f"{s['browser_streams']} concurrent streams, each read by one arm (stream *i* by arm *i* mod the arms, "
+        f"at least {s['min_streams']} streams per arm; arms compared by their medians, unpaired), as a page "
+        "reads a stream with one API: two APIs reading the same token in one browser act on each other (on "
+        "the lan placebo, EventSource read 0.6 ms later when the WebSocket copy of its token arrived "
+        "~1.5 ms before it, which made the calibration read 2.4–2.6 ms for 2.08 ms). Receive times from "
         "`performance.timeOrigin + performance.now()`, aligned to the server clock over CDP (± reported). "
         "Chromium lets one WebSocket per host and port be in its opening handshake at a time (RFC 6455 §4.1): "
         "with every stream's socket on one port, a 3g run opened them one after another, 2.7–4.5 s after "
@@ -170,9 +174,11 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
         "handshake, which is the browser's WebSocket TTFT. "
         "Chromium's EventSource and WebSocket differ without any delay, so the browser's calibration is a "
         "difference-in-differences: `EventSource, WebSocket` on the delayed gateway minus the same on a placebo "
-        "gateway (`--inject-delay ws:0`: the same server path, no sleep), each over at least 20 streams."),
-        ("- Intervals: bootstrap 95% over streams. Δ delivery is paired per token (as `tokenfan bench`); "
-        "Δ TTFT is paired per stream (unpaired for the Responses arms); Δ p99 gap is the difference of the "
+        f"gateway (`--inject-delay ws:0`: the same server path, no sleep), each arm over at least "
+        f"{s['min_streams']} streams."),
+        ("- Intervals: bootstrap 95% over streams. Δ delivery is paired per token (as `tokenfan bench`; "
+        "unpaired, the difference of the arms' medians, for the Responses and browser arms); "
+        "Δ TTFT is paired per stream (unpaired for the Responses and browser arms); Δ p99 gap is the difference of the "
         "pooled p99 inter-token gaps with streams resampled. An interval holding 0 reads *no difference "
         "resolved*. A stall is a gap > 5 × the stream's median gap and > 250 ms."),
         (f"- A proxy does *no damage* when its tokens are not held back: an equivalence test (two one-sided "
@@ -221,7 +227,7 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
     lines.append("")
     lines += [f"![TTFT p50 per profile and transport]({rel}/ttft.png)", "",
               f"![inter-token gap p50 and p99]({rel}/gaps.png)", "",
-              f"![paired differences with intervals]({rel}/diffs.png)", ""]
+              f"![delivery differences with intervals]({rel}/diffs.png)", ""]
     # per profile
     for name, p in results["profiles"].items():
         lines += [f"## {name}: {p['network']['profile']['describe']}", ""]
@@ -230,8 +236,9 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
         lines += ["Responses API (unpaired):", "", *arm_table(p["responses"]), ""]
         if p.get("browser"):
             b = p["browser"]["browser"]
-            lines += [(f"Browser (Chromium; clock offset {b['clock_offset_ms']:+.3f} ms ± "
-                      f"{b['clock_uncertainty_ms']:.3f} ms; texts identical: {b['texts_identical']}):"), "",
+            how = "one arm per stream, unpaired" if p["browser"].get("separate_streams") else "paired"
+            lines += [(f"Browser (Chromium, {how}; clock offset {b['clock_offset_ms']:+.3f} ms ± "
+                      f"{b['clock_uncertainty_ms']:.3f} ms; texts identical per seed: {b['texts_identical']}):"), "",
                       *arm_table(p["browser"]), ""]
         lines += [f"A/A: socket {_aa(p['levels'][level0])}; Responses {_aa(p['responses'])}"
                   + (f"; browser {_aa(p['browser'])}" if p.get("browser") else "") + ".",
@@ -416,7 +423,7 @@ def _symlog_limits(lo: float, hi: float, linthresh: float, pad: float = 1.6) -> 
 
 
 def _plot_diffs(results: dict[str, Any], level0: str, path: Path) -> None:
-    """Forest plot: per profile, the paired delivery differences vs A with their intervals."""
+    """Forest plot: per profile, the delivery differences vs A with their intervals."""
     plt = _plt()
     rows: list[tuple[str, dict[str, Any]]] = []
     for name, p in results["profiles"].items():
@@ -444,7 +451,7 @@ def _plot_diffs(results: dict[str, Any], level0: str, path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xscale("symlog", linthresh=0.1)
     ax.set_xlim(*_symlog_limits(min(ends), max(ends), 0.1))
-    ax.set_xlabel("median paired delivery difference (ms), 95% CI")
+    ax.set_xlabel("median delivery difference (ms), 95% CI (browser: unpaired, one arm per stream)")
     ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

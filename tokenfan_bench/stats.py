@@ -240,39 +240,46 @@ def bootstrap_medians(values: np.ndarray, clusters: np.ndarray, n_boot: int,
     return out
 
 
-def median_difference(a: ArmSamples, b: ArmSamples, *, paired: bool, n_boot: int = 2000,
-                      seed: int = 0) -> dict[str, Any]:
-    """Median B - A delivery latency (ms) with a bootstrap 95% CI (see the module docstring)."""
-    rng = np.random.default_rng(seed)
+def difference_boots(a: ArmSamples, b: ArmSamples, *, paired: bool, n_boot: int,
+                     rng: np.random.Generator) -> dict[str, Any]:
+    """Median B - A delivery latency (ns) and ``n_boot`` bootstrap replicates of it: paired per token
+    (write order balanced) when both arms read the same streams, else the difference of the two arms'
+    medians, each arm's streams resampled on their own. Streams are the clusters when there are
+    ``MIN_CLUSTERS`` of them (per arm when unpaired), else tokens."""
     if paired:
         d, s = order_balanced_differences(a, b)
         n_clusters = int(np.unique(s).size)
         clusters = s if n_clusters >= MIN_CLUSTERS else np.arange(d.size)
-        median = float(np.median(d)) if d.size else float("nan")
-        boots = bootstrap_medians(d, clusters, n_boot, rng)
-        method = "paired per token pair (write order balanced), " + ("stream-cluster bootstrap"
-                                                                       if n_clusters >= MIN_CLUSTERS
-                                          else "token bootstrap (few streams)")
-        n = int(d.size)
-    else:
-        da, db = delivery_ns(a), delivery_ns(b)
-        ma, mb = a.content & a.live, b.content & b.live
-        sa, sb = a.stream[ma], b.stream[mb]
-        ka, kb = np.unique(sa).size, np.unique(sb).size
-        ca = sa if ka >= MIN_CLUSTERS else np.arange(da.size)
-        cb = sb if kb >= MIN_CLUSTERS else np.arange(db.size)
-        median = float(np.median(db) - np.median(da)) if da.size and db.size else float("nan")
-        boots = bootstrap_medians(db, cb, n_boot, rng) - bootstrap_medians(da, ca, n_boot, rng)
-        method = "unpaired difference of medians, stream-cluster bootstrap"
-        n, n_clusters = int(min(da.size, db.size)), int(min(ka, kb))
+        return {"median": float(np.median(d)) if d.size else float("nan"),
+                "boots": bootstrap_medians(d, clusters, n_boot, rng), "n": int(d.size), "streams": n_clusters,
+                "method": "paired per token pair (write order balanced), "
+                          + ("stream-cluster bootstrap" if n_clusters >= MIN_CLUSTERS else "token bootstrap (few streams)")}
+    da, db = delivery_ns(a), delivery_ns(b)
+    sa, sb = a.stream[a.content & a.live], b.stream[b.content & b.live]
+    ka, kb = np.unique(sa).size, np.unique(sb).size
+    ca = sa if ka >= MIN_CLUSTERS else np.arange(da.size)
+    cb = sb if kb >= MIN_CLUSTERS else np.arange(db.size)
+    return {"median": float(np.median(db) - np.median(da)) if da.size and db.size else float("nan"),
+            "boots": bootstrap_medians(db, cb, n_boot, rng) - bootstrap_medians(da, ca, n_boot, rng),
+            "n": int(min(da.size, db.size)), "streams": int(min(ka, kb)),
+            "method": "unpaired difference of medians, "
+                      + ("stream-cluster bootstrap" if min(ka, kb) >= MIN_CLUSTERS else "token bootstrap (few streams)")}
+
+
+def median_difference(a: ArmSamples, b: ArmSamples, *, paired: bool, n_boot: int = 2000,
+                      seed: int = 0) -> dict[str, Any]:
+    """Median B - A delivery latency (ms) with a bootstrap 95% CI (see the module docstring)."""
+    d = difference_boots(a, b, paired=paired, n_boot=n_boot, rng=np.random.default_rng(seed))
+    boots = d["boots"]
     lo, hi = (np.percentile(boots, [2.5, 97.5]) if np.isfinite(boots).all() else (np.nan, np.nan))
     # The bootstrap covers sampling noise only. Widen by the client's systematic floor (see
     # SYSTEMATIC_FLOOR_NS) so that an A/A run's interval is honest about what cannot be resolved.
-    return {"median": median / NS_PER_MS,
+    return {"median": d["median"] / NS_PER_MS,
             "ci95": [float(lo - SYSTEMATIC_FLOOR_NS) / NS_PER_MS, float(hi + SYSTEMATIC_FLOOR_NS) / NS_PER_MS],
             "ci95_sampling": [float(lo) / NS_PER_MS, float(hi) / NS_PER_MS],
             "systematic_floor_ms": SYSTEMATIC_FLOOR_NS / NS_PER_MS,
-            "paired": paired, "method": method, "n": n, "streams": n_clusters, "n_boot": n_boot, "seed": seed}
+            "paired": paired, "method": d["method"], "n": d["n"], "streams": d["streams"], "n_boot": n_boot,
+            "seed": seed}
 
 
 def saturation_point(levels: list[int], p99_ms: list[float | None], threshold_ms: float = 50.0) -> int | None:

@@ -30,7 +30,7 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
     assert profile["network"]["profile"]["measured"]["rtt_ms"] > 0
     runs = {"fan-out": (profile["levels"][str(streams)], FANOUT, streams),
             "responses": (profile["responses"], RESPONSES, streams),
-            "browser": (profile["browser"], BROWSER, 2)}
+            "browser": (profile["browser"], BROWSER, 1)}  # 2 slots x 2 rounds, each stream read by one arm
     for what, (run, arms, subscribers) in runs.items():
         assert [a["transport"].removeprefix("browser-") for a in run["arms"].values()] == list(arms), what
         for a in run["arms"].values():
@@ -39,6 +39,8 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
         assert set(run["ttft_diffs_ms"]) == set(run["gap_p99_diffs_ms"]) == {f"{k}-A" for k in list(run["arms"])[1:]}
         assert set(run["stalls"]) == set(run["arms"])
     assert profile["browser_calibration"]["did_ms"]["n"] > 0  # the difference-in-differences was measured
+    for run in ("browser", "browser_calibration", "browser_placebo"):
+        assert profile[run]["separate_streams"] is True, run  # one arm per stream: arms read no token twice
     assert profile["browser"]["browser"]["texts_identical"] is True
     for cal in ("calibration", "browser_calibration"):
         assert all(a["errors"] == 0 for a in profile[cal]["arms"].values()), cal

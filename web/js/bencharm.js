@@ -1,12 +1,17 @@
 // The bench's browser arm (tokenfan_bench/browser_arm.py drives it through Playwright): `streams` slots
-// each create `rounds` fan-out streams one after another, and every arm subscribes to each stream from
-// this page with the browser's own API: "es" EventSource, "fetch" a streamed fetch of the same
+// each create `rounds` fan-out streams one after another, and every arm (or one, `separate`) subscribes to
+// each stream from this page with the browser's own API: "es" EventSource, "fetch" a streamed fetch of the same
 // events_url, "ws" WebSocket. Per chunk it keeps [seq, emit_ns, sent_ns, receive ms, deltas, content]
 // with the receive time taken first thing in the handler (performance.timeOrigin + performance.now());
 // the bench aligns that clock with the server's and computes the metrics as for its socket clients.
 // `wsOrigins` (optional): slot i opens its WebSockets to wsOrigins[i] (another port of the shaping
 // proxy): Chromium opens one WebSocket per host:port at a time, so on a slow path sockets sharing one
 // port open one after another, after their streams have ended.
+// `separate`: each stream is read by one arm only (stream id mod the number of arms), as a page reads a
+// stream with one API. Two APIs reading the same token in one browser are not independent: on the
+// bench's calibration, EventSource read 0.6 ms later when the WebSocket copy of its token arrived 1.5 ms
+// before it than when it arrived after it (tokenfan_bench/browser_arm.py has the figures). Every stream
+// of round r has seed r, so every arm's text can be compared for the same seed.
 
 import { authHeaders, createStream, epochMs, samePath } from "./api.js";
 import { SSEParser } from "./sse.js";
@@ -66,8 +71,8 @@ function row(chunk, recvMs) {
   return [tf.seq ?? -1, tf.emit_ns ?? 0, tf.sent_ns ?? 0, recvMs, tf.coalesced || 1, piece ? 1 : 0];
 }
 
-async function subscribeOne(arm, index, stream, id, postMs, timeoutMs, wsOrigin) {
-  const rec = { arm: index, stream: id, postMs, openMs: null, rows: [], text: "", error: null };
+async function subscribeOne(arm, index, stream, id, seed, postMs, timeoutMs, wsOrigin) {
+  const rec = { arm: index, stream: id, seed, postMs, openMs: null, rows: [], text: "", error: null };
   const sub = new SUBSCRIPTIONS[arm]({
     timeoutMs,
     origin: arm === "ws" ? wsOrigin : undefined,
@@ -93,7 +98,7 @@ async function subscribeOne(arm, index, stream, id, postMs, timeoutMs, wsOrigin)
 
 /**
  * @param {{arms: string[], streams: number, rounds: number, maxTokens: number, timeoutMs: number, ramp: number,
- *   wsOrigins?: string[]}} cfg
+ *   wsOrigins?: string[], separate?: boolean}} cfg
  * @returns {Promise<object[]>} one record per subscriber
  */
 export async function run(cfg) {
@@ -106,15 +111,17 @@ export async function run(cfg) {
       let stream;
       try {
         stream = await createStream({ endpoint: "chat.completions", max_tokens: cfg.maxTokens, ignore_eos: true,
-          seed: id, messages: [{ role: "user", content: "tokenfan bench" }] });
+          seed: r, messages: [{ role: "user", content: "tokenfan bench" }] });
       } catch (err) {
-        cfg.arms.forEach((_, k) => out.push({ arm: k, stream: id, postMs, openMs: null, rows: [], text: "",
+        cfg.arms.forEach((_, k) => out.push({ arm: k, stream: id, seed: r, postMs, openMs: null, rows: [], text: "",
           error: `POST /v1/streams: ${err.message || err}` }));
         continue;
       }
-      const order = cfg.arms.map((arm, k) => [arm, k]).sort(() => Math.random() - 0.5); // no arm always first
+      const order = cfg.separate
+        ? [[cfg.arms[id % cfg.arms.length], id % cfg.arms.length]] // one arm per stream, every arm in turn
+        : cfg.arms.map((arm, k) => [arm, k]).sort(() => Math.random() - 0.5); // no arm always first
       const wsOrigin = cfg.wsOrigins && cfg.wsOrigins.length ? cfg.wsOrigins[i % cfg.wsOrigins.length] : undefined;
-      out.push(...await Promise.all(order.map(([arm, k]) => subscribeOne(arm, k, stream, id, postMs,
+      out.push(...await Promise.all(order.map(([arm, k]) => subscribeOne(arm, k, stream, id, r, postMs,
         cfg.timeoutMs, wsOrigin))));
     }
   };

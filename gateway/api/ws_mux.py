@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from starlette.websockets import WebSocket
@@ -116,9 +118,11 @@ class Session(WsSession):
         if isinstance(msg, Cancel):
             task = self.tasks.get(msg.id)
             if task is not None:
+                if inspect.getcoroutinestate(cast(Coroutine[Any, Any, None], task.get_coro())) == inspect.CORO_CREATED:
+                    self._send_cancelled(msg.id)  # started but not yet run: it ends before sending anything
                 task.cancel()
             elif self.lanes.cancel(msg.id):
-                self.send_text(orjson.dumps({"type": "done", "id": msg.id, "cancelled": True}).decode())
+                self._send_cancelled(msg.id)
             else:
                 self.send_error(msg.id, APIError(404, f"No active request with id {msg.id!r}.", param="id",
                                                  code="not_found"))
@@ -145,6 +149,9 @@ class Session(WsSession):
         if not self.closing and not self.cut.is_set():
             self._start(started)
 
+    def _send_cancelled(self, request_id: str) -> None:
+        self.send_text(orjson.dumps({"type": "done", "id": request_id, "cancelled": True}).decode())
+
     def send_error(self, cid: str | None, err: APIError) -> None:
         self.send_text(orjson.dumps({"type": "error", "id": cid, "error": err.body()["error"]}).decode(), err)
 
@@ -164,8 +171,8 @@ class Session(WsSession):
                 await self.write(outcome.ending.frame)
         except (APIError, EngineError) as exc:
             self.send_error(req.id, to_api_error(exc))
-        except asyncio.CancelledError:
-            if stream is not None and not self.conn.closed and not self.cut.is_set():
+        except asyncio.CancelledError:  # the client's cancel (or the session's end: nobody left to tell)
+            if not self.closing and not self.conn.closed and not self.cut.is_set():
                 await asyncio.shield(self.write(orjson.dumps({"type": "done", "id": req.id, "cancelled": True}).decode()))
             raise
         finally:

@@ -127,6 +127,37 @@ def test_websocket_cancel_aborts_in_the_engine(gateway_url: str) -> None:
     wait_until(lambda: engine_load(gateway_url) == (0, 0), what="engine idle")
 
 
+def test_every_websocket_request_cancelled_at_any_point_ends_with_one_done(gateway_url: str) -> None:
+    """Requests cancelled while running, while queued, and the instant they start (before their task first
+    ran, as when a cancelled request frees the slot of a queued one): each gets exactly one final message."""
+    n = 120  # beyond --ws-max-in-flight + --ws-max-queued (32 + 64 by default): some are refused
+
+    async def run() -> dict[str, list[dict]]:
+        finals: dict[str, list[dict]] = {}
+        async with websockets.connect(gateway_url.replace("http", "ws") + "/v1/ws", max_queue=None) as ws:
+            for i in range(n):
+                await ws.send(json.dumps({"type": "request", "id": str(i), "body": {
+                    "messages": [{"role": "user", "content": "x"}], "max_tokens": 1500}}))
+            for i in range(n):
+                await ws.send(json.dumps({"type": "cancel", "id": str(i)}))
+            while sum(1 for v in finals.values() if v) < n:
+                msg = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                if msg["type"] == "error" and msg["error"]["code"] == "not_found":
+                    continue  # the cancel of a request that was refused
+                if msg["type"] != "chunk":
+                    finals.setdefault(msg["id"], []).append(msg)
+        return finals
+
+    finals = asyncio.run(run())
+    assert sorted(finals, key=int) == [str(i) for i in range(n)]
+    assert all(len(v) == 1 for v in finals.values()), {k: v for k, v in finals.items() if len(v) != 1}
+    done = [k for k, (m,) in finals.items() if m["type"] == "done"]
+    assert all(finals[k][0] == {"type": "done", "id": k, "cancelled": True} for k in done), [finals[k] for k in done]
+    assert len(done) >= 32 + 64 and {m["error"]["code"] for (m,) in finals.values() if m["type"] == "error"} \
+        <= {"connection_queue_limit"}
+    wait_until(lambda: engine_load(gateway_url) == (0, 0), what="engine idle")
+
+
 def test_sse_client_that_leaves_aborts_the_generation(gateway_url: str) -> None:
     before = metric(gateway_url, "tokenfan_requests_aborted_total")
     with httpx.stream("POST", gateway_url + "/v1/chat/completions", json={

@@ -62,12 +62,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # The three vLLM processes a session may need; each boot costs ~35 s of one core (importing torch and vLLM
-# in the front, EngineCore and worker processes), so the first test that needs any of them starts every
-# one the session's collected tests need, and they boot side by side instead of one after another.
+# in the front, EngineCore and worker processes). Without xdist they start with the session's first test,
+# side by side and at the lowest CPU priority (BOOT_NICE), and the modules that need them run last
+# (pytest_collection_modifyitems): the boot takes the CPU the other tests leave idle and delays none of them.
+# Under xdist the first test that needs any of them starts every one the session's collected tests need.
+BOOT_NICE = 19
+# The differential pair runs its requests side by side (test_vllm_parity.both): one OpenMP thread each, so
+# on 2 cores neither engine's thread pool spins against the other's.
+ONE_THREAD = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
 def _start_vllm_engine(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
     address = f"ipc://{ipc_dir / 'vllm.sock'}"
     return start_engine(address, "--engine", "vllm", "--model", str(model), "--max-model-len", "512",
-                        name="engine-vllm"), address
+                        name="engine-vllm", nice=BOOT_NICE), address
 
 
 def _start_parser_gateway(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
@@ -76,17 +84,17 @@ def _start_parser_gateway(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
                   "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
                   "--kv-cache-gib", "1", "--engine-address", f"ipc://{ipc_dir / 'parser.sock'}",
                   "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *PARSER_FLAGS],
-                 "tokenfan-parser", env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+                 "tokenfan-parser", env=ONE_THREAD, nice=BOOT_NICE)
     return proc, f"http://127.0.0.1:{port}"
 
 
 def _start_vllm_serve(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
     port = free_port()
-    env = {"VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    env = {"VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **ONE_THREAD}
     proc = spawn(["-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                   "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
                   "--enforce-eager", "--disable-log-stats", "--host", "127.0.0.1", "--port", str(port),
-                  *PARSER_FLAGS], "vllm-serve", env=env)
+                  *PARSER_FLAGS], "vllm-serve", env=env, nice=BOOT_NICE)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -121,7 +129,9 @@ def _groups_file(config: pytest.Config) -> Path:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     path = getattr(config, "workerinput", {}).get(GROUPS_FILE)
-    if path is None:
+    if path is None:  # no xdist: the modules that need a vLLM process last, while it boots (see BOOT_NICE)
+        vllm_modules = {item.nodeid.split("::")[0] for item in items if needs_vllm(item)}
+        items.sort(key=lambda item: item.nodeid.split("::")[0] in vllm_modules)
         return
     groups = {item.nodeid: "vllm" if needs_vllm(item) else item.nodeid.split("::")[0] for item in items}
     tmp = Path(f"{path}.{os.getpid()}")
@@ -175,6 +185,13 @@ def vllm_boot(request: pytest.FixtureRequest, tiny_model: Path, ipc_dir: Path) -
         yield boot
     finally:
         boot.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _boot_vllm_first(request: pytest.FixtureRequest) -> None:
+    """Without xdist: start the vLLM processes the session needs with its first test (see BOOT_NICE)."""
+    if getattr(request.config, "workerinput", None) is None and any(map(needs_vllm, request.session.items)):
+        request.getfixturevalue("vllm_boot")
 
 
 @pytest.fixture(scope="session")

@@ -77,18 +77,20 @@ def stop_all(procs: Iterable[Proc], timeout: float = 20.0) -> None:
         proc.wait(max(0.0, deadline - time.monotonic()))
 
 
-def spawn(args: list[str], name: str, env: dict[str, str] | None = None) -> Proc:
+def spawn(args: list[str], name: str, env: dict[str, str] | None = None, nice: int = 0) -> Proc:
+    """``python <args>`` in its own session, output in ``test-artifacts/<name>-….log``; ``nice`` > 0 runs it
+    (and its children) at that lower CPU priority."""
     ARTIFACTS.mkdir(exist_ok=True)
     log_path = ARTIFACTS / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
     out = open(log_path, "wb")  # noqa: SIM115 - the process's stdout while it runs
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-    popen = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=full_env,
-                             cwd=ROOT, start_new_session=True)
+    popen = subprocess.Popen([*(["nice", "-n", str(nice)] if nice else []), sys.executable, *args], stdout=out,
+                             stderr=subprocess.STDOUT, env=full_env, cwd=ROOT, start_new_session=True)
     return Proc(popen, log_path)
 
 
-def start_engine(address: str, *args: str, name: str = "engine") -> Proc:
-    return spawn(["-m", "engine_worker", "--address", address, *args], name)
+def start_engine(address: str, *args: str, name: str = "engine", nice: int = 0) -> Proc:
+    return spawn(["-m", "engine_worker", "--address", address, *args], name, nice=nice)
 
 
 class StartGateway(Protocol):

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -107,12 +109,21 @@ REFUSALS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 IGNORED = {"id", "created", "system_fingerprint"}
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
 def servers(vllm_serve: str, parser_gateway: str) -> dict[str, str]:
     """``vllm serve`` and the session's ``tokenfan serve`` (``parser_gateway``) on the same model and flags."""
     return {"vllm": vllm_serve, "tokenfan": parser_gateway}
+
+
+def both(call: Callable[..., T], servers: dict[str, str], *args: Any) -> dict[str, T]:
+    """``call(url, *args)`` on every server at once (the two engines are separate processes, so a comparison
+    waits for the slower of the two instead of their sum)."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        futures = {name: pool.submit(call, url, *args) for name, url in servers.items()}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def _post(url: str, endpoint: str, body: dict[str, Any]) -> httpx.Response:
@@ -185,7 +196,7 @@ def assembled(chunks: list[dict[str, Any]]) -> dict[str, Any]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_same_response_as_vllm_serve(servers: dict[str, str], case: str) -> None:
     endpoint, body = CASES[case]
-    answers = {name: _post(url, endpoint, body) for name, url in servers.items()}
+    answers = both(_post, servers, endpoint, body)
     assert answers["vllm"].status_code == 200, answers["vllm"].text
     assert answers["tokenfan"].status_code == 200, answers["tokenfan"].text
     theirs, ours = answers["vllm"].json(), answers["tokenfan"].json()
@@ -206,8 +217,8 @@ def first(chunks: list[dict[str, Any]], endpoint: str) -> dict[str, Any]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_same_chunks_as_vllm_serve(servers: dict[str, str], case: str) -> None:
     endpoint, body = CASES[case]
-    theirs = _stream(servers["vllm"], endpoint, body)
-    ours = _stream(servers["tokenfan"], endpoint, body)
+    streams = both(_stream, servers, endpoint, body)
+    theirs, ours = streams["vllm"], streams["tokenfan"]
     close(assembled(ours), assembled(theirs))
     close(first(ours, endpoint), first(theirs, endpoint))
     close(strip(ours[-1]), strip(theirs[-1]))  # the usage chunk
@@ -242,7 +253,7 @@ def test_same_refusals_as_vllm_serve(servers: dict[str, str], case: str) -> None
     (200, then an error event) is refused inside tokenfan's stream as well."""
     endpoint, body = REFUSALS[case]
     for sent in (body, {**body, "stream": True}):
-        answers = {name: _post(url, endpoint, sent) for name, url in servers.items()}
+        answers = both(_post, servers, endpoint, sent)
         theirs, ours = answers["vllm"], answers["tokenfan"]
         if sent.get("stream") and theirs.status_code == 200 and '"error"' not in theirs.text:
             continue  # valid once streamed (stream_options)
@@ -300,8 +311,8 @@ def test_the_gateway_hot_path_is_untouched_for_plain_requests(servers: dict[str,
     """A plain request on a parser-less engine keeps tokenfan's own chunks (asserted elsewhere against
     vllm serve); here: a parser-configured engine answers plain chat through vLLM's layer, so the reasoning
     field appears exactly where vllm serve puts it."""
-    ours = _post(servers["tokenfan"], "chat", {"messages": USER, "max_tokens": 3, "temperature": 0}).json()
-    theirs = _post(servers["vllm"], "chat", {"messages": USER, "max_tokens": 3, "temperature": 0}).json()
+    answers = both(_post, servers, "chat", {"messages": USER, "max_tokens": 3, "temperature": 0})
+    ours, theirs = answers["tokenfan"].json(), answers["vllm"].json()
     assert ours["choices"][0]["message"]["reasoning"] == theirs["choices"][0]["message"]["reasoning"]
 
 
@@ -400,7 +411,9 @@ def _comparable(view: dict[str, Any], constrained: bool) -> dict[str, Any]:
 @pytest.mark.parametrize("case", sorted(RESPONSES))
 def test_same_response_objects_as_vllm_serve(servers: dict[str, str], case: str) -> None:
     body, constrained = RESPONSES[case]
-    answers = {name: _respond(url, body) for name, url in servers.items()}
+    with ThreadPoolExecutor(1) as pool:
+        chat = pool.submit(_post, servers["vllm"], *CASES[case])  # the same conversation as chat, meanwhile
+        answers = both(_respond, servers, body)
     assert answers["vllm"].status_code == 200, answers["vllm"].text
     assert answers["tokenfan"].status_code == 200, answers["tokenfan"].text
     ours, theirs = _response_view(answers["tokenfan"].json()), _response_view(answers["vllm"].json())
@@ -408,28 +421,29 @@ def test_same_response_objects_as_vllm_serve(servers: dict[str, str], case: str)
     assert ours["input_tokens"] == theirs["input_tokens"] - 1  # their second BOS token
     if constrained:
         assert ours["status"] == theirs["status"] == "completed"
-    chat_endpoint, chat_body = CASES[case]
-    assert _chat_view(_post(servers["vllm"], chat_endpoint, chat_body).json()) == ours
+    assert _chat_view(chat.result().json()) == ours
 
 
 @pytest.mark.parametrize("case", sorted(RESPONSES))
 def test_same_response_events_as_vllm_serve(servers: dict[str, str], case: str) -> None:
     body, constrained = RESPONSES[case]
-    ours, our_types = _streamed_view(servers["tokenfan"], body)
-    theirs, their_types = _streamed_view(servers["vllm"], body)
+    with ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(_respond, servers["tokenfan"], body)  # the same request not streamed, meanwhile
+        views = both(_streamed_view, servers, body)
+    (ours, our_types), (theirs, their_types) = views["tokenfan"], views["vllm"]
     assert _comparable(ours, constrained) == _comparable(theirs, constrained)
     # the same kinds of events before the end (vllm serve ends a max_output_tokens stream with response.completed
     # although its object says incomplete; tokenfan sends response.incomplete in both)
     ends = {"response.completed", "response.incomplete"}
     assert set(our_types) - ends == set(their_types) - ends
     assert our_types[-1] == ("response.incomplete" if ours["status"] == "incomplete" else "response.completed")
-    assert ours == _response_view(_respond(servers["tokenfan"], body).json())  # streamed = not streamed
+    assert ours == _response_view(whole.result().json())  # streamed = not streamed
 
 
 @pytest.mark.parametrize("case", sorted(RESPONSES_REFUSALS))
 def test_same_responses_refusals_as_vllm_serve(servers: dict[str, str], case: str) -> None:
     body = RESPONSES_REFUSALS[case]
-    answers = {name: _respond(url, body) for name, url in servers.items()}
+    answers = both(_respond, servers, body)
     assert answers["tokenfan"].status_code == answers["vllm"].status_code == 400, (
         answers["tokenfan"].text, answers["vllm"].text)
     assert answers["tokenfan"].json()["error"]["message"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -50,18 +51,24 @@ def _every_request_succeeds(url: str) -> list[int]:
     return statuses
 
 
+def _cold_start(attempt: int) -> None:
+    port = free_port()
+    proc = _serve(port, f"serve-workers-cold-{attempt}")
+    try:
+        _first_200(f"http://127.0.0.1:{port}", proc)
+        statuses = _every_request_succeeds(f"http://127.0.0.1:{port}")
+        assert statuses == [200] * REQUESTS, (attempt, statuses)
+        health = httpx.get(f"http://127.0.0.1:{port}/health").json()
+        assert health["workers"]["configured"] == 2
+    finally:
+        assert proc.stop() == 0, proc.log()[-3000:]
+
+
 def test_every_request_after_the_first_health_200_succeeds_from_a_cold_start() -> None:
-    for attempt in range(3):
-        port = free_port()
-        proc = _serve(port, f"serve-workers-cold-{attempt}")
-        try:
-            _first_200(f"http://127.0.0.1:{port}", proc)
-            statuses = _every_request_succeeds(f"http://127.0.0.1:{port}")
-            assert statuses == [200] * REQUESTS, (attempt, statuses)
-            health = httpx.get(f"http://127.0.0.1:{port}/health").json()
-            assert health["workers"]["configured"] == 2
-        finally:
-            assert proc.stop() == 0, proc.log()[-3000:]
+    """Three cold starts side by side (each its own server, engine and port)."""
+    with ThreadPoolExecutor(3) as pool:
+        for done in [pool.submit(_cold_start, attempt) for attempt in range(3)]:
+            done.result()
 
 
 def test_a_worker_takes_no_connections_on_the_shared_port_until_its_engine_link_is_up(ipc_dir: Path) -> None:

@@ -9,6 +9,7 @@ import pytest
 from tokenfan_bench.browser_arm import samples
 from tokenfan_bench.clients import Plan, Worker
 from tokenfan_bench.matrix import (
+    _pooled,
     contains_zero,
     difference_in_differences,
     equivalent,
@@ -184,3 +185,12 @@ def test_difference_in_differences_on_separate_streams_compares_the_arms_medians
     assert d["streams"] == 25 and "unpaired" in d["method"]
     # paired, the arms have no token in common: nothing to compare
     assert difference_in_differences(cal, base, paired=True, n_boot=50, seed=0)["median"] is None
+
+
+def test_pooled_runs_keep_their_streams_apart():
+    from types import SimpleNamespace
+
+    runs = [SimpleNamespace(arms={"A": arm(25, 12), "B": arm(25, 12, shift_ms=1.0)}) for _ in range(2)]
+    a, b = _pooled(runs)  # type: ignore[arg-type]
+    assert np.unique(a.stream).size == 50 and np.unique(b.sub_stream).size == 50
+    assert a.recv_ns.size == 2 * 25 * 12 and a.transport == "sse"

@@ -65,7 +65,8 @@ def _cal_diff(r: dict[str, Any]) -> dict[str, Any]:
 
 def _cal(r: dict[str, Any], expected: float) -> str:
     d = _cal_diff(r)
-    return f"{_ci(d, 3)} {'✓ recovered' if recovered(d, expected) else '✗ not recovered'}"
+    pairs = f" ({d['pairs']} run pairs)" if d.get("pairs", 1) > 1 else ""
+    return f"{_ci(d, 3)}{pairs} {'✓ recovered' if recovered(d, expected) else '✗ not recovered'}"
 
 
 def _verdicts(r: dict[str, Any], ref: str, others: dict[str, str]) -> dict[str, str]:
@@ -160,7 +161,7 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
         "of the expected value: the resolution of the coarser instrument, Chromium's `performance.now()`."),
         (f"- Browser arm: headless Chromium (`/usr/bin/chromium`, Playwright) on the gateway's `/ab` page through "
         f"the same proxy: A `EventSource`, B `EventSource` (A/A), C streamed `fetch`, D `WebSocket`, "
-        f"{s['browser_streams']} concurrent streams, each read by one arm (stream *i* by arm *i* mod the arms, "
+        f"{s['browser_streams']} concurrent streams, each read by one arm (arms dealt to streams in shuffled blocks, "
         f"at least {s['min_streams']} streams per arm; arms compared by their medians, unpaired), as a page "
         "reads a stream with one API: two APIs reading the same token in one browser act on each other (on "
         "the lan placebo, EventSource read 0.6 ms later when the WebSocket copy of its token arrived "
@@ -175,7 +176,8 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
         "Chromium's EventSource and WebSocket differ without any delay, so the browser's calibration is a "
         "difference-in-differences: `EventSource, WebSocket` on the delayed gateway minus the same on a placebo "
         f"gateway (`--inject-delay ws:0`: the same server path, no sleep), each arm over at least "
-        f"{s['min_streams']} streams."),
+        f"{s['min_streams']} streams; while its interval is wider than ± half the injected delay, another pair of "
+        f"runs is pooled in (at most {s.get('browser_cal_runs', 1)} pairs; the rule looks at the width only)."),
         ("- Intervals: bootstrap 95% over streams. Δ delivery is paired per token (as `tokenfan bench`; "
         "unpaired, the difference of the arms' medians, for the Responses and browser arms); "
         "Δ TTFT is paired per stream (unpaired for the Responses and browser arms); Δ p99 gap is the difference of the "

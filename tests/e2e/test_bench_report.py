@@ -24,6 +24,7 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
     assert bench_main(["report", "--profiles", "rtt=10ms,jitter=2ms,down=10mbit,up=5mbit", "--via-profiles", "lan",
                        "--levels", str(streams), "--max-tokens", str(tokens), "--rate", "50", "--ttft-ms", "100", "--ramp", "0.2",
                        "--browser-streams", "2", "--browser-rounds", "1", "--min-streams", "1", "--cpu-repeats", "1",
+                       "--browser-calibration-runs", "2",
                        "--bootstrap", "100", "--out", str(out), "--data", str(data)]) == 0
     results = json.loads((data / "results.json").read_text())
     (name, profile), = results["profiles"].items()
@@ -39,6 +40,7 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
         assert set(run["ttft_diffs_ms"]) == set(run["gap_p99_diffs_ms"]) == {f"{k}-A" for k in list(run["arms"])[1:]}
         assert set(run["stalls"]) == set(run["arms"])
     assert profile["browser_calibration"]["did_ms"]["n"] > 0  # the difference-in-differences was measured
+    assert 1 <= profile["browser_calibration"]["did_ms"]["pairs"] <= 2  # more pairs only while too wide
     for run in ("browser", "browser_calibration", "browser_placebo"):
         assert profile[run]["separate_streams"] is True, run  # one arm per stream: arms read no token twice
     assert profile["browser"]["browser"]["texts_identical"] is True

@@ -7,7 +7,7 @@
 // `wsOrigins` (optional): slot i opens its WebSockets to wsOrigins[i] (another port of the shaping
 // proxy): Chromium opens one WebSocket per host:port at a time, so on a slow path sockets sharing one
 // port open one after another, after their streams have ended.
-// `separate`: each stream is read by one arm only (stream id mod the number of arms), as a page reads a
+// `separate`: each stream is read by one arm only (dealt in shuffled blocks: see deal()), as a page reads a
 // stream with one API. Two APIs reading the same token in one browser are not independent: on the
 // bench's calibration, EventSource read 0.6 ms later when the WebSocket copy of its token arrived 1.5 ms
 // before it than when it arrived after it (tokenfan_bench/browser_arm.py has the figures). Every stream
@@ -97,12 +97,32 @@ async function subscribeOne(arm, index, stream, id, seed, postMs, timeoutMs, wsO
 }
 
 /**
+ * Stream id -> arm for `separate` runs: every block of `arms` consecutive ids gets each arm once, in a
+ * shuffled order, so arms read equally many streams and no slot keeps one arm (a slot's streams keep
+ * their timing relative to other slots' from round to round, a slot-level effect that would otherwise
+ * go with one arm).
+ */
+function deal(arms, ids) {
+  const out = [];
+  while (out.length < ids) {
+    const block = Array.from({ length: arms }, (_, k) => k);
+    for (let k = arms - 1; k > 0; k--) {
+      const j = Math.floor(Math.random() * (k + 1));
+      [block[k], block[j]] = [block[j], block[k]];
+    }
+    out.push(...block);
+  }
+  return out;
+}
+
+/**
  * @param {{arms: string[], streams: number, rounds: number, maxTokens: number, timeoutMs: number, ramp: number,
  *   wsOrigins?: string[], separate?: boolean}} cfg
  * @returns {Promise<object[]>} one record per subscriber
  */
 export async function run(cfg) {
   const out = [];
+  const dealt = deal(cfg.arms.length, cfg.streams * cfg.rounds);
   const slot = async (i) => {
     await new Promise((r) => setTimeout(r, Math.random() * cfg.ramp * 1000));
     for (let r = 0; r < cfg.rounds; r++) {
@@ -118,7 +138,7 @@ export async function run(cfg) {
         continue;
       }
       const order = cfg.separate
-        ? [[cfg.arms[id % cfg.arms.length], id % cfg.arms.length]] // one arm per stream, every arm in turn
+        ? [[cfg.arms[dealt[id]], dealt[id]]] // one arm per stream
         : cfg.arms.map((arm, k) => [arm, k]).sort(() => Math.random() - 0.5); // no arm always first
       const wsOrigin = cfg.wsOrigins && cfg.wsOrigins.length ? cfg.wsOrigins[i % cfg.wsOrigins.length] : undefined;
       out.push(...await Promise.all(order.map(([arm, k]) => subscribeOne(arm, k, stream, id, r, postMs,

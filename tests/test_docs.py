@@ -36,6 +36,7 @@ FOREIGN_FLAGS = {
     "docker": {"--build", "--build-arg", "--rm"},
     "pip": {"--no-deps"},
     "kubectl": {"--raw"},
+    "py-spy record": {"--gil", "--format"},  # the front end's profile in vs-vllm.md
 }
 
 FENCED = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)

@@ -4,8 +4,9 @@ The engine link (:meth:`gateway.core.engine_client.EngineClient._on_batch`) hand
 ``DeltaBatch`` to its request's :class:`Generation` (``on_delta``), synchronously: the generation renders
 the step's payloads (:class:`ChatRenderer`: OpenAI chunks from a per-generation byte template with only
 the text spliced in; vLLM's layer's whole chunks; or an API module's renderer, e.g. the Responses
-events, their text deltas from a template too), appends them to its :class:`gateway.core.streams.Stream`, which writes them to every caught-up reader
-in the same pass. No queue, task wake-up or generator chain per token.
+events, their text deltas from a template too), appends them to its :class:`gateway.core.streams.Stream`,
+which writes them to every caught-up reader in the same pass. No queue, task wake-up or generator chain
+per token.
 
 :func:`chunk_events` is the same rendering as an async iterator over a request's deltas, for what reads a
 generation whole (non-streaming responses).

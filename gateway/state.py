@@ -92,6 +92,8 @@ class Gateway:
         self.listening = self.config.workers <= 1
         self.policy = self.config.policy
         self.watchdog = Watchdog(self.policy.send_timeout, self.config.keepalive_interval)
+        if self.config.inject_delay:
+            self.metrics.hot.inject(self.config.inject_delay)
 
     def cancel_local_stream(self, stream_id: str) -> bool:
         """Cancel a generation this gateway runs (a broker-forwarded DELETE); False if not ours."""

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
+from gateway.core.metrics import DeliveryCollector
 from tokenfan_bench.browser_arm import samples
 from tokenfan_bench.clients import Plan, Worker
 from tokenfan_bench.matrix import (
+    Sleeps,
     _pooled,
+    applied_delay,
     contains_zero,
     difference_in_differences,
     equivalent,
     gap_p99_difference,
     gaps_by_stream,
-    injected_sleep_ms,
+    injected_sleeps,
     recovered,
     stalls,
     ttft_by_stream,
@@ -109,8 +113,41 @@ def test_calibration_recovered_is_the_expected_delay_within_the_resolution_and_e
     assert contains_zero({"ci95": [-0.01, 0.02]}) and not contains_zero({"ci95": [0.01, 0.02]})
 
 
-def test_injected_sleep_is_at_least_the_delay_asked_for():
-    assert 2.0 <= injected_sleep_ms(2.0, n=20) < 4.0
+def gateway_metrics(slept: dict[str, list[float]]) -> str:
+    """The ``/metrics`` text of a gateway started with ``--inject-delay`` whose sleeps took ``slept``."""
+    c = DeliveryCollector()
+    c.inject({"ws": 0.002, "sse": 0.0})
+    for t, values in slept.items():
+        for v in values:
+            c.injected[t].observe(v)
+    reg = CollectorRegistry()
+    reg.register(c)
+    return generate_latest(reg).decode()
+
+
+def test_the_applied_delay_is_the_gateways_timed_sleeps_between_two_scrapes():
+    warm = [0.0021] * 5  # before the calibration's runs: left out
+    run = [0.00203, 0.00207, 0.00211, 0.00214, 0.00219, 0.00224, 0.0031]  # one late wake-up
+    before = injected_sleeps(gateway_metrics({"ws": warm}))
+    after = injected_sleeps(gateway_metrics({"ws": warm + run}))
+    applied = applied_delay(after - before)
+    assert applied["n"] == len(run)
+    assert applied["mean_ms"] == pytest.approx(np.mean(run) * 1e3)
+    assert abs(applied["median_ms"] - np.median(run) * 1e3) <= 0.02  # read within its 20 µs bucket
+    assert applied_delay(injected_sleeps(gateway_metrics({"sse": run}), "sse"))["n"] == len(run)
+
+
+def test_a_gateway_that_never_slept_applied_nothing():
+    placebo = injected_sleeps(gateway_metrics({}))  # the placebo's ws:0 never sleeps
+    assert placebo.count == 0 and placebo.buckets  # exported, at 0
+    assert applied_delay(placebo - placebo) == {"mean_ms": 0.0, "median_ms": 0.0, "n": 0}
+    assert injected_sleeps("# no such family\n") == Sleeps()  # a gateway without --inject-delay
+
+
+def test_the_median_of_sleeps_past_the_last_bound_is_that_bound():
+    sleeps = Sleeps(((0.002, 1.0), (0.003, 1.0), (float("inf"), 4.0)), 0.5, 4.0)
+    assert applied_delay(sleeps)["median_ms"] == pytest.approx(3.0)
+    assert applied_delay(sleeps)["mean_ms"] == pytest.approx(125.0)
 
 
 @pytest.mark.parametrize(("ci", "within"), [([0.033, 0.055], True), ([-16.0, 16.0], True), ([0.01, 20.0], False),

@@ -19,7 +19,14 @@ from gateway.core.delivery import Reader, ReaderMeter
 from gateway.core.engine_client import EngineClient, RequestHandle
 from gateway.core.framing import OPENAI_SSE, MuxWs
 from gateway.core.generation import ChatRenderer, ChunkEvent, ChunkTemplate, Generation
-from gateway.core.metrics import _LAT_BUCKETS, DeliveryCollector, HotCounter, HotHistogram, TransportMetrics
+from gateway.core.metrics import (
+    _LAT_BUCKETS,
+    INJECTED_DELAY,
+    DeliveryCollector,
+    HotCounter,
+    HotHistogram,
+    TransportMetrics,
+)
 from gateway.core.sse import decode
 from gateway.core.streams import Event, SlowConsumerPolicy, Stream, Watchdog, follow
 from gateway.errors import APIError
@@ -108,6 +115,28 @@ def test_collector_exports_the_hot_counters_under_the_documented_names() -> None
     assert 'tokenfan_chunks_sent_total{transport="ws"} 3.0' in text
     assert "tokenfan_tokens_generated_total 7.0" in text
     assert 'tokenfan_inter_token_latency_seconds_count{transport="sse"} 0.0' in text
+    assert INJECTED_DELAY not in text  # only a gateway started with --inject-delay times its sleeps
+
+
+def test_an_injected_delay_is_timed_once_per_write_of_the_readers_loop() -> None:
+    """``--inject-delay``: each write of the reader's own loop sleeps first, and that sleep is observed
+    into the transport's injected-delay histogram (one per write, however many chunks it carries)."""
+
+    async def main() -> None:
+        c = DeliveryCollector()
+        c.inject({"sse": 0.001})
+        transport, _peer = await loopback()
+        conn = HttpConn({}, HttpCycle(transport).send, linger=1.0)
+        reader = Reader(OPENAI_SSE, conn, ReaderMeter(metrics(), 0.0), delay=0.001, slept=c.injected["sse"])
+        ev = [Event(i, {"choices": [{"index": 0, "delta": {"content": f"t{i}"}}]},
+                    {"seq": i, "emit_ns": 0}, f"t{i}", None) for i in range(3)]
+        await reader.write(ev[:2])
+        await reader.write(ev[2:])
+        h = c.injected["sse"]
+        assert sum(h.counts) == 2 and h.sum > 0
+        transport.close()
+
+    asyncio.run(main())
 
 
 def test_a_reader_counts_each_chunk_once_and_measures_gaps_across_both_paths() -> None:

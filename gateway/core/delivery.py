@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from gateway.api.openai_api import ChunkBuilder
     from gateway.core.conn import Step
     from gateway.core.engine_client import RequestHandle
-    from gateway.core.metrics import TransportMetrics
+    from gateway.core.metrics import HotHistogram, TransportMetrics
     from gateway.state import Gateway
 
 log = logging.getLogger(__name__)
@@ -189,16 +189,20 @@ class Reader:
 
     :meth:`write_now` is called by the publisher's pass (:meth:`gateway.core.streams.Stream._wake`) while the
     reader is caught up; :meth:`write` by the reader's own loop (:func:`gateway.core.streams.follow`) for
-    replay, resume and back-pressure. ``clock`` is read for writes outside an engine step."""
+    replay, resume and back-pressure. ``clock`` is read for writes outside an engine step.
 
-    __slots__ = ("clock", "conn", "delay", "framing", "last_write", "meter")
+    ``delay`` (``--inject-delay``, bench calibration): every write of the loop sleeps first, timed into
+    ``slept`` (:data:`gateway.core.metrics.INJECTED_DELAY`)."""
+
+    __slots__ = ("clock", "conn", "delay", "framing", "last_write", "meter", "slept")
 
     def __init__(self, framing: Framing, conn: HttpConn | WsConn, meter: ReaderMeter, *, delay: float = 0.0,
-                 clock: Callable[[], tuple[float, int]] = clock) -> None:
+                 slept: HotHistogram | None = None, clock: Callable[[], tuple[float, int]] = clock) -> None:
         self.framing = framing
         self.conn = conn
         self.meter = meter
-        self.delay = delay  # --inject-delay (bench calibration): every write of the loop sleeps first
+        self.delay = delay
+        self.slept = slept
         self.clock = clock
         self.last_write = 0.0
 
@@ -214,7 +218,10 @@ class Reader:
     async def write(self, batch: list[Event]) -> None:
         """Write a batch from the reader's own loop (awaits the server: a stalled client blocks here)."""
         if self.delay:
+            t0 = time.monotonic()
             await asyncio.sleep(self.delay)
+            if self.slept is not None:
+                self.slept.observe(time.monotonic() - t0)
         framing = self.framing
         for f in framing.join([framing.frame(e) for e in batch]):
             await self.conn.write(f)  # type: ignore[arg-type]
@@ -238,7 +245,8 @@ async def read(gw: Gateway, stream: Stream, framing: Framing, after: int, conn: 
     The caller writes the returned ending (or :func:`finish_reader` does it for a whole connection)."""
     m = gw.metrics
     meter = ReaderMeter(m.hot.transports[framing.transport], time.monotonic() if t0 is None else t0)
-    reader = Reader(framing, conn, meter, delay=gw.config.inject_delay.get(framing.transport, 0.0))
+    reader = Reader(framing, conn, meter, delay=gw.config.inject_delay.get(framing.transport, 0.0),
+                    slept=m.hot.injected.get(framing.transport))
     active = m.active_streams.labels(framing.transport)
     # --inject-delay (bench calibration) turns the one pass off for every transport, so the arms differ
     # only by the injected delay, not by the path their writes take.

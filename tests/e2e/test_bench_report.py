@@ -46,6 +46,9 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
     assert profile["browser"]["browser"]["texts_identical"] is True
     for cal in ("calibration", "browser_calibration"):
         assert all(a["errors"] == 0 for a in profile[cal]["arms"].values()), cal
+        assert profile[cal]["applied"]["n"] > 0, cal  # the delayed gateway timed its sleeps in that run
+        assert profile[cal]["expected_ms"] > 0, cal
+    assert profile["browser_calibration"]["applied_placebo"]["n"] == 0  # ws:0 takes the path, never sleeps
     via = results["via"]["lan"]["run"]
     assert [(w["transport"], w["via"]) for k, w in via["wire"].items() if k != "post"] == \
         [(a.partition("@")[0], a.partition("@")[2] or "direct") for a in VIA]

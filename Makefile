@@ -37,8 +37,8 @@ test-deps:
 browser: test-deps
 
 # CI (.ci/run) runs exactly `make test`: the lint first, so a finding fails the build before the suite runs.
-# One process: two pytest-xdist workers (PYTEST_ARGS="-n 2 --dist loadgroup --no-loadscope-reorder", see
-# docs/tests.md) take 8.5 min instead of 13, but on 2 cores the contention fails timing-sensitive tests.
+# One process, about 9 min on 2 cores (docs/tests.md). Two pytest-xdist workers (PYTEST_ARGS="-n 2 --dist
+# loadgroup --no-loadscope-reorder") are opt-in: on 2 cores their contention fails timing-sensitive tests.
 test: setup test-deps lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 TINY = ["--modes", "a,b,c,d", "--generations", "4", "--streams", "2", "--readers", "3", "--per-connection", "2",
-        "--window", "0.4", "--repeats", "2", "--warmup", "0.3", "--ramp", "0.2", "--settle", "0.2",
+        "--window", "1", "--repeats", "2", "--warmup", "0.3", "--ramp", "0.2", "--settle", "0.2",
         "--capacity", "--capacity-levels", "4", "--capacity-workers", "1,2"]
 
 

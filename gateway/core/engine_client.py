@@ -112,8 +112,9 @@ class RequestHandle:
 
     async def wait_accepted(self, timeout: float) -> int:
         """Prompt token count once the engine accepted the request; raises EngineError."""
-        try:
-            return await asyncio.wait_for(asyncio.shield(self.accepted), timeout)
+        try:  # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that lands as the accept does
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(self.accepted)
         except TimeoutError as exc:
             raise EngineError.unavailable(f"the engine did not accept the request within {timeout:.0f}s") from exc
 
@@ -125,7 +126,8 @@ class RequestHandle:
                 item = await self._queue.get()
             else:
                 try:
-                    item = await asyncio.wait_for(self._queue.get(), idle)
+                    async with asyncio.timeout(idle):
+                        item = await self._queue.get()
                 except TimeoutError:
                     yield None
                     continue

@@ -152,7 +152,8 @@ def test_every_websocket_request_cancelled_at_any_point_ends_with_one_done(gatew
     assert sorted(finals, key=int) == [str(i) for i in range(n)]
     assert all(len(v) == 1 for v in finals.values()), {k: v for k, v in finals.items() if len(v) != 1}
     done = [k for k, (m,) in finals.items() if m["type"] == "done"]
-    assert all(finals[k][0] == {"type": "done", "id": k, "cancelled": True} for k in done), [finals[k] for k in done]
+    assert all(finals[k][0] == {"type": "done", "id": k, "cancelled": True} for k in done), \
+        [finals[k] for k in done if finals[k][0] != {"type": "done", "id": k, "cancelled": True}]
     assert len(done) >= 32 + 64 and {m["error"]["code"] for (m,) in finals.values() if m["type"] == "error"} \
         <= {"connection_queue_limit"}
     wait_until(lambda: engine_load(gateway_url) == (0, 0), what="engine idle")

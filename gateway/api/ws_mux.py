@@ -33,7 +33,7 @@ from gateway.api.openai_api import Endpoint, parse_request
 from gateway.api.responses_ws import Lanes, WsClientError
 from gateway.api.ws_session import WsSession
 from gateway.core.delivery import read, release, start_generation
-from gateway.core.framing import MuxWs
+from gateway.core.framing import MuxWs, mux_cancelled
 from gateway.errors import APIError, EngineError, to_api_error
 from gateway.http.edge import gateway_of
 from gateway.state import Gateway
@@ -150,7 +150,7 @@ class Session(WsSession):
             self._start(started)
 
     def _send_cancelled(self, request_id: str) -> None:
-        self.send_text(orjson.dumps({"type": "done", "id": request_id, "cancelled": True}).decode())
+        self.send_text(mux_cancelled(request_id))
 
     def send_error(self, cid: str | None, err: APIError) -> None:
         self.send_text(orjson.dumps({"type": "error", "id": cid, "error": err.body()["error"]}).decode(), err)
@@ -173,7 +173,7 @@ class Session(WsSession):
             self.send_error(req.id, to_api_error(exc))
         except asyncio.CancelledError:  # the client's cancel (or the session's end: nobody left to tell)
             if not self.closing and not self.conn.closed and not self.cut.is_set():
-                await asyncio.shield(self.write(orjson.dumps({"type": "done", "id": req.id, "cancelled": True}).decode()))
+                await asyncio.shield(self.write(mux_cancelled(req.id)))
             raise
         finally:
             if stream is not None:

@@ -176,8 +176,13 @@ class MuxWs(Framing):
             return Ending(orjson.dumps({"type": "error", "id": self.cid, "error": stream.error.body()["error"]}).decode(),
                           last=False)
         if stream.state == "cancelled":
-            return Ending(orjson.dumps({"type": "done", "id": self.cid, "cancelled": True}).decode(), last=False)
+            return Ending(mux_cancelled(self.cid), last=False)
         return Ending(orjson.dumps({"type": "done", "id": self.cid}).decode(), last=False)
+
+
+def mux_cancelled(cid: str) -> str:
+    """``/v1/ws``'s final message of a cancelled request."""
+    return orjson.dumps({"type": "done", "id": cid, "cancelled": True}).decode()
 
 
 OPENAI_SSE = OpenAISse()

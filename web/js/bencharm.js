@@ -2,8 +2,9 @@
 // each create `rounds` fan-out streams one after another, and every arm (or one, `separate`) subscribes to
 // each stream from this page with the browser's own API: "es" EventSource, "fetch" a streamed fetch of the same
 // events_url, "ws" WebSocket. Per chunk it keeps [seq, emit_ns, sent_ns, receive ms, deltas, content]
-// with the receive time taken first thing in the handler (performance.timeOrigin + performance.now());
-// the bench aligns that clock with the server's and computes the metrics as for its socket clients.
+// (readstream.js, which the /ab page reads its streams with too) with the receive time taken first thing
+// in the handler (performance.timeOrigin + performance.now()); the bench aligns that clock with the
+// server's and computes the metrics as for its socket clients.
 // `wsOrigins` (optional): slot i opens its WebSockets to wsOrigins[i] (another port of the shaping
 // proxy): Chromium opens one WebSocket per host:port at a time, so on a slow path sockets sharing one
 // port open one after another, after their streams have ended.
@@ -14,6 +15,7 @@
 // of round r has seed r, so every arm's text can be compared for the same seed.
 
 import { authHeaders, createStream, epochMs, samePath } from "./api.js";
+import { readStream } from "./readstream.js";
 import { SSEParser } from "./sse.js";
 import { EventSourceSubscription, WebSocketSubscription } from "./transports.js";
 
@@ -64,36 +66,10 @@ class FetchSubscription {
 
 const SUBSCRIPTIONS = { es: EventSourceSubscription, fetch: FetchSubscription, ws: WebSocketSubscription };
 
-function row(chunk, recvMs) {
-  const tf = chunk.tokenfan || {};
-  const choice = chunk.choices && chunk.choices[0];
-  const piece = choice ? (choice.delta ? choice.delta.content : choice.text) || "" : "";
-  return [tf.seq ?? -1, tf.emit_ns ?? 0, tf.sent_ns ?? 0, recvMs, tf.coalesced || 1, piece ? 1 : 0];
-}
-
 async function subscribeOne(arm, index, stream, id, seed, postMs, timeoutMs, wsOrigin) {
-  const rec = { arm: index, stream: id, seed, postMs, openMs: null, rows: [], text: "", error: null };
-  const sub = new SUBSCRIPTIONS[arm]({
-    timeoutMs,
-    origin: arm === "ws" ? wsOrigin : undefined,
-    onChunk: (chunk, recvMs) => {
-      const r = row(chunk, recvMs);
-      rec.rows.push(r);
-      if (r[5]) {
-        const choice = chunk.choices[0];
-        rec.text += choice.delta ? choice.delta.content : choice.text;
-      }
-    },
-  });
-  sub.subscribe(stream);
-  try {
-    const { reason } = await sub.done;
-    if (reason !== "done") rec.error = `ended: ${reason}`;
-  } catch (err) {
-    rec.error = String(err && err.message ? err.message : err);
-  }
-  rec.openMs = sub.openMs;
-  return rec;
+  const r = await readStream(SUBSCRIPTIONS[arm], stream, { timeoutMs, origin: arm === "ws" ? wsOrigin : undefined });
+  const error = r.error ? String(r.error.message || r.error) : r.reason !== "done" ? `ended: ${r.reason}` : null;
+  return { arm: index, stream: id, seed, postMs, openMs: r.openMs, rows: r.rows, text: r.text, error };
 }
 
 /**

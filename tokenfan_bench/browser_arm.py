@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,14 +100,15 @@ def samples(records: list[dict[str, Any]], arm: int, transport: str, offset_ms: 
 
 def run_browser(url: str, arms: tuple[str, ...], *, streams: int, rounds: int, max_tokens: int,
                 metrics_url: str | None = None, timeout_s: float = 60.0, ramp: float = 0.5, n_boot: int = 1000,
-                seed: int = 0, ws_origins: tuple[str, ...] = (), browser: Any = None, separate: bool = False
-                ) -> dict[str, Any]:
+                seed: int = 0, ws_origins: tuple[str, ...] = (), browser: Any = None, separate: bool = False,
+                mark_jitter: Callable[[Iterable[ArmSamples]], None] | None = None) -> dict[str, Any]:
     """One browser run against the gateway (or proxy) at ``url``: a bench result dictionary, plus the
     clock offset, its uncertainty and whether every arm received the same text for the same seed (the
     streams of a round share one). ``ws_origins``: stream slot ``i`` opens its WebSockets to
     ``ws_origins[i]`` (the gateway must allow those origins). ``separate``: each stream read by one arm
     (module docstring). ``browser``: a Chromium from :func:`chromium` to run in (a fresh context);
-    default: launch one."""
+    default: launch one. ``mark_jitter``: the run's shaping path
+    (:meth:`tokenfan_bench.paths.Paths.mark_jitter`), so unpaired differences drop its known jitter."""
     bad = [a for a in arms if a not in BROWSER_ARMS]
     if bad or len(arms) < 2:
         raise ValueError(f"browser arms: 2 or more of {', '.join(BROWSER_ARMS)}; got {arms}")
@@ -135,6 +136,8 @@ def run_browser(url: str, arms: tuple[str, ...], *, streams: int, rounds: int, m
     plan = Plan(url=url, transports=transports, streams=streams, max_tokens=max_tokens, duration=None,
                 separate=separate, client="browser")
     arm_samples = {name: samples(records, k, t, offset_ms) for k, (name, t) in enumerate(zip(plan.arms, transports))}
+    if mark_jitter is not None:
+        mark_jitter(arm_samples.values())
     run = Run(plan=plan, workers=1, arms=arm_samples, wall_s=wall,
               cpu_s=(cpu1_server - cpu0_server) if cpu0_server is not None and cpu1_server is not None else None,
               sent={}, client_cpu_s=cpu1 - cpu0)

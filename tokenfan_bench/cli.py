@@ -145,6 +145,8 @@ class Bench:
         routed = self.paths if arms is None else None
         run = run_clients(self.plan(url, streams, arms), self.workers(streams), desc, not self.ns.no_progress,
                           routed.start_counting if routed else None, routed.stop_counting if routed else None)
+        if routed:
+            routed.mark_jitter(run.arms.values())
         result = report.run_result(run, n_boot=self.ns.bootstrap, seed=self.ns.seed)
         wire = routed.wire(result) if routed else None
         if wire is not None:

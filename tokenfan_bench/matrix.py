@@ -176,7 +176,8 @@ def verdict(diff: dict[str, Any], a: str, b: str) -> str:
 # wakes some late), and a median moved by a skewed delay moves by the delay's median when the rest of the
 # difference is narrow and by its mean when it is wide: the socket calibration is paired per token (the
 # path's jitter cancels), so it expects the median sleep; the browser's is a difference of unpaired
-# medians that carry the path's jitter (ms), so it expects the mean sleep minus the placebo's.
+# medians that carry the browser's own noise (about 1 ms per token once the path's known jitter is
+# removed), so it expects the mean sleep minus the placebo's.
 #
 # How far a calibration's interval may miss that and still count as recovered. Not a clock's resolution
 # (the /ab page is cross-origin isolated: performance.now() moves in 5 µs; the proxy's and the clients'
@@ -346,6 +347,8 @@ class Matrix:
         workers = 1
         run = run_clients(plan, workers, tag, False, paths.start_counting if paths else None,
                           paths.stop_counting if paths else None)
+        if paths:
+            paths.mark_jitter(run.arms.values())
         result = report.run_result(run, n_boot=self.s.n_boot, seed=self.s.seed)
         wire = paths.wire(result) if paths else None
         if wire:
@@ -399,7 +402,8 @@ class Matrix:
         rounds = max(self.s.browser_rounds, -(-self.s.min_streams * len(arms) // streams))
         result = run_browser(p.arm_urls[0], arms, streams=streams, rounds=rounds, ws_origins=p.arm_urls[1:],
                              max_tokens=self.s.max_tokens, metrics_url=gateway, ramp=self.s.ramp / 2,
-                             n_boot=self.s.n_boot, seed=self.s.seed, browser=self.chromium, separate=True)
+                             n_boot=self.s.n_boot, seed=self.s.seed, browser=self.chromium, separate=True,
+                             mark_jitter=p.mark_jitter)
         run = result.pop("_run")
         self._extras(run, result)
         self.runs[tag] = run
@@ -409,8 +413,9 @@ class Matrix:
     def browser_calibration(self, profile: Profile, cal: str, placebo: str, res: dict[str, Any]) -> None:
         """The browser's difference-in-differences: ``es, ws`` on the delayed gateway, then on the placebo,
         pair after pair (streams pooled) while its interval is wider than ± half the injected delay, up to
-        ``browser_cal_runs`` pairs. Its arms read separate streams, so its interval carries the path's jitter
-        (3g: ±3 ms from one pair); the rule looks at the width only, never at where the interval lies."""
+        ``browser_cal_runs`` pairs. Its arms read separate streams, so its interval is wider than a paired one
+        (3g, one pair: ±0.26 ms with the path's known jitter removed, ±3.1 ms with it); the rule looks at the
+        width only, never at where the interval lies."""
         s, name = self.s, profile.name
         pairs: list[tuple[Run, Run]] = []
         before = scrape_sleeps(cal), scrape_sleeps(placebo)

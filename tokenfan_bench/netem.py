@@ -54,7 +54,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Self, cast
 
@@ -188,6 +188,12 @@ class PathJitter:
         k = math.floor(x)
         a, b = self.knot(k), self.knot(k + 1)
         return a + (b - a) * (x - k)
+
+
+def path_jitters(profile: Profile, seed: int) -> tuple[PathJitter, PathJitter]:
+    """The run's up and down path jitter: each way within ± jitter / 2, so the round trip varies by ± jitter."""
+    half = profile.jitter_ms / 2e3
+    return PathJitter(half, seed * 2 + 1), PathJitter(half, seed * 2 + 2)
 
 
 class Stalls:
@@ -552,8 +558,7 @@ async def serve(profile: Profile, upstreams: list[tuple[str, int]], seed: int, c
     loop = asyncio.get_running_loop()
     probe_srv = await loop.create_server(_ProbeServer, "127.0.0.1", 0)
     probe_port = probe_srv.sockets[0].getsockname()[1]
-    half = profile.jitter_ms / 2e3  # each way: the round trip varies by ± jitter
-    jitter_up, jitter_down = PathJitter(half, seed * 2 + 1), PathJitter(half, seed * 2 + 2)
+    jitter_up, jitter_down = path_jitters(profile, seed)
     routes = [Route(profile, up, seed + i, jitter_up, jitter_down, c)
               for i, (up, c) in enumerate(zip([*upstreams, ("127.0.0.1", probe_port)], [*compress, False]))]
     servers = [await loop.create_server(_factory(r), "127.0.0.1", 0, backlog=4096) for r in routes]
@@ -610,6 +615,9 @@ class Shaper:
 
         self.profile = profile
         self.upstream_urls = upstream_urls
+        self._down_jitter = path_jitters(profile, seed)[1]
+        # The proxy times its links on the monotonic clock (``loop.time()``); the gateway stamps the wall clock.
+        self._mono_minus_wall_ns = time.monotonic_ns() - time.time_ns()
         hosts = []
         for u in upstream_urls:
             s = urlsplit(u)
@@ -643,6 +651,12 @@ class Shaper:
 
     def reset(self) -> list[dict[str, Any]]:
         return self._ask("reset")
+
+    def down_jitter_ns(self, wall_ns: Sequence[int]) -> list[float]:
+        """The path jitter (ns) the proxy adds to bytes it forwards down at these wall-clock times (ns): a
+        seeded function of time, the same for every connection of the run (:class:`PathJitter`)."""
+        j, shift = self._down_jitter, self._mono_minus_wall_ns
+        return [j((t + shift) / 1e9) * 1e9 for t in wall_ns]
 
     def probe(self) -> dict[str, Any]:
         return probe("127.0.0.1", self.probe_port, self.profile)

@@ -10,12 +10,15 @@ are measured once through the proxy (:func:`tokenfan_bench.netem.probe`) and rep
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tokenfan_bench.netem import Profile, Shaper
+from tokenfan_bench.stats import ArmSamples
 from tokenfan_bench.via import VARIANTS, nginx_in_front
 
 VIAS = ("direct", *VARIANTS)
@@ -48,6 +51,15 @@ class Paths:
     def stop_counting(self) -> None:
         if self.shaper is not None:
             self.last_stats = self.shaper.stats()
+
+    def mark_jitter(self, arms: Iterable[ArmSamples]) -> None:
+        """Give each event of ``arms`` the path jitter the proxy added to it (:attr:`ArmSamples.path_ns`),
+        looked up at the gateway's send stamp (the engine's, where the event has none). Without a
+        shaping proxy, nothing."""
+        if self.shaper is None:
+            return
+        for a in arms:
+            a.path_ns = np.array(self.shaper.down_jitter_ns(np.where(a.sent_ns > 0, a.sent_ns, a.emit_ns).tolist()))
 
     def wire(self, result: dict[str, Any]) -> dict[str, Any] | None:
         """Bytes on the wire per delivered token, per arm, from the last run's route counters (None

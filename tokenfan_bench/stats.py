@@ -19,7 +19,11 @@ with the same machine clock). Where they overlap they match ``vllm bench serve``
 
 The A/B difference is the median of ``B - A`` delivery latency with a bootstrap 95% interval:
 paired per token when both arms watch the same stream (``recv_B - recv_A`` for the same stream and
-``seq``: engine and gateway jitter cancel), otherwise the difference of the two medians. The
+``seq``: engine and gateway jitter cancel), otherwise the difference of the two medians. Unpaired arms
+read different tokens at different times, so through a shaping proxy each token's delivery first loses
+the path jitter the proxy added to it (:attr:`ArmSamples.path_ns`: a seeded function of time, the same
+for every connection, so it is known and has the same distribution in both arms; subtracting it removes
+noise the profile adds on purpose, not a transport's effect). The arm tables stay raw. The
 bootstrap resamples *streams* (clusters), not tokens: tokens of one stream share one subscriber
 pair, its connection order and its place in the gateway's wake-up order, so they are not
 independent, and an i.i.d. token bootstrap gives intervals that are too narrow (an A/A run then
@@ -69,6 +73,9 @@ class ArmSamples:
     deltas: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     content: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     live: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    # The shaping path's jitter on each event (ns), known because it is seeded (see :func:`delivery_ns`);
+    # empty when the arm's path has none (no ``--net``).
+    path_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     sub_stream: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     post_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     connected_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -84,8 +91,14 @@ class ArmSamples:
         for f in fields(cls):
             if f.name in cls.EVENT_FIELDS + cls.SUB_FIELDS and parts:
                 setattr(out, f.name, np.concatenate([getattr(p, f.name) for p in parts]))
+        if any(p.path_ns.size for p in parts):
+            out.path_ns = np.concatenate([p.known_path_ns() for p in parts])
         out.errors = [e for p in parts for e in p.errors]
         return out
+
+    def known_path_ns(self) -> np.ndarray:
+        """:attr:`path_ns`, or zeros for an arm without a shaped path."""
+        return self.path_ns if self.path_ns.size == self.recv_ns.size else np.zeros(self.recv_ns.size)
 
 
 def summary_ms(values_ns: np.ndarray) -> dict[str, float | int | None]:
@@ -116,9 +129,13 @@ def _pname(p: float) -> str:
 # -- per-arm metrics --------------------------------------------------------------------------
 
 
-def delivery_ns(a: ArmSamples) -> np.ndarray:
+def delivery_ns(a: ArmSamples, *, without_path_jitter: bool = False) -> np.ndarray:
+    """Delivery latency of the live content events. ``without_path_jitter``: minus the jitter the shaping
+    proxy added on purpose (:attr:`ArmSamples.path_ns`), for comparing arms that read different streams
+    (:func:`difference_boots`)."""
     m = a.content & a.live
-    return a.recv_ns[m] - a.emit_ns[m]
+    d = a.recv_ns[m] - a.emit_ns[m]
+    return d - a.known_path_ns()[m] if without_path_jitter and a.path_ns.size else d
 
 
 def _split(a: ArmSamples, part: str) -> np.ndarray:
@@ -254,7 +271,7 @@ def difference_boots(a: ArmSamples, b: ArmSamples, *, paired: bool, n_boot: int,
                 "boots": bootstrap_medians(d, clusters, n_boot, rng), "n": int(d.size), "streams": n_clusters,
                 "method": "paired per token pair (write order balanced), "
                           + ("stream-cluster bootstrap" if n_clusters >= MIN_CLUSTERS else "token bootstrap (few streams)")}
-    da, db = delivery_ns(a), delivery_ns(b)
+    da, db = delivery_ns(a, without_path_jitter=True), delivery_ns(b, without_path_jitter=True)
     sa, sb = a.stream[a.content & a.live], b.stream[b.content & b.live]
     ka, kb = np.unique(sa).size, np.unique(sb).size
     ca = sa if ka >= MIN_CLUSTERS else np.arange(da.size)
@@ -262,7 +279,8 @@ def difference_boots(a: ArmSamples, b: ArmSamples, *, paired: bool, n_boot: int,
     return {"median": float(np.median(db) - np.median(da)) if da.size and db.size else float("nan"),
             "boots": bootstrap_medians(db, cb, n_boot, rng) - bootstrap_medians(da, ca, n_boot, rng),
             "n": int(min(da.size, db.size)), "streams": int(min(ka, kb)),
-            "method": "unpaired difference of medians, "
+            "method": "unpaired difference of medians"
+                      + (" (the path's known jitter removed), " if a.path_ns.size or b.path_ns.size else ", ")
                       + ("stream-cluster bootstrap" if min(ka, kb) >= MIN_CLUSTERS else "token bootstrap (few streams)")}
 
 

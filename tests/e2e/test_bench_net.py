@@ -10,12 +10,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.procs import start_engine, start_gateway
 from tests.system import require
 from tokenfan_bench.cli import main as bench_main
+from tokenfan_bench.clients import Plan
 from tokenfan_bench.netem import Shaper, parse_profile
+from tokenfan_bench.paths import open_paths
+from tokenfan_bench.runner import run_clients
+from tokenfan_bench.stats import delivery_ns
 from tokenfan_bench.via import nginx_binary, nginx_in_front
 
 # Every dimension of the model at once, with frequent stalls so some fall inside a short stream.
@@ -100,3 +105,24 @@ def test_bench_runs_every_arm_through_the_profile_and_nginx(gateway: str, tmp_pa
         assert w["down_bytes_per_token"] > 0
         assert (w["deflated_down_bytes_per_token"] is None) == w["tls"]
     assert (tmp_path / "summary.md").exists()
+
+
+def test_the_jitter_the_bench_removes_is_the_jitter_the_proxy_added(gateway: str, tmp_path: Path) -> None:
+    """Unpaired comparisons subtract each token's path jitter (``Paths.mark_jitter``): it must be the one the
+    proxy really applied. Through a profile whose only noise is a wide jitter, each token's delivery follows
+    the looked-up jitter closely (a wrong seed or clock would leave them uncorrelated), and without it the
+    spread is a small part of the raw one. Loose bounds: a loaded machine adds delays of its own."""
+    jittery = parse_profile("rtt=40ms,jitter=30ms")  # one way: 20 ms ± 7.5 ms, changing every 60 ms
+    with open_paths(gateway, ("direct", "direct"), jittery, tmp_path, seed=5, probe=False) as p:
+        plan = Plan(url=p.post_url, transports=("sse", "ws"), streams=4, max_tokens=100, duration=None,
+                    separate=True, arm_urls=p.arm_urls, metrics_url=gateway, ramp=0.2, timeout=60.0)
+        run = run_clients(plan, 1, "jitter", False)
+        p.mark_jitter(run.arms.values())
+    for arm in run.arms.values():
+        raw, kept = delivery_ns(arm), delivery_ns(arm, without_path_jitter=True)
+        path = arm.path_ns[arm.content & arm.live]
+        assert raw.size >= 300 and path.size == raw.size
+        assert np.ptp(path) > 10e6  # the run saw most of the ±7.5 ms
+        assert np.corrcoef(raw, path)[0, 1] > 0.8, arm.transport
+        iqr = np.subtract(*np.percentile(kept, [75, 25]))
+        assert iqr < np.subtract(*np.percentile(raw, [75, 25])) / 3, arm.transport

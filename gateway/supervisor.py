@@ -67,8 +67,9 @@ class EngineSupervisor:
         proc = self.proc
         if proc is not None and proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), self.stop_timeout)
+            try:  # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that lands as the exit does
+                async with asyncio.timeout(self.stop_timeout):
+                    await proc.wait()
             except TimeoutError:
                 log.warning("engine worker did not stop within %.0fs: killing it", self.stop_timeout)
                 proc.kill()

@@ -227,3 +227,24 @@ def test_the_peer_links_event_line_is_the_packed_event_record() -> None:
     for ev in (Event(3, {"choices": [{"text": "é\n"}]}, {"seq": 3, "emit_ns": 1}, "é\n", None),
                Event(0, {"choices": []}, {"seq": 0}, "", "length")):
         assert codec.pack_event(ev) == codec.pack(codec.encode_event_of(ev))
+
+
+def test_a_subscriber_cancelled_while_its_mirror_catches_up_ends_cancelled_at_any_point() -> None:
+    async def attempt(k: int) -> tuple[bool, bool]:
+        header = codec.encode_header("completions", "m", "1", held=3)
+        link = ScriptedLink([header, event(0), event(1), event(2), *[Quiet()] * 10**6], header=header, step=0.0)
+        mirrors = Mirrors(StreamHub(Retention()), link, idle_timeout=60.0, recheck=0.5)
+        task = asyncio.create_task(mirrors.mirror("str-c"))
+        for _ in range(k):
+            await asyncio.sleep(0)
+        pending = task.cancel()
+        await asyncio.wait({task})
+        await mirrors.close()
+        return pending, task.cancelled()
+
+    async def main() -> None:
+        outcomes = [await attempt(k) for k in range(40)]
+        assert all(cancelled for pending, cancelled in outcomes if pending), outcomes
+        assert outcomes[-1] == (False, False)  # the sweep reaches past the catch-up
+
+    asyncio.run(main())

@@ -210,7 +210,8 @@ class H2Pool:
             if alpn != "h2":
                 transport.close()
                 raise H2Error(f"the server did not choose h2 by ALPN (got {alpn!r})")
-        await asyncio.wait_for(conn.ready, 30)
+        async with asyncio.timeout(30):  # not wait_for: Python 3.11's drops a cancel that lands as ready does
+            await conn.ready
         return conn  # type: ignore[no-any-return]
 
     async def _acquire(self) -> H2Connection:

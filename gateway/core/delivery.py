@@ -125,8 +125,9 @@ async def stop(gw: Gateway, stream: Stream) -> bool:
         assert gw.broker is not None and stream.task is not None
         if not await gw.broker.cancel_remote(stream.id):
             return False
-        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(asyncio.shield(stream.task), 5.0)
+        # asyncio.wait: on timeout the mirror goes on; its end (a cancel too) is not raised here, a cancel of this
+        # caller is
+        await asyncio.wait({stream.task}, timeout=5.0)
         return True
     if not cancel(stream):
         return False

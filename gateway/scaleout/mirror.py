@@ -218,8 +218,11 @@ class Mirrors:
         task.add_done_callback(lambda t: self._done(t, stream))
         stream.task = task
         if not m.caught_up.is_set():
+            # asyncio.timeout, not wait_for (Python 3.11's drops a cancel that lands as the catch-up does). No
+            # shield: the timeout cancels only this caller's wait(), never the event or the mirror task that sets it.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(m.caught_up.wait()), CATCH_UP_S)
+                async with asyncio.timeout(CATCH_UP_S):
+                    await m.caught_up.wait()
         return stream
 
     async def cancel_remote(self, stream_id: str) -> bool:

@@ -50,8 +50,9 @@ class PeerResponse:
             except h11.RemoteProtocolError:
                 return  # the connection dropped inside the body
             if ev is h11.NEED_DATA:
-                try:
-                    data = await asyncio.wait_for(self._reader.read(1 << 16), idle)
+                try:  # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that lands as data does
+                    async with asyncio.timeout(idle):
+                        data = await self._reader.read(1 << 16)
                 except TimeoutError:
                     yield None
                     continue

@@ -235,29 +235,56 @@ def test_stop_aborts_the_generation_in_the_engine(
 # -- A/B --------------------------------------------------------------------------------------------
 
 
-def test_ab_run_fills_the_table_with_identical_texts_and_exports_bench_json(
+def ab_post_bodies(page: Page) -> list[dict[str, Any]]:
+    """Collects the JSON body of every ``POST /v1/streams`` the page sends, in order."""
+    bodies: list[dict[str, Any]] = []
+
+    def on_request(req: Request) -> None:
+        if req.method == "POST" and req.url.endswith("/v1/streams"):
+            bodies.append(json.loads(req.post_data or "{}"))
+
+    page.on("request", on_request)
+    return bodies
+
+
+def test_ab_run_reads_each_api_from_a_stream_of_its_own_and_exports_bench_json(
     page: Page, console: ConsoleLog, gateway_url: str,
 ) -> None:
+    bodies = ab_post_bodies(page)
     page.goto(gateway_url + "/ab")
     page.fill("#runs", "3")
     page.fill("#max-tokens", "48")
+    page.fill("#temperature", "0.7")
+    page.fill("#seed", "7")
     page.click("#start")
     page.wait_for_function("window.__tokenfan.result !== null", timeout=20_000)
 
-    text_a = page.text_content("#pane-A .text")
-    assert text_a and text_a == page.text_content("#pane-B .text")
-    assert page.get_attribute("#verdict", "data-identical") == "true"
+    # Two streams per run, from the same request, one read by each API; who goes first alternates.
+    assert len(bodies) == 6 and all(b == bodies[0] for b in bodies), bodies
+    assert bodies[0]["seed"] == 7 and bodies[0]["temperature"] == 0.7 and bodies[0]["max_tokens"] == 48
+    streams = page.evaluate("window.__tokenfan.streams")
+    assert [(s["run"], s["arm"], s["api"]) for s in streams] == [
+        (0, "A", "es"), (0, "B", "ws"), (1, "B", "ws"), (1, "A", "es"), (2, "A", "es"), (2, "B", "ws")]
+    assert len({s["id"] for s in streams}) == 6
+
+    # Each pane shows the whole text of its own stream (the last run's), read back from the gateway.
+    last = {s["arm"]: s["id"] for s in streams if s["run"] == 2}
+    for arm in "AB":
+        assert page.get_attribute(f"#pane-{arm}", "data-stream") == last[arm]
+        assert page.text_content(f"#pane-{arm} .text") == full_stream_text(gateway_url, last[arm])
+    assert page.get_attribute("#verdict", "data-identical") == "true"  # same seed: same text
     assert "✓" in (page.text_content("#verdict") or "")
     for arm in "AB":
         cells = page.locator(f'#summary tr[data-arm="{arm}"] td').all_text_contents()
-        assert int(cells[0]) > 0 and all(c not in ("", "–") for c in cells), cells
+        assert cells[0] == "3" and int(cells[1]) > 0 and all(c not in ("", "–") for c in cells), cells
         assert cells[-1] == "0"
-    assert "95% CI" in (page.text_content("#diff") or "")
+    for cell in ("#diff", "#ttft-diff"):
+        assert "95% CI" in (page.text_content(cell) or "") and "unpaired" in (page.text_content(cell) or "")
 
     with page.expect_download() as dl:
         page.click("#export")
     result = json.loads(Path(dl.value.path()).read_text())
-    assert result["streams"] == 3 and result["separate_streams"] is False
+    assert result["streams"] == 6 and result["runs"] == 3 and result["separate_streams"] is True
     assert result["arms"]["A"]["transport"] == "sse" and result["arms"]["B"]["transport"] == "ws"
     for arm in result["arms"].values():
         for metric in ("delivery_ms", "ttft_ms", "itl_ms", "e2e_ms", "engine_to_gateway_ms", "gateway_to_client_ms"):
@@ -265,15 +292,111 @@ def test_ab_run_fills_the_table_with_identical_texts_and_exports_bench_json(
         assert 0 < arm["live_content_events"] == arm["delivery_ms"]["n"] <= arm["content_events"]
         assert arm["ttft_ms"]["n"] == 3 and arm["errors"] == 0 and arm["subscribers"] == 3
         assert 0 <= arm["delivery_ms"]["p50"] < 1000
-    diff = result["diff_ms"]
-    assert diff["paired"] is True and diff["n"] > 0 and diff["n_boot"] == 1000
-    assert diff["ci95"][0] <= diff["median"] <= diff["ci95"][1]
-    assert result["meta"]["texts_identical"] is True
+    for diff in (result["diff_ms"], result["ttft_diff_ms"]):
+        assert diff["paired"] is False and "unpaired" in diff["method"] and diff["n"] > 0
+        assert diff["ci95"][0] <= diff["median"] <= diff["ci95"][1]
+    assert [run["order"] for run in result["meta"]["per_run"]] == [["A", "B"], ["B", "A"], ["A", "B"]]
+    assert result["meta"]["texts_identical"] is True and result["meta"]["request"]["seed"] == 7
     assert abs(result["meta"]["clock"]["offset_ms"]) < 50  # same machine
-    from tokenfan_bench.report import summary_md  # the bench's own report reads the export
 
-    assert "median delivery latency B - A" in summary_md(result)
+    # Every stream's per-token records, and which API read it: each text is its stream's whole text.
+    records = result["records"]
+    assert result["row_fields"] == ["seq", "emit_ns", "sent_ns", "recv_ms", "deltas", "content"]
+    assert sorted((r["run"], r["key"], r["api"]) for r in records) == sorted(
+        (s["run"], s["arm"], s["api"]) for s in streams)
+    for r in records:
+        assert r["stream_id"] == next(s["id"] for s in streams if (s["run"], s["arm"]) == (r["run"], r["key"]))
+        assert r["reason"] == "done" and r["error"] is None and r["rows"]
+        assert r["text"] == full_stream_text(gateway_url, r["stream_id"])
+
+    # The bench's own statistics on the exported records give the page's figures.
+    from tokenfan_bench.browser_arm import samples
+    from tokenfan_bench.report import summary_md
+    from tokenfan_bench.stats import arm_metrics, median_difference
+
+    offset = result["meta"]["clock"]["offset_ms"]
+    bench = {k: samples(records, i, t, offset) for i, (k, t) in enumerate((("A", "sse"), ("B", "ws")))}
+    for k, a in bench.items():
+        m = arm_metrics(a, result["wall_s"])
+        assert m["live_content_events"] == result["arms"][k]["live_content_events"]
+        for metric in ("delivery_ms", "ttft_ms"):
+            assert m[metric]["p50"] == pytest.approx(result["arms"][k][metric]["p50"], abs=1e-3), (k, metric)
+    d = median_difference(bench["A"], bench["B"], paired=False, n_boot=10)
+    assert d["median"] == pytest.approx(result["diff_ms"]["median"], abs=1e-3)
+    md = summary_md(result)
+    assert "median delivery latency B - A" in md and "separate streams per arm" in md
     shot(page, "ab.png", full_page=True)
+    assert console.errors == []
+
+
+def test_ab_shows_plainly_when_the_two_streams_texts_differ(page: Page, console: ConsoleLog, gateway_url: str) -> None:
+    # The synthetic engine's text depends on the prompt and seed only; give B's streams a seed of their own, as
+    # sampling at temperature > 0 without a seed would give them a text of their own.
+    posts: list[Request] = []
+
+    def seed_b(route: Route) -> None:
+        if route.request.method != "POST":
+            return route.continue_()
+        posts.append(route.request)
+        body = json.loads(route.request.post_data or "{}")
+        route.continue_(post_data=json.dumps({**body, "seed": 99}) if len(posts) == 2 else None)  # run 1: A, B
+
+    page.route("**/v1/streams", seed_b)
+    page.goto(gateway_url + "/ab")
+    page.fill("#runs", "1")
+    page.fill("#max-tokens", "16")
+    page.fill("#temperature", "1")
+    page.click("#start")
+    page.wait_for_function("window.__tokenfan.result !== null", timeout=20_000)
+    text_a, text_b = page.text_content("#pane-A .text"), page.text_content("#pane-B .text")
+    assert text_a and text_b and text_a != text_b
+    assert page.get_attribute("#verdict", "data-identical") == "false"
+    verdict = page.text_content("#verdict") or ""
+    assert "differ in 1 of 1 runs" in verdict and "without a seed" in verdict, verdict
+    assert page.evaluate("window.__tokenfan.result.meta.per_run[0].identical") is False
+    shot(page, "ab-texts-differ.png", full_page=True)
+    assert console.errors == []
+
+
+@pytest.mark.parametrize("arm, how", [("A", "escape"), ("B", "button")])
+def test_ab_stop_cancels_the_stream_being_read_and_creates_no_other(
+    page: Page, console: ConsoleLog, slow_gateway_url: str, arm: str, how: str,
+) -> None:
+    before = aborted_total(slow_gateway_url)
+    page.goto(slow_gateway_url + "/ab")
+    page.fill("#runs", "3")
+    page.fill("#max-tokens", "200")  # 10 s per stream at 20 tokens/s
+    page.fill("#seed", "1")
+    page.click("#start")
+    page.wait_for_function("a => document.querySelector(`#pane-${a} .text`).textContent.length > 10", arg=arm)
+    if how == "escape":
+        page.keyboard.press("Escape")
+    else:
+        page.click("#stop")
+    page.wait_for_function("window.__tokenfan.state === 'idle'", timeout=5_000)
+    stopped_at = page.text_content(f"#pane-{arm} .text")
+
+    # Run 1 reads A's stream, then B's: stopping A leaves B's never created; stopping B leaves A's done.
+    streams = page.evaluate("window.__tokenfan.streams")
+    assert [s["arm"] for s in streams] == (["A"] if arm == "A" else ["A", "B"]), streams
+    states = {s["arm"]: httpx.get(f"{slow_gateway_url}/v1/streams/{s['id']}", timeout=5).json()["state"]
+              for s in streams}
+    assert states[arm] == "cancelled" and states.get("A") == ("cancelled" if arm == "A" else "done"), states
+    deadline = time.monotonic() + 5
+    while aborted_total(slow_gateway_url) <= before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aborted_total(slow_gateway_url) > before, "the engine request was not aborted"
+    assert page.get_attribute(f"#pane-{arm}", "data-state") == "cancelled"
+    if arm == "A":
+        assert page.get_attribute("#pane-B", "data-state") == "stopped"
+    assert "stopped after 1 runs" in (page.text_content("#progress") or "")
+    page.wait_for_timeout(300)
+    assert page.text_content(f"#pane-{arm} .text") == stopped_at, "text kept growing after Stop"
+    assert page.evaluate("window.__tokenfan.streams.length") == len(streams), "a stream was created after Stop"
+    result = page.evaluate("window.__tokenfan.result")
+    assert {r["key"]: r["reason"] for r in result["records"]} == states
+    assert page.is_enabled("#start") and page.is_disabled("#stop")
+    shot(page, f"ab-stopped-{arm}.png")
     assert console.errors == []
 
 
@@ -358,6 +481,27 @@ def test_api_key_from_the_settings_opens_every_transport(
     assert console.errors == []
 
 
+def test_ab_page_asks_for_the_api_key_then_reads_both_streams_with_it(
+    page: Page, console: ConsoleLog, keyed_gateway_url: str,
+) -> None:
+    page.goto(keyed_gateway_url + "/ab")
+    page.fill("#runs", "1")
+    page.fill("#max-tokens", "12")
+    page.click("#start")
+    page.wait_for_function("window.__tokenfan.state === 'idle' && window.__tokenfan.errors.length > 0")
+    assert "Authentication failed (401)" in (page.text_content("#banner") or "")
+    page.fill("#api-key", API_KEY)
+    page.press("#api-key", "Tab")  # "change" stores the key and reloads the model id
+    page.wait_for_function("document.querySelector('#model').textContent === 'synthetic'")
+    console.errors.clear()  # the 401s before the key was entered
+    page.click("#start")
+    page.wait_for_function("window.__tokenfan.result !== null")
+    records = page.evaluate("window.__tokenfan.result.records")
+    assert sorted(r["api"] for r in records) == ["es", "ws"] and all(r["reason"] == "done" for r in records), records
+    assert page.is_hidden("#banner")
+    assert console.errors == []
+
+
 def test_forbidden_answer_is_shown(page: Page, gateway_url: str) -> None:
     body = {"error": {"message": "Not allowed.", "type": "permission_error", "param": None,
                       "code": "forbidden"}}
@@ -418,27 +562,39 @@ def test_sse_parser_handles_any_split_and_all_line_endings(page: Page, gateway_u
     assert result["allSame"] and result["byChar"]
 
 
-def test_stats_percentiles_and_paired_bootstrap_ci(page: Page, gateway_url: str) -> None:
+def test_stats_percentiles_interpolate_as_numpy(page: Page, gateway_url: str) -> None:
     page.goto(gateway_url + "/")
     r = page.evaluate("""async () => {
         const s = await import('/web/js/stats.js');
-        const noise = Array.from({ length: 400 }, (_, i) => ((i * 37) % 21 - 10) / 100);
-        const shifted = noise.map((x) => x + 0.5);
-        const runs = noise.map((_, i) => i % 25);
-        return { sum: s.summarize([1, 2, 3, 4, 5]), empty: s.summarize([]),
-                 zero: s.pairedMedianDiff(noise, runs.map(() => 0)),
-                 shifted: s.pairedMedianDiff(shifted, runs), again: s.pairedMedianDiff(shifted, runs),
-                 none: s.pairedMedianDiff([], []) };
+        return { sum: s.summarize([1, 2, 3, 4, 5]), empty: s.summarize([]) };
     }""")
     assert r["sum"] == {"n": 5, "mean": 3, "p50": 3, "p90": 4.6, "p99": 4.96, "p99.9": pytest.approx(4.996)}
     assert r["empty"] == {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None, "p99.9": None}
-    assert r["zero"]["median"] == 0 and r["zero"]["ci95"][0] <= 0 <= r["zero"]["ci95"][1]
-    assert "token bootstrap" in r["zero"]["method"]  # one stream: too few clusters
-    lo, hi = r["shifted"]["ci95"]
-    assert r["shifted"]["median"] == pytest.approx(0.5) and lo <= 0.5 <= hi and hi - lo < 0.2
-    assert "stream-cluster" in r["shifted"]["method"] and r["shifted"]["streams"] == 25
-    assert r["again"] == r["shifted"], "the bootstrap must be reproducible (seeded)"
-    assert r["none"]["median"] is None and r["none"]["n"] == 0
+
+
+def test_stats_unpaired_difference_of_medians_with_per_arm_bootstrap(page: Page, gateway_url: str) -> None:
+    page.goto(gateway_url + "/")
+    r = page.evaluate("""async () => {
+        const s = await import('/web/js/stats.js');
+        const a = Array.from({ length: 400 }, (_, i) => ((i * 37) % 21 - 10) / 100);
+        const b = Array.from({ length: 300 }, (_, i) => ((i * 11) % 17 - 8) / 100 + 0.5);
+        const sa = a.map((_, i) => i % 25);
+        const sb = b.map((_, i) => i % 30);
+        return { a, b, shifted: s.unpairedMedianDiff(a, sa, b, sb), again: s.unpairedMedianDiff(a, sa, b, sb),
+                 few: s.unpairedMedianDiff(a, sa.map((x) => x % 3), b, sb), perStream: s.unpairedMedianDiff(
+                   [10, 12, 11], null, [15, 14, 16, 13], null),
+                 none: s.unpairedMedianDiff([], [], b, sb) };
+    }""")
+    import numpy as np
+
+    d = r["shifted"]
+    assert d["median"] == pytest.approx(float(np.median(r["b"]) - np.median(r["a"])))
+    assert d["paired"] is False and d["n"] == 300 and d["streams"] == 25
+    assert d["ci95"][0] <= d["median"] <= d["ci95"][1] and d["ci95"][1] - d["ci95"][0] < 0.2
+    assert "stream-cluster" in d["method"] and r["again"] == d, "the bootstrap must be reproducible (seeded)"
+    assert "token bootstrap (few streams)" in r["few"]["method"] and r["few"]["streams"] == 3
+    assert r["perStream"]["median"] == pytest.approx(14.5 - 11) and "over streams" in r["perStream"]["method"]
+    assert r["none"]["median"] is None and r["none"]["ci95"] is None
 
 
 # -- the real vLLM engine ------------------------------------------------------------------------

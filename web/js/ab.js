@@ -1,39 +1,54 @@
-// The A/B page: one fan-out stream, an EventSource subscriber (A) and a WebSocket subscriber (B)
-// side by side, with per-token delivery latency measured in the browser.
+// The A/B page: EventSource (A) against WebSocket (B), each reading fan-out streams of its own, with
+// per-token delivery latency measured in the browser.
 //
-// Definitions follow `tokenfan bench` (gateway/bench/stats.py), so an export from this page and a
+// Each run creates two streams with the same request body (prompt, max tokens, temperature, the seed if
+// one is set), one after the other: one is read by an EventSource, the other by a WebSocket, and which
+// API goes first alternates from run to run. Why not one stream read by both, side by side: two APIs
+// reading the same token in one page act on each other (on the bench's lan placebo EventSource read
+// ~0.6 ms later when the WebSocket copy of its token arrived ~1.5 ms before it: tokenfan_bench/
+// browser_arm.py), so a paired per-token difference measures the page as much as the transports. Why one
+// after the other: streams generated at the same time share engine steps (continuous batching), so their
+// tokens would reach the page together and the two APIs would again read at the same moments. A page in
+// production reads a stream with one API; so does each arm here, like the bench's browser arm
+// (bencharm.js with `separate`; both read streams through readstream.js).
+//
+// Definitions follow `tokenfan bench` (tokenfan_bench/stats.py), so an export from this page and a
 // bench result read the same way:
 // - delivery latency = browser receive time + clock offset − engine emit time, per *live* content
-//   event (emitted after that subscriber connected; the first events after POST /v1/streams are
-//   otherwise a replay and would measure the join delay). The receive time is
-//   performance.timeOrigin + performance.now() taken before parsing; the emit time is the chunk's
-//   `tokenfan.emit_ns`; the offset comes from NTP-style `GET /v1/time` pings.
+//   event (emitted after that subscriber connected; earlier ones are a replay and would measure the join
+//   delay). The receive time is performance.timeOrigin + performance.now() taken before parsing; the emit
+//   time is the chunk's `tokenfan.emit_ns`; the offset comes from NTP-style `GET /v1/time` pings.
 // - TTFT: POST /v1/streams → first content event; ITL: gaps between successive content events;
 //   E2E: POST → last chunk; tokens/s: (deltas − 1) / (last − first content event).
-// - B − A: the median of paired differences recv_B − recv_A of the same token (live in both arms,
-//   not coalesced). Both subscribers watch the same stream, so engine and gateway jitter and the
-//   clock offset cancel. 95% CI by bootstrap (stream clusters once there are enough runs).
+// - B − A: the difference of the two arms' medians over every run so far (unpaired), with a 95% CI from
+//   bootstrapping each arm on its own (by stream once there are enough). It carries the run-to-run
+//   jitter that a paired difference cancelled; the clock offset, the same for both arms, still cancels.
 
-import { apiKey, createStream, describeError, epochMs, getModelId, pageParam, setApiKey } from "./api.js";
+import { apiKey, describeError, epochMs, getModelId, pageParam, setApiKey } from "./api.js";
 import { Chart } from "./chart.js";
 import { estimateOffset } from "./clock.js";
-import { ecdf, pairedMedianDiff, quantileSorted, sorted, summarize } from "./stats.js";
+import { ROW, ROW_FIELDS, readOwnStream } from "./readstream.js";
+import { ecdf, quantileSorted, sorted, summarize, unpairedMedianDiff } from "./stats.js";
 import { EventSourceSubscription, WebSocketSubscription } from "./transports.js";
 
 const $ = (sel, root = document) => root.querySelector(sel);
 
 const ARMS = {
-  A: { transport: "sse", Sub: EventSourceSubscription, color: "--a" },
-  B: { transport: "ws", Sub: WebSocketSubscription, color: "--b" },
+  A: { index: 0, api: "es", transport: "sse", name: "EventSource", Sub: EventSourceSubscription, color: "--a" },
+  B: { index: 1, api: "ws", transport: "ws", name: "WebSocket", Sub: WebSocketSubscription, color: "--b" },
 };
+const KEYS = Object.keys(ARMS);
 const TIMEOUT_MS = Number(pageParam("timeout_ms", 30000));
 const BOOTSTRAP = { resamples: 1000, seed: 1 };
+// performance.now() is coarsened to 5 µs when cross-origin isolated (these pages are), else 100 µs.
+const TIMER_FLOOR_MS = globalThis.crossOriginIsolated ? 0.005 : 0.1;
 
 const els = {
   model: $("#model"), banner: $("#banner"), form: $("#controls"), prompt: $("#prompt"),
-  maxTokens: $("#max-tokens"), temperature: $("#temperature"), runs: $("#runs"), apiKey: $("#api-key"),
-  start: $("#start"), stop: $("#stop"), exportBtn: $("#export"), clock: $("#clock"), resync: $("#resync"),
-  progress: $("#progress"), verdict: $("#verdict"), diff: $("#diff"), net: $("#net"),
+  maxTokens: $("#max-tokens"), temperature: $("#temperature"), seed: $("#seed"), runs: $("#runs"),
+  apiKey: $("#api-key"), start: $("#start"), stop: $("#stop"), exportBtn: $("#export"), clock: $("#clock"),
+  resync: $("#resync"), progress: $("#progress"), verdict: $("#verdict"), diff: $("#diff"),
+  ttftDiff: $("#ttft-diff"), net: $("#net"),
 };
 const cdfChart = new Chart($("#cdf"), { xLabel: "delivery latency (ms)", yLabel: "fraction" });
 const timelineChart = new Chart($("#timeline"), { xLabel: "token (seq)", yLabel: "latency (ms)" });
@@ -42,14 +57,16 @@ const page = {
   model: null,
   clock: null, // {offsetMs, uncertaintyMs, rttMs, samples}: server clock = browser clock + offsetMs
   running: false,
-  stopRequested: false,
-  subs: [], // subscriptions of the current run
-  runs: [], // per run: {stream_id, identical, A: SubscriberRecord, B: SubscriberRecord}
+  abort: null, // AbortController of the batch: Stop cancels the stream being read and the runs not begun
+  runs: [], // per run: {order: ["A", "B"] or ["B", "A"], A: ArmRun | null, B: ArmRun | null, identical}
+  current: { A: [], B: [] }, // content rows of the current run, for the timeline
   config: null,
   startedMs: 0,
   wallS: 0,
 };
-const debug = (window.__tokenfan = { page: "ab", state: "idle", runs: 0, identical: null, result: null, errors: [] });
+// For tests and the console: `streams` lists every stream the page created ({run, arm, api, id}).
+const debug = (window.__tokenfan = { page: "ab", state: "idle", runs: 0, identical: null, result: null, errors: [],
+  streams: [] });
 
 function showBanner(text) {
   els.banner.textContent = text;
@@ -60,6 +77,10 @@ function ms(v, digits = 2) {
   return v === null || v === undefined || !Number.isFinite(v) ? "–" : v.toFixed(digits);
 }
 
+function signed(v, digits = 3) {
+  return `${v >= 0 ? "+" : ""}${ms(v, digits)}`;
+}
+
 // -- clock ----------------------------------------------------------------------------------
 
 async function syncClock() {
@@ -67,7 +88,7 @@ async function syncClock() {
   try {
     page.clock = await estimateOffset(8);
     const c = page.clock;
-    els.clock.textContent = `${c.offsetMs >= 0 ? "+" : ""}${c.offsetMs.toFixed(3)} ms ± ${c.uncertaintyMs.toFixed(3)} ms`
+    els.clock.textContent = `${signed(c.offsetMs)} ms ± ${c.uncertaintyMs.toFixed(3)} ms`
       + ` (min RTT ${c.rttMs.toFixed(3)} ms of ${c.samples} pings)`;
   } catch (err) {
     page.clock = null;
@@ -76,127 +97,154 @@ async function syncClock() {
   }
 }
 
-// -- one subscriber in one run --------------------------------------------------------------
+// -- one arm's pane -------------------------------------------------------------------------
 
-/** What one arm's subscriber saw in one run: raw samples, turned into metrics later. */
-class SubscriberRecord {
-  constructor(key, postMs, offsetMs) {
+/** The live view of one arm: its stream's text, state and running latency. */
+class Pane {
+  constructor(key) {
     this.key = key;
-    this.postMs = postMs;
-    this.offsetMs = offsetMs;
-    this.events = []; // content events: {seq, emitMs, recvMs, deltas}
-    this.chunks = 0;
-    this.lastChunkMs = null;
-    this.text = "";
-    this.error = null;
-    this.reason = null;
-    this.sub = null;
-    this.pane = $(`#pane-${key}`);
+    this.el = $(`#pane-${key}`);
+    this.streamId = null;
+    this.latencies = [];
     this.textNode = document.createTextNode("");
-    $(".text", this.pane).replaceChildren(this.textNode);
-    $(".error", this.pane).hidden = true;
-    this.pane.dataset.state = "connecting";
   }
 
-  onChunk(chunk, recvMs) {
-    this.chunks += 1;
-    this.lastChunkMs = recvMs;
-    const choice = chunk.choices && chunk.choices[0];
-    const piece = choice ? (choice.delta ? choice.delta.content : choice.text) || "" : "";
-    if (!piece) return;
-    const tf = chunk.tokenfan;
-    this.events.push({ seq: tf.seq, emitMs: tf.emit_ns / 1e6, sentMs: tf.sent_ns / 1e6, recvMs,
-      deltas: tf.coalesced || 1 });
-    this.text += piece;
-    this.textNode.appendData(piece);
+  reset(state) {
+    this.streamId = null;
+    this.latencies = [];
+    this.textNode = document.createTextNode("");
+    $(".text", this.el).replaceChildren(this.textNode);
+    $(".error", this.el).hidden = true;
+    delete this.el.dataset.stream;
+    this.setState(state);
+  }
+
+  setStream(id) {
+    this.streamId = id;
+    this.el.dataset.stream = id;
+    this.showLive();
+  }
+
+  setState(state) {
+    this.el.dataset.state = state;
+    this.showLive();
+  }
+
+  append(text, latencyMs) {
+    this.latencies.push(latencyMs);
+    this.textNode.appendData(text);
+  }
+
+  fail(err) {
+    const box = $(".error", this.el);
+    box.textContent = describeError(err);
+    box.hidden = false;
+    this.setState("error");
+  }
+
+  showLive() {
+    const lat = this.latencies;
+    const stream = this.streamId ? ` · stream ${this.streamId}` : "";
+    $(".live", this.el).textContent = `${this.el.dataset.state}${stream} · ${lat.length} chunks`
+      + ` · last ${ms(lat.length ? lat[lat.length - 1] : null)} ms · p50 ${ms(quantileSorted(sorted(lat), 0.5))} ms`;
+  }
+}
+
+const panes = Object.fromEntries(KEYS.map((key) => [key, new Pane(key)]));
+
+// -- one arm in one run -----------------------------------------------------------------------
+
+/** Delivery latency of one row: receive time on the server's clock − engine emit time (ms). */
+function latencyMs(row, offsetMs) {
+  return row[ROW.recv_ms] + offsetMs - row[ROW.emit_ns] / 1e6;
+}
+
+/** What one arm read in one run (a readOwnStream record) and the clock offset to put it on the server's clock. */
+class ArmRun {
+  constructor(rec, offsetMs) {
+    Object.assign(this, rec);
+    this.offsetMs = offsetMs;
+    this.events = rec.rows.filter((r) => r[ROW.content]); // content events
   }
 
   get ok() {
     return this.error === null && this.reason === "done";
   }
 
-  /** Server-clock time the subscriber connected (null if it never did). */
-  get connectedMs() {
-    return this.sub.openMs === null ? null : this.sub.openMs + this.offsetMs;
+  get lastChunkMs() {
+    return this.rows.length ? this.rows[this.rows.length - 1][ROW.recv_ms] : null;
   }
 
-  latency(e) {
-    return e.recvMs + this.offsetMs - e.emitMs;
+  latency(row) {
+    return latencyMs(row, this.offsetMs);
   }
 
-  isLive(e) {
-    return this.connectedMs !== null && e.emitMs >= this.connectedMs;
-  }
-
-  fail(err) {
-    this.error = err;
-    const box = $(".error", this.pane);
-    box.textContent = describeError(err);
-    box.hidden = false;
-    this.pane.dataset.state = "error";
-  }
-
-  showLive() {
-    const lat = this.events.map((e) => this.latency(e));
-    const last = lat.length ? lat[lat.length - 1] : null;
-    $(".live", this.pane).textContent = `${this.pane.dataset.state} · ${this.events.length} chunks`
-      + ` · last ${ms(last)} ms · p50 ${ms(quantileSorted(sorted(lat), 0.5))} ms`;
+  /** Emitted after this subscriber connected (server clock). */
+  isLive(row) {
+    return this.openMs !== null && row[ROW.emit_ns] / 1e6 >= this.openMs + this.offsetMs;
   }
 }
 
-async function runOnce(index, total) {
-  const cfg = page.config;
-  const offset = page.clock ? page.clock.offsetMs : 0;
-  els.progress.textContent = `run ${index + 1} / ${total}`;
-  const postMs = epochMs();
-  const stream = await createStream({
-    endpoint: "chat.completions", model: page.model ?? undefined, max_tokens: cfg.maxTokens,
-    temperature: cfg.temperature, messages: [{ role: "user", content: cfg.prompt }],
-  });
-  const recs = {};
-  page.subs = [];
-  for (const [key, arm] of Object.entries(ARMS)) {
-    const rec = (recs[key] = new SubscriberRecord(key, postMs, offset));
-    rec.sub = new arm.Sub({
-      timeoutMs: TIMEOUT_MS,
-      onChunk: (chunk, recvMs) => {
-        rec.onChunk(chunk, recvMs);
-        scheduleLive(recs);
-      },
-      onState: (s) => {
-        rec.pane.dataset.state = s;
-        rec.showLive();
-      },
-    });
-    page.subs.push(rec.sub);
-    rec.sub.subscribe(stream);
-  }
-  await Promise.all(Object.values(recs).map((rec) => rec.sub.done.then(
-    ({ reason }) => {
-      rec.reason = reason;
-      rec.pane.dataset.state = reason;
+async function readArm(key, runIndex, signal) {
+  const pane = panes[key];
+  const offsetMs = page.clock ? page.clock.offsetMs : 0;
+  const rows = (page.current[key] = []);
+  pane.reset("connecting");
+  const rec = await readOwnStream(ARMS[key].Sub, page.config.body, {
+    signal,
+    timeoutMs: TIMEOUT_MS,
+    onStream: (stream) => {
+      debug.streams.push({ run: runIndex, arm: key, api: ARMS[key].api, id: stream.id });
+      pane.setStream(stream.id);
     },
-    (err) => rec.fail(err),
-  )));
-  for (const rec of Object.values(recs)) rec.showLive();
-  drawTimeline(recs);
-  const complete = recs.A.ok && recs.B.ok;
-  return { stream_id: stream.id, identical: complete ? recs.A.text === recs.B.text && recs.A.text !== "" : null,
-    ...recs };
+    onState: (s) => pane.setState(s),
+    onChunk: (row, text) => {
+      if (!text) return;
+      rows.push(row);
+      pane.append(text, latencyMs(row, offsetMs));
+      scheduleLive();
+    },
+  });
+  if (rec.streamId === null && rec.error) throw rec.error; // the POST failed: the batch stops, the banner says why
+  const run = new ArmRun(rec, offsetMs);
+  if (rec.error) pane.fail(rec.error);
+  else pane.setState(rec.reason);
+  return run;
+}
+
+/** Run `index`: the arms read a stream each, one after the other; A first in even runs, B first in odd ones. */
+async function runOnce(index, total, signal) {
+  const order = index % 2 === 0 ? ["A", "B"] : ["B", "A"];
+  const run = { order, A: null, B: null, identical: null };
+  for (const key of KEYS) {
+    panes[key].reset(key === order[0] ? "next" : "waiting");
+    page.current[key] = [];
+  }
+  drawTimeline();
+  for (const key of order) {
+    if (signal.aborted) break;
+    els.progress.textContent = `run ${index + 1} / ${total}: ${ARMS[key].name} reads stream ${order.indexOf(key) + 1}`
+      + " of 2";
+    run[key] = await readArm(key, index, signal);
+    drawTimeline();
+  }
+  for (const key of KEYS) if (!run[key]) panes[key].setState("stopped");
+  if (run.A && run.B && run.A.ok && run.B.ok) run.identical = run.A.text === run.B.text;
+  return run;
 }
 
 let liveScheduled = false;
-function scheduleLive(recs) {
+function scheduleLive() {
   if (liveScheduled) return;
   liveScheduled = true;
   requestAnimationFrame(() => {
     liveScheduled = false;
-    for (const rec of Object.values(recs)) rec.showLive();
-    drawTimeline(recs);
+    for (const pane of Object.values(panes)) pane.showLive();
+    drawTimeline();
   });
 }
 
-// -- metrics (gateway/bench/stats.py definitions) ---------------------------------------------
+// -- metrics (tokenfan_bench/stats.py definitions) ---------------------------------------------
 
 function gaps(times) {
   const out = [];
@@ -204,89 +252,89 @@ function gaps(times) {
   return out;
 }
 
+/** Every ArmRun of one arm so far (a stopped run may lack its second arm). */
+function armRuns(key) {
+  return page.runs.map((r) => r[key]).filter(Boolean);
+}
+
+/** Live, per stream: delivery latencies and the stream index of each (the bootstrap's clusters). */
+function deliveries(key) {
+  const values = [];
+  const streams = [];
+  armRuns(key).forEach((r, i) => {
+    for (const e of r.events) {
+      if (!r.isLive(e)) continue;
+      values.push(r.latency(e));
+      streams.push(i);
+    }
+  });
+  return { values, streams };
+}
+
+function ttfts(key) {
+  return armRuns(key).filter((r) => r.events.length).map((r) => r.events[0][ROW.recv_ms] - r.postMs);
+}
+
 /** One arm's metrics over all runs, keys as `tokenfan bench` arm_metrics(). */
 function armMetrics(key) {
-  const recs = page.runs.map((r) => r[key]);
+  const recs = armRuns(key);
   const content = recs.flatMap((r) => r.events);
   const errors = recs.filter((r) => r.error).map((r) => describeError(r.error));
   const tps = recs.map((r) => {
-    const deltas = r.events.reduce((n, e) => n + e.deltas, 0);
-    const span = r.events.length ? (r.events[r.events.length - 1].recvMs - r.events[0].recvMs) / 1000 : 0;
+    const deltas = r.events.reduce((n, e) => n + e[ROW.deltas], 0);
+    const span = r.events.length ? (r.events[r.events.length - 1][ROW.recv_ms] - r.events[0][ROW.recv_ms]) / 1000 : 0;
     return deltas >= 2 && span > 0 ? (deltas - 1) / span : null;
   }).filter((v) => v !== null);
   return {
     transport: ARMS[key].transport,
+    api: ARMS[key].name,
     subscribers: recs.length,
     errors: recs.filter((r) => !r.ok).length,
     error_examples: [...new Set(errors)].slice(0, 5),
-    events: recs.reduce((n, r) => n + r.chunks, 0),
+    events: recs.reduce((n, r) => n + r.rows.length, 0),
     content_events: content.length,
-    deltas_delivered: content.reduce((n, e) => n + e.deltas, 0),
-    coalesced_events: content.filter((e) => e.deltas > 1).length,
+    deltas_delivered: content.reduce((n, e) => n + e[ROW.deltas], 0),
+    coalesced_events: content.filter((e) => e[ROW.deltas] > 1).length,
     live_content_events: recs.reduce((n, r) => n + r.events.filter((e) => r.isLive(e)).length, 0),
     deliveries_per_s: page.wallS > 0 ? content.length / page.wallS : null,
-    ttft_ms: summarize(recs.filter((r) => r.events.length).map((r) => r.events[0].recvMs - r.postMs)),
-    itl_ms: summarize(recs.flatMap((r) => gaps(r.events.map((e) => e.recvMs)))),
+    ttft_ms: summarize(ttfts(key)),
+    itl_ms: summarize(recs.flatMap((r) => gaps(r.events.map((e) => e[ROW.recv_ms])))),
     e2e_ms: summarize(recs.filter((r) => r.ok && r.lastChunkMs !== null).map((r) => r.lastChunkMs - r.postMs)),
-    delivery_ms: summarize(deliveries(key)),
-    engine_to_gateway_ms: summarize(splitLatency(key, "engine")),
-    gateway_to_client_ms: summarize(splitLatency(key, "client")),
+    delivery_ms: summarize(deliveries(key).values),
+    engine_to_gateway_ms: summarize(splitLatency(recs, "engine")),
+    gateway_to_client_ms: summarize(splitLatency(recs, "client")),
     tokens_per_s: summarize(tps),
   };
 }
 
-function deliveries(key) {
-  return page.runs.flatMap((run) => {
-    const r = run[key];
-    return r.events.filter((e) => r.isLive(e)).map((e) => r.latency(e));
-  });
-}
-
 /** Delivery latency split at the gateway's publish stamp (live, uncoalesced events), as the bench does. */
-function splitLatency(key, part) {
-  return page.runs.flatMap((run) => {
-    const r = run[key];
-    return r.events.filter((e) => e.deltas === 1 && r.isLive(e)).map((e) => {
-      const engineToGateway = e.sentMs - e.emitMs; // both stamped on the server's clock
-      return part === "engine" ? engineToGateway : r.latency(e) - engineToGateway;
-    });
-  });
+function splitLatency(recs, part) {
+  return recs.flatMap((r) => r.events.filter((e) => e[ROW.deltas] === 1 && r.isLive(e)).map((e) => {
+    const engineToGateway = (e[ROW.sent_ns] - e[ROW.emit_ns]) / 1e6; // both stamped on the server's clock
+    return part === "engine" ? engineToGateway : r.latency(e) - engineToGateway;
+  }));
 }
 
-/**
- * recv_B − recv_A per token both arms received live and uncoalesced, averaged over each (even, odd)
- * pair of tokens: the gateway writes those two in opposite transport order, so the write-order
- * effect cancels (as in `tokenfan bench`). The interval is widened by the browser timer's resolution.
- */
-function pairedDiffs() {
-  const diffs = [];
-  const streams = [];
-  page.runs.forEach((run, i) => {
-    const usable = (r) => new Map(r.events.filter((e) => e.deltas === 1 && r.isLive(e)).map((e) => [e.seq, e.recvMs]));
-    const a = usable(run.A);
-    const d = new Map();
-    for (const [seq, recvB] of usable(run.B)) if (a.has(seq)) d.set(seq, recvB - a.get(seq));
-    for (const [seq, v] of d) {
-      if (seq % 2 === 0 && d.has(seq + 1)) {
-        diffs.push((v + d.get(seq + 1)) / 2);
-        streams.push(i);
-      }
-    }
-  });
-  // performance.now() is coarsened to 5 µs when cross-origin isolated (these pages are), else 100 µs.
-  const floorMs = globalThis.crossOriginIsolated ? 0.005 : 0.1;
-  return pairedMedianDiff(diffs, streams,
-    { ...BOOTSTRAP, floorMs, method: "paired per token pair (write order balanced)" });
+/** B − A: differences of the arms' medians (delivery latency and TTFT), unpaired. */
+function differences() {
+  const a = deliveries("A");
+  const b = deliveries("B");
+  const opts = { ...BOOTSTRAP, floorMs: TIMER_FLOOR_MS };
+  return {
+    delivery: unpairedMedianDiff(a.values, a.streams, b.values, b.streams, opts),
+    ttft: unpairedMedianDiff(ttfts("A"), null, ttfts("B"), null, opts),
+  };
 }
 
 // -- rendering --------------------------------------------------------------------------------
 
-function drawTimeline(recs) {
+function drawTimeline() {
   const series = [];
   let yMax = 1;
   let xMax = 1;
-  for (const [key, rec] of Object.entries(recs)) {
-    const pts = rec.events.map((e) => [e.seq, rec.latency(e)]);
+  const offsetMs = page.clock ? page.clock.offsetMs : 0;
+  for (const key of KEYS) {
+    const pts = page.current[key].map((e) => [e[ROW.seq], latencyMs(e, offsetMs)]);
     for (const [x, y] of pts) {
       xMax = Math.max(xMax, x);
       yMax = Math.max(yMax, y);
@@ -298,7 +346,7 @@ function drawTimeline(recs) {
 }
 
 function drawCdf() {
-  const perArm = Object.keys(ARMS).map((key) => [key, deliveries(key)]);
+  const perArm = KEYS.map((key) => [key, deliveries(key).values]);
   const all = perArm.flatMap(([, d]) => d);
   if (!all.length) return;
   const xMax = quantileSorted(sorted(all), 0.995) * 1.1 || 1;
@@ -306,71 +354,104 @@ function drawCdf() {
     { xMax, yMax: 1 });
 }
 
-function renderTable(arms, diff) {
+function describeDiff(d, unit) {
+  if (d.median === null) return `– (needs ${unit} from both arms)`;
+  return `${signed(d.median)} ms (95% CI ${signed(d.ci95[0])} … ${signed(d.ci95[1])}; ${d.method};`
+    + ` at least ${d.n} ${unit} per arm, ×${d.n_boot})`;
+}
+
+function renderTable(arms, diffs) {
   for (const [key, m] of Object.entries(arms)) {
     const d = m.delivery_ms;
-    const values = [String(d.n), ms(d.p50), ms(d.p90), ms(d.p99), ms(d.mean), ms(m.ttft_ms.p50, 1),
-      ms(m.itl_ms.p50), String(m.errors)];
+    const values = [String(m.subscribers), String(d.n), ms(d.p50), ms(d.p90), ms(d.p99), ms(d.mean),
+      ms(m.ttft_ms.p50, 1), ms(m.itl_ms.p50), String(m.errors)];
     $(`#summary tr[data-arm="${key}"]`).querySelectorAll("td").forEach((cell, i) => (cell.textContent = values[i]));
   }
-  els.diff.textContent = diff.median === null ? "– (no token received live by both arms)"
-    : `${diff.median >= 0 ? "+" : ""}${ms(diff.median, 3)} ms (95% CI ${ms(diff.ci95[0], 3)} … ${ms(diff.ci95[1], 3)};`
-      + ` ${diff.method}, ${diff.n} token pairs, ×${diff.n_boot})`;
+  els.diff.textContent = describeDiff(diffs.delivery, "tokens");
+  els.ttftDiff.textContent = describeDiff(diffs.ttft, "streams");
 }
 
 function renderVerdict() {
   const judged = page.runs.filter((r) => r.identical !== null);
-  const ok = judged.length > 0 && judged.every((r) => r.identical);
-  debug.identical = judged.length ? ok : null;
-  els.verdict.dataset.identical = judged.length ? String(ok) : "";
-  els.verdict.textContent = judged.length === 0 ? "Texts identical: – (no complete run)"
-    : ok ? `✓ Texts identical in ${judged.length} of ${judged.length} runs`
-      : `✗ Texts differ in ${judged.filter((r) => !r.identical).length} of ${judged.length} runs`;
+  const differ = judged.filter((r) => !r.identical).length;
+  debug.identical = judged.length ? differ === 0 : null;
+  els.verdict.dataset.identical = judged.length ? String(differ === 0) : "";
+  if (!judged.length) {
+    els.verdict.textContent = "Texts of the two streams identical: – (no run where both arms completed)";
+  } else if (!differ) {
+    els.verdict.textContent = `✓ The two streams' texts are identical in ${judged.length} of ${judged.length} runs`;
+  } else {
+    const { temperature, seed } = page.config;
+    const why = temperature > 0 && seed === null
+      ? "temperature > 0 without a seed: each stream samples on its own, so the two arms read different"
+        + " generations (set a seed to compare the same text)"
+      : "same request, yet the engine generated different texts";
+    els.verdict.textContent = `✗ The two streams' texts differ in ${differ} of ${judged.length} runs: ${why}`;
+  }
 }
 
 function refresh() {
   page.wallS = (epochMs() - page.startedMs) / 1000;
-  const arms = Object.fromEntries(Object.keys(ARMS).map((key) => [key, armMetrics(key)]));
-  const diff = pairedDiffs();
-  renderTable(arms, diff);
+  const arms = Object.fromEntries(KEYS.map((key) => [key, armMetrics(key)]));
+  const diffs = differences();
+  renderTable(arms, diffs);
   renderVerdict();
   drawCdf();
-  return { arms, diff };
+  return { arms, diffs };
 }
 
 // -- batch, export -----------------------------------------------------------------------------
 
+/** One record per stream, as bencharm.js returns them (tokenfan_bench/browser_arm.py samples() reads them). */
+function records() {
+  return page.runs.flatMap((run, i) => run.order.filter((key) => run[key]).map((key) => {
+    const r = run[key];
+    const error = r.error ? describeError(r.error) : r.reason !== "done" ? `ended: ${r.reason}` : null;
+    return { arm: ARMS[key].index, key, api: ARMS[key].api, run: i, position: run.order.indexOf(key),
+      stream: 2 * i + ARMS[key].index, stream_id: r.streamId, seed: page.config.seed, postMs: r.postMs,
+      openMs: r.openMs, rows: r.rows, text: r.text, reason: r.reason, error, reconnects: r.reconnects };
+  }));
+}
+
 /** The batch in the shape of a `tokenfan bench` run result (keys the bench report reads). */
-function result({ arms, diff }) {
+function result({ arms, diffs }) {
   const c = page.clock;
   const events = Object.values(arms).reduce((n, a) => n + a.content_events, 0);
+  const recs = records();
   return {
-    streams: page.runs.length,
+    streams: recs.length,
+    runs: page.runs.length,
     max_tokens: page.config.maxTokens,
-    separate_streams: false,
+    separate_streams: true,
     wall_s: page.wallS,
     arms,
-    diff_ms: diff,
+    diff_ms: diffs.delivery,
+    ttft_diff_ms: diffs.ttft,
     server: { url: location.origin, cpu_s: null, deliveries_per_s: page.wallS > 0 ? events / page.wallS : null },
+    row_fields: ROW_FIELDS,
+    records: recs,
     meta: {
       command: ["tokenfan-web", "/ab", `--runs=${page.config.runs}`, `--max-tokens=${page.config.maxTokens}`],
-      source: "browser A/B page (/ab)",
+      source: "browser A/B page (/ab): one stream per API, read one after the other, unpaired",
       time: new Date().toISOString().replace(/\.\d+Z$/, "Z"),
       seed: BOOTSTRAP.seed,
       versions: { python: null, browser: navigator.userAgent },
       machine: { platform: navigator.platform, cpus: navigator.hardwareConcurrency, cpu_model: null },
       url: location.origin,
+      net: pageParam("net", "") || "direct",
       model: page.model,
+      request: page.config.body,
       prompt: page.config.prompt,
       temperature: page.config.temperature,
+      generation_seed: page.config.seed,
       runs_requested: page.config.runs,
       texts_identical: debug.identical,
       clock: c && { offset_ms: c.offsetMs, uncertainty_ms: c.uncertaintyMs, rtt_ms: c.rttMs, pings: c.samples },
       per_run: page.runs.map((run) => ({
-        stream_id: run.stream_id, identical: run.identical,
-        ...Object.fromEntries(Object.keys(ARMS).map((k) => [k, {
-          content_events: run[k].events.length, reason: run[k].reason,
-          error: run[k].error && describeError(run[k].error), reconnects: run[k].sub.reconnects,
+        order: run.order, identical: run.identical,
+        ...Object.fromEntries(KEYS.filter((k) => run[k]).map((k) => [k, {
+          api: ARMS[k].api, stream_id: run[k].streamId, content_events: run[k].events.length, reason: run[k].reason,
+          error: run[k].error && describeError(run[k].error), reconnects: run[k].reconnects,
         }])),
       })),
     },
@@ -384,31 +465,42 @@ function setRunning(running) {
   debug.state = running ? "running" : "idle";
 }
 
-async function startBatch() {
-  if (page.running) return;
-  page.config = {
+function readConfig() {
+  const cfg = {
     prompt: els.prompt.value.trim(),
     maxTokens: Number(els.maxTokens.value) || 64,
     temperature: Number(els.temperature.value),
+    seed: els.seed.value.trim() === "" ? null : Math.trunc(Number(els.seed.value)),
     runs: Math.max(1, Number(els.runs.value) || 1),
   };
-  if (!page.config.prompt) return;
+  // One body for every stream of the batch: both arms' requests are the same bytes.
+  cfg.body = { endpoint: "chat.completions", model: page.model ?? undefined, max_tokens: cfg.maxTokens,
+    temperature: cfg.temperature, messages: [{ role: "user", content: cfg.prompt }] };
+  if (cfg.seed !== null) cfg.body.seed = cfg.seed;
+  return cfg;
+}
+
+async function startBatch() {
+  if (page.running || !els.prompt.value.trim()) return;
   els.banner.hidden = true;
   page.runs = [];
-  page.stopRequested = false;
+  page.abort = new AbortController();
+  const { signal } = page.abort;
   debug.result = null;
+  debug.streams = [];
   let summary = null;
   setRunning(true);
   try {
     if (page.model === null) await loadModel();
+    page.config = readConfig();
     await syncClock();
     page.startedMs = epochMs();
-    for (let i = 0; i < page.config.runs && !page.stopRequested; i++) {
-      page.runs.push(await runOnce(i, page.config.runs));
+    for (let i = 0; i < page.config.runs && !signal.aborted; i++) {
+      page.runs.push(await runOnce(i, page.config.runs, signal));
       debug.runs = page.runs.length;
       summary = refresh();
     }
-    els.progress.textContent = page.stopRequested ? `stopped after ${page.runs.length} runs`
+    els.progress.textContent = signal.aborted ? `stopped after ${page.runs.length} runs`
       : `done: ${page.runs.length} runs`;
   } catch (err) {
     showBanner(describeError(err));
@@ -424,9 +516,7 @@ async function startBatch() {
 }
 
 function stopBatch() {
-  if (!page.running) return;
-  page.stopRequested = true;
-  for (const sub of page.subs) sub.stop();
+  if (page.running) page.abort.abort();
 }
 
 function exportJSON() {

@@ -26,7 +26,7 @@ export function median(values) {
 }
 
 /**
- * {n, mean, p50, p90, p99, "p99.9"}: the `tokenfan bench` summary of one metric (gateway/bench/stats.py
+ * {n, mean, p50, p90, p99, "p99.9"}: the `tokenfan bench` summary of one metric (tokenfan_bench/stats.py
  * summary_ms); every statistic is null when there are no samples.
  */
 export function summarize(values) {
@@ -70,28 +70,33 @@ export function bootstrapMedians(values, clusters = null, { resamples = 1000, se
   return out;
 }
 
-/** Fewer streams than this: resample tokens i.i.d. (as gateway/bench/stats.py MIN_CLUSTERS). */
+/** Fewer streams than this: resample tokens i.i.d. (as tokenfan_bench/stats.py MIN_CLUSTERS). */
 export const MIN_CLUSTERS = 20;
 
 /**
- * Median of paired differences (e.g. recv_B − recv_A of the same token) with a percentile
- * bootstrap 95% CI, in the shape of `tokenfan bench`'s `diff_ms`.
- * @param {number[]} diffs
- * @param {Array} streams  the stream (cluster) of each difference
+ * Difference of medians median(b) − median(a) of two independent samples (e.g. delivery latencies of
+ * two arms that read separate streams), with a percentile bootstrap 95% CI, in the shape of `tokenfan
+ * bench`'s unpaired `diff_ms` (tokenfan_bench/stats.py difference_boots): each arm is resampled on its
+ * own, by whole streams when it has MIN_CLUSTERS of them (`aStreams`/`bStreams`: the stream of each
+ * value), else value by value. Pass null clusters for one value per stream (e.g. TTFT).
  */
-export function pairedMedianDiff(diffs, streams,
-  { resamples = 1000, seed = 1, floorMs = 0, method = "paired per token" } = {}) {
-  const nStreams = new Set(streams).size;
-  const clustered = nStreams >= MIN_CLUSTERS;
-  const base = { paired: true, n: diffs.length, streams: nStreams, n_boot: resamples, seed,
+export function unpairedMedianDiff(a, aStreams, b, bStreams,
+  { resamples = 1000, seed = 1, floorMs = 0, method = "unpaired difference of medians" } = {}) {
+  const count = (values, streams) => (streams ? new Set(streams).size : values.length);
+  const nStreams = Math.min(count(a, aStreams), count(b, bStreams));
+  const clustered = aStreams !== null && bStreams !== null && nStreams >= MIN_CLUSTERS;
+  const base = { paired: false, n: Math.min(a.length, b.length), streams: nStreams, n_boot: resamples, seed,
     systematic_floor_ms: floorMs,
-    method: `${method}, ` + (clustered ? "stream-cluster bootstrap" : "token bootstrap (few streams)") };
-  if (!diffs.length) return { median: null, ci95: null, ci95_sampling: null, ...base };
-  const boots = bootstrapMedians(diffs, clustered ? streams : null, { resamples, seed }).sort();
+    method: `${method}, ` + (clustered ? "stream-cluster bootstrap"
+      : aStreams === null ? "bootstrap over streams" : "token bootstrap (few streams)") };
+  if (!a.length || !b.length) return { median: null, ci95: null, ci95_sampling: null, ...base };
+  // Two seeds: with one, both arms would draw the same indices and their resamples would move together.
+  const bootsA = bootstrapMedians(a, clustered ? aStreams : null, { resamples, seed });
+  const bootsB = bootstrapMedians(b, clustered ? bStreams : null, { resamples, seed: seed + 1 });
+  const boots = bootsB.map((v, i) => v - bootsA[i]).sort();
   const lo = quantileSorted(boots, 0.025);
   const hi = quantileSorted(boots, 0.975);
-  // As `tokenfan bench`: the bootstrap covers sampling noise; the floor is what timestamps cannot resolve.
-  return { median: median(diffs), ci95: [lo - floorMs, hi + floorMs], ci95_sampling: [lo, hi], ...base };
+  return { median: median(b) - median(a), ci95: [lo - floorMs, hi + floorMs], ci95_sampling: [lo, hi], ...base };
 }
 
 /** Points of the empirical CDF: [[x, F(x)], ...] for sorted x. */

@@ -11,7 +11,7 @@
 // `timeoutMs`, so a connection that never delivers ends in an error rather than a spinner.
 //
 // Fan-out subscribers (EventSourceSubscription, WebSocketSubscription) are also used on their own
-// by the A/B page, which subscribes both to one stream.
+// by the A/B page and the bench's browser arm (readstream.js: one API per stream).
 
 import {
   ApiError, apiErrorFromBody, apiKey, authHeaders, createStream, deleteStream, diagnose, epochMs,

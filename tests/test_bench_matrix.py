@@ -12,7 +12,6 @@ from tokenfan_bench.browser_arm import samples
 from tokenfan_bench.clients import Plan, Worker
 from tokenfan_bench.matrix import (
     Sleeps,
-    _pooled,
     applied_delay,
     contains_zero,
     difference_in_differences,
@@ -193,7 +192,7 @@ def test_browser_records_become_samples_on_the_server_clock():
 def test_difference_in_differences_removes_the_arms_own_difference():
     base_a, base_b = arm(25, 12), arm(25, 12, shift_ms=-2.0)  # B is 2 ms ahead without any delay
     cal_a, cal_b = arm(25, 12), arm(25, 12, shift_ms=-2.0 + 1.5)  # and 1.5 ms is injected into B
-    d = difference_in_differences((cal_a, cal_b), (base_a, base_b), paired=True, n_boot=200, seed=0)
+    d = difference_in_differences([((cal_a, cal_b), (base_a, base_b))], paired=True, n_boot=200, seed=0)
     assert d["median"] == pytest.approx(1.5) and d["ci95"] == [pytest.approx(1.5), pytest.approx(1.5)]
     assert d["cal_ms"] == pytest.approx(-0.5) and d["placebo_ms"] == pytest.approx(-2.0)
     assert recovered(d, 1.5)
@@ -216,18 +215,31 @@ def test_difference_in_differences_on_separate_streams_compares_the_arms_medians
 
     base = (noisy(0, 0.0), noisy(100, -2.0))
     cal = (noisy(200, 0.0), noisy(300, -2.0 + 1.5))
-    d = difference_in_differences(cal, base, paired=False, n_boot=300, seed=0)
+    d = difference_in_differences([(cal, base)], paired=False, n_boot=300, seed=0)
     assert d["median"] == pytest.approx(1.5, abs=0.05) and d["cal_ms"] == pytest.approx(-0.5, abs=0.05)
     assert d["ci95"][0] < 1.5 < d["ci95"][1] and d["ci95"][1] - d["ci95"][0] < 0.2
     assert d["streams"] == 25 and "unpaired" in d["method"]
     # paired, the arms have no token in common: nothing to compare
-    assert difference_in_differences(cal, base, paired=True, n_boot=50, seed=0)["median"] is None
+    assert difference_in_differences([(cal, base)], paired=True, n_boot=50, seed=0)["median"] is None
 
 
-def test_pooled_runs_keep_their_streams_apart():
-    from types import SimpleNamespace
+def test_difference_in_differences_averages_run_pairs_so_a_runs_common_shift_cancels():
+    """Two pairs whose runs each move both arms together by a different amount (as a browser run does): the
+    DiD is the mean of the pairs' own, unmoved by the shifts, and its interval stays as tight as one pair's."""
+    rng = np.random.default_rng(5)
 
-    runs = [SimpleNamespace(arms={"A": arm(25, 12), "B": arm(25, 12, shift_ms=1.0)}) for _ in range(2)]
-    a, b = _pooled(runs)  # type: ignore[arg-type]
-    assert np.unique(a.stream).size == 50 and np.unique(b.sub_stream).size == 50
-    assert a.recv_ns.size == 2 * 25 * 12 and a.transport == "sse"
+    def run(first: int, common_ms: float, inject_ms: float) -> tuple[ArmSamples, ArmSamples]:
+        out = []
+        for k, shift in enumerate((0.0, -2.0 + inject_ms)):
+            a = on_streams(arm(25, 12), first + 100 * k)
+            a.recv_ns = a.recv_ns + int((shift + common_ms) * MS) + rng.integers(0, 200_000, a.recv_ns.size)
+            out.append(a)
+        return out[0], out[1]
+
+    pairs = [(run(0, 0.6, 1.5), run(1000, -0.4, 0.0)), (run(2000, -0.5, 1.5), run(3000, 0.3, 0.0))]
+    d = difference_in_differences(pairs, paired=False, n_boot=300, seed=0)
+    assert d["pairs"] == 2 and len(d["per_pair_ms"]) == 2
+    assert d["median"] == pytest.approx(1.5, abs=0.05) and all(x == pytest.approx(1.5, abs=0.08) for x in d["per_pair_ms"])
+    assert d["ci95"][0] < 1.5 < d["ci95"][1] and d["ci95"][1] - d["ci95"][0] < 0.2
+    assert d["streams"] == 50
+

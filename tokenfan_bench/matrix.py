@@ -36,7 +36,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -273,11 +273,18 @@ def equivalent(diff: dict[str, Any], margin_ms: float) -> bool:
     return bool(-margin_ms <= lo and hi <= margin_ms)
 
 
-def difference_in_differences(cal: tuple[ArmSamples, ArmSamples], placebo: tuple[ArmSamples, ArmSamples], *,
-                               paired: bool, n_boot: int, seed: int) -> dict[str, Any]:
+Pair = tuple[tuple[ArmSamples, ArmSamples], tuple[ArmSamples, ArmSamples]]
+
+
+def difference_in_differences(pairs: list[Pair], *, paired: bool, n_boot: int, seed: int) -> dict[str, Any]:
     """(B − A on the delayed gateway) − (B − A on the placebo gateway), each B − A as
-    :func:`tokenfan_bench.stats.difference_boots` (paired per token, or per arm on separate streams), with a
-    95% interval from independent stream-cluster bootstraps of the two runs.
+    :func:`tokenfan_bench.stats.difference_boots` (paired per token, or per arm on separate streams), averaged
+    over run pairs ``((cal A, cal B), (placebo A, placebo B))``, with a 95% interval from the average of
+    independent stream-cluster bootstraps of every run.
+
+    Averaged pair by pair, not pooled: a run moves both of its arms together (the browser measured on lan:
+    each arm's median delivery moved by up to ±0.6 ms from run to run, the DiD of six pairs 2.19-2.39 ms),
+    and that cancels inside each run's B − A, where pooled medians would carry it.
 
     For arms whose difference is not 0 without a delay (Chromium's EventSource and WebSocket are not), the
     injected delay is what the delayed gateway adds to the placebo's difference: same server path
@@ -285,13 +292,17 @@ def difference_in_differences(cal: tuple[ArmSamples, ArmSamples], placebo: tuple
     only if the arms do not act on each other; the browser's do when they read the same tokens
     (:mod:`tokenfan_bench.browser_arm`), so its runs give each stream to one arm (``paired=False``)."""
     rng = np.random.default_rng(seed)
-    d1, d0 = (difference_boots(a, b, paired=paired, n_boot=n_boot, rng=rng) for a, b in (cal, placebo))
-    if not (np.isfinite(d1["median"]) and np.isfinite(d0["median"])):
+    runs = [[difference_boots(a, b, paired=paired, n_boot=n_boot, rng=rng) for a, b in pair] for pair in pairs]
+    if not runs or not all(np.isfinite(d["median"]) for pair in runs for d in pair):
         return {"median": None, "ci95": [None, None], "n": 0}
-    return {"median": (d1["median"] - d0["median"]) / 1e6,
-            "ci95": [x / 1e6 for x in _interval(d1["boots"] - d0["boots"])], "n": min(d1["n"], d0["n"]),
-            "streams": min(d1["streams"], d0["streams"]), "method": d1["method"],
-            "cal_ms": d1["median"] / 1e6, "placebo_ms": d0["median"] / 1e6}
+    per_pair = [(d1["median"] - d0["median"]) / 1e6 for d1, d0 in runs]
+    boots = np.mean([d1["boots"] - d0["boots"] for d1, d0 in runs], axis=0)
+    return {"median": float(np.mean(per_pair)), "ci95": [x / 1e6 for x in _interval(boots)],
+            "n": sum(min(d1["n"], d0["n"]) for d1, d0 in runs),
+            "streams": sum(min(d1["streams"], d0["streams"]) for d1, d0 in runs), "method": runs[0][0]["method"],
+            "pairs": len(runs), "per_pair_ms": per_pair,
+            "cal_ms": float(np.mean([d1["median"] for d1, _ in runs])) / 1e6,
+            "placebo_ms": float(np.mean([d0["median"] for _, d0 in runs])) / 1e6}
 
 
 def contains_zero(diff: dict[str, Any]) -> bool:
@@ -322,7 +333,7 @@ class Settings:
     n_boot: int
     seed: int
     data: Path
-    browser_cal_runs: int = 4  # calibration + placebo pairs at most (see Matrix.browser_calibration)
+    browser_cal_runs: int = 2  # calibration + placebo run pairs (see Matrix.browser_calibration)
 
 
 class Matrix:
@@ -412,29 +423,24 @@ class Matrix:
 
     def browser_calibration(self, profile: Profile, cal: str, placebo: str, res: dict[str, Any]) -> None:
         """The browser's difference-in-differences: ``es, ws`` on the delayed gateway, then on the placebo,
-        pair after pair (streams pooled) while its interval is wider than ± half the injected delay, up to
-        ``browser_cal_runs`` pairs. Its arms read separate streams, so its interval is wider than a paired one
-        (3g, one pair: ±0.26 ms with the path's known jitter removed, ±3.1 ms with it); the rule looks at the
-        width only, never at where the interval lies."""
+        ``browser_cal_runs`` pairs, averaged pair by pair (:func:`difference_in_differences`). Its arms read
+        separate streams, so each pair's interval is wider than a paired one (3g, one pair: ±0.26 ms with
+        the path's known jitter removed, ±3.1 ms with it)."""
         s, name = self.s, profile.name
-        pairs: list[tuple[Run, Run]] = []
+        pairs: list[Pair] = []
         before = scrape_sleeps(cal), scrape_sleeps(placebo)
         for k in range(max(1, s.browser_cal_runs)):
             tags = [f"{name} browser {what}" + (f" #{k + 1}" if k else "") for what in ("calibration", "placebo")]
             for gateway, tag, key in ((cal, tags[0], "browser_calibration"), (placebo, tags[1], "browser_placebo")):
                 with open_paths(gateway, _browser_routes(s), profile, self.logs, s.seed + k, probe=False) as p:
                     result = self.browser(p, gateway, BROWSER_CAL, tag)
-                res.setdefault(key, result)  # the first pair's tables; the DiD pools every pair
-            pairs.append((self.runs[tags[0]], self.runs[tags[1]]))
-            did = difference_in_differences(_pooled([c for c, _ in pairs]), _pooled([z for _, z in pairs]),
-                                            paired=False, n_boot=s.n_boot, seed=s.seed)
-            lo, hi = did["ci95"]
-            if lo is not None and hi is not None and (hi - lo) / 2 <= s.inject_ms / 2:
-                break
+                res.setdefault(key, result)  # the first pair's tables; the DiD averages every pair
+            c, z = self.runs[tags[0]], self.runs[tags[1]]
+            pairs.append(((c.arms["A"], c.arms["B"]), (z.arms["A"], z.arms["B"])))
+        did = difference_in_differences(pairs, paired=False, n_boot=s.n_boot, seed=s.seed)
         applied = applied_delay(scrape_sleeps(cal) - before[0])
         applied_placebo = applied_delay(scrape_sleeps(placebo) - before[1])
-        res["browser_calibration"].update(did_ms={**did, "pairs": len(pairs)}, applied=applied,
-                                          applied_placebo=applied_placebo,
+        res["browser_calibration"].update(did_ms=did, applied=applied, applied_placebo=applied_placebo,
                                           expected_ms=applied["mean_ms"] - applied_placebo["mean_ms"])  # EXPECTED
 
     def run(self) -> dict[str, Any]:
@@ -482,16 +488,6 @@ class Matrix:
                 t: [self.measure(p, tls, (t, t), s.levels[0], f"{profile.name} cpu {t} #{r}", rounds=1)
                     for r in range(s.cpu_repeats)] for t in CPU_TRANSPORTS}}
         return res
-
-
-def _pooled(runs: list[Run]) -> tuple[ArmSamples, ArmSamples]:
-    """Arms A and B of several runs as one sample each, run ``k``'s stream ids moved by ``k`` × 1e6 (so the
-    cluster bootstrap keeps every run's streams apart)."""
-    def moved(a: ArmSamples, k: int) -> ArmSamples:
-        return replace(a, stream=a.stream + k * 1_000_000, sub_stream=a.sub_stream + k * 1_000_000)
-
-    return tuple(ArmSamples.concat(runs[0].arms[arm].transport, [moved(r.arms[arm], k) for k, r in enumerate(runs)])
-                 for arm in ("A", "B"))  # type: ignore[return-value]
 
 
 def _via(arm: str) -> str:
@@ -565,9 +561,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--browser-rounds", type=int, default=1,
                     help="streams each browser slot runs in turn at least (default 1; more when an arm would read "
                     "fewer than --min-streams)")
-    ap.add_argument("--browser-calibration-runs", type=int, default=4, dest="browser_cal_runs",
-                    help="the browser calibration's delayed + placebo run pairs at most (default 4): more are run while "
-                    "its interval is wider than ± half of --inject-ms")
+    ap.add_argument("--browser-calibration-runs", type=int, default=2, dest="browser_cal_runs",
+                    help="the browser calibration's delayed + placebo run pairs (default 2), averaged pair by pair")
     ap.add_argument("--cpu-repeats", type=int, default=2, help="single-transport CPU runs per transport and "
                     "profile (default 2)")
     ap.add_argument("--bootstrap", type=int, default=1000)

@@ -70,7 +70,8 @@ def _cal_recovered(r: dict[str, Any]) -> bool:
 
 def _cal(r: dict[str, Any]) -> str:
     d = _cal_diff(r)
-    pairs = f" ({d['pairs']} run pairs)" if d.get("pairs", 1) > 1 else ""
+    per_pair = ", ".join(f"{x:+.2f}" for x in d.get("per_pair_ms", []))
+    pairs = f" (mean of {d['pairs']} run pairs: {per_pair})" if d.get("pairs", 1) > 1 else ""
     applied = r["applied"]
     placebo = f" − placebo {r['applied_placebo']['mean_ms']:.3f}" if "applied_placebo" in r else ""
     return (f"{_ci(d, 3)}{pairs} for {r['expected_ms']:.3f} ms applied (gateway-timed sleeps: mean "
@@ -189,8 +190,8 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
         "Chromium's EventSource and WebSocket differ without any delay, so the browser's calibration is a "
         "difference-in-differences: `EventSource, WebSocket` on the delayed gateway minus the same on a placebo "
         f"gateway (`--inject-delay ws:0`: the same server path, no sleep), each arm over at least "
-        f"{s['min_streams']} streams; while its interval is wider than ± half the injected delay, another pair of "
-        f"runs is pooled in (at most {s.get('browser_cal_runs', 1)} pairs; the rule looks at the width only)."),
+        f"{s['min_streams']} streams, {s.get('browser_cal_runs', 1)} pairs of runs averaged pair by pair (a run "
+        "moves both of its arms together, by up to ±0.6 ms on lan, which cancels inside its pair)."),
         ("- Intervals: bootstrap 95% over streams. Δ delivery is paired per token (as `tokenfan bench`; "
         "unpaired, the difference of the arms' medians, for the Responses and browser arms). Unpaired arms read "
         "different tokens at different moments of the path's jitter, so each token's delivery first loses the "

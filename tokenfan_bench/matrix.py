@@ -287,8 +287,8 @@ def difference_in_differences(pairs: list[Pair], *, paired: bool, n_boot: int, s
     and that cancels inside each run's B − A, where pooled medians would carry it.
 
     For arms whose difference is not 0 without a delay (Chromium's EventSource and WebSocket are not), the
-    injected delay is what the delayed gateway adds to the placebo's difference: same server path
-    (``--inject-delay ws:0`` turns the one-pass write off as the real delay does), no sleep. That holds
+    injected delay is what the delayed gateway adds to the placebo's difference: same server path, a sleep
+    shorter by the injected delay (:data:`PLACEBO_MS`: both writes off the engine's step). That holds
     only if the arms do not act on each other; the browser's do when they read the same tokens
     (:mod:`tokenfan_bench.browser_arm`), so its runs give each stream to one arm (``paired=False``)."""
     rng = np.random.default_rng(seed)
@@ -450,22 +450,23 @@ class Matrix:
                                "profiles": {}, "via": {}, "cpu": {}}
         out["settings"]["profiles"] = [p.name for p in s.profiles]
         out["settings"]["via_profiles"] = [p.name for p in s.via_profiles]
-        with gateways(s, self.logs) as (tls, cal, placebo, plain), contextlib.ExitStack() as stack:
+        out["settings"]["browser_placebo_ms"] = PLACEBO_MS
+        with gateways(s, self.logs) as g, contextlib.ExitStack() as stack:
             if s.browser:
                 from tokenfan_bench.browser_arm import chromium
 
                 self.chromium = stack.enter_context(chromium())
             for profile in s.profiles:
-                out["profiles"][profile.name] = self.profile(profile, tls, cal, placebo, out=out)
+                out["profiles"][profile.name] = self.profile(profile, g, out=out)
             for profile in s.via_profiles:
-                with open_paths(plain, tuple(_via(a) for a in VIA), profile, self.logs, s.seed) as p:
-                    r = self.measure(p, plain, VIA, s.levels[0], f"{profile.name} via")
+                with open_paths(g.plain, tuple(_via(a) for a in VIA), profile, self.logs, s.seed) as p:
+                    r = self.measure(p, g.plain, VIA, s.levels[0], f"{profile.name} via")
                     out["via"][profile.name] = {"network": p.info, "run": r,
                                                 "vs_straight": self.vs_straight(self.runs[f"{profile.name} via"])}
         return out
 
-    def profile(self, profile: Profile, tls: str, cal: str, placebo: str, *, out: dict[str, Any]) -> dict[str, Any]:
-        s = self.s
+    def profile(self, profile: Profile, g: Gateways, *, out: dict[str, Any]) -> dict[str, Any]:
+        s, tls, cal = self.s, g.tls, g.cal
         res: dict[str, Any] = {"levels": {}}
         with open_paths(tls, ("direct",) * len(FANOUT), profile, self.logs, s.seed) as p:
             res["network"] = p.info
@@ -480,7 +481,7 @@ class Matrix:
         applied = applied_delay(scrape_sleeps(cal) - before)
         res["calibration"].update(applied=applied, expected_ms=applied["median_ms"])  # see EXPECTED
         if s.browser:
-            self.browser_calibration(profile, cal, placebo, res)
+            self.browser_calibration(profile, g.browser_cal, g.placebo, res)
             with open_paths(tls, _browser_routes(s), profile, self.logs, s.seed, probe=False) as p:
                 res["browser"] = self.browser(p, tls, BROWSER, f"{profile.name} browser")
         with open_paths(tls, ("direct",) * 2, profile, self.logs, s.seed, probe=False) as p:
@@ -503,17 +504,37 @@ def _browser_routes(s: Settings) -> tuple[str, ...]:
     return ("direct",) * (1 + s.browser_streams)
 
 
+# The browser calibration's placebo sleeps this long before each WebSocket write, and its delayed gateway
+# this plus --inject-ms, so both arms' writes leave the gateway off the engine's step. With a placebo of
+# 0 (the write inside the step, when the gateway, the proxy and Chromium are awake) against a delayed write
+# (alone, after the machine went idle), Chromium read the 2 ms as 0.1-0.15 ms more than the gateway slept:
+# every process on the way wakes cold (lan, six pairs, 2026-11-24: 2.19-2.39 ms for ~2.14). With ws:1
+# against ws:3, four pairs read +2.04 [1.94, 2.16] ms for 2.01 (per pair 1.91-2.16).
+PLACEBO_MS = 1.0
+
+
+@dataclass(frozen=True)
+class Gateways:
+    """The report's gateways (URLs), each on its own synthetic engine."""
+
+    tls: str  # the one every arm is measured on
+    cal: str  # WebSocket writes sleep --inject-ms (the socket calibration, paired against its SSE)
+    browser_cal: str  # WebSocket writes sleep PLACEBO_MS + --inject-ms (the browser's calibration)
+    placebo: str  # WebSocket writes sleep PLACEBO_MS (the browser's placebo)
+    plain: str  # plain HTTP, behind nginx
+
+
 @contextlib.contextmanager
-def gateways(s: Settings, logs: Path) -> Iterator[tuple[str, str, str, str]]:
-    """A TLS gateway, a TLS gateway whose WebSocket writes sleep ``inject_ms``, its placebo (the same
-    path, a 0 ms sleep) and a plain one, each on its own synthetic engine."""
+def gateways(s: Settings, logs: Path) -> Iterator[Gateways]:
+    """Start the report's gateways (:class:`Gateways`) together; stop them afterwards."""
     from gateway.http.certs import generate
 
     with tempfile.TemporaryDirectory(prefix="tokenfan-report-") as tmp, contextlib.ExitStack() as stack:
         cert, key = generate(Path(tmp) / "tls")
         # The browser arm's WebSockets go to other ports of the shaping proxy than its page: other origins.
         tls_args = [f"--ssl-certfile={cert}", f"--ssl-keyfile={key}", "--allowed-origins=*"]
-        args = [tls_args, [*tls_args, f"--inject-delay=ws:{s.inject_ms:g}"], [*tls_args, "--inject-delay=ws:0"], []]
+        sleeps = (s.inject_ms, PLACEBO_MS + s.inject_ms, PLACEBO_MS)
+        args = [tls_args, *([*tls_args, f"--inject-delay=ws:{ms:g}"] for ms in sleeps), []]
         with ThreadPoolExecutor(len(args)) as pool:  # started together: each waits seconds for its imports
             futures = [pool.submit(procs.spawn_synthetic, s.rate, s.ttft_ms, logs, a) for a in args]
         failed = [e for e in (f.exception() for f in futures) if e is not None]
@@ -522,8 +543,7 @@ def gateways(s: Settings, logs: Path) -> Iterator[tuple[str, str, str, str]]:
                 stack.enter_context(f.result())
         if failed:
             raise failed[0]
-        tls, cal, placebo, plain = (f.result() for f in futures)
-        yield tls.url, cal.url, placebo.url, plain.url
+        yield Gateways(*(f.result().url for f in futures))
 
 
 def _brief(r: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenfan_bench.matrix import RESOLUTION_MS, contains_zero, recovered, verdict
+from tokenfan_bench.matrix import PLACEBO_MS, RESOLUTION_MS, contains_zero, recovered, verdict
 from tokenfan_bench.runner import Run
 from tokenfan_bench.stats import delivery_ns
 
@@ -169,7 +169,7 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
         "`/metrics`, scraped before and after the calibration's runs; a sleep lasts longer than asked, more on a "
         "loaded gateway than in an idle process). The socket calibration, paired per token, expects the median "
         "sleep of its run; the browser's difference-in-differences, a difference of unpaired medians (wide: "
-        "they carry the browser's own noise), expects the delayed gateway's mean sleep minus the placebo's (which never sleeps). "
+        "they carry the browser's own noise), expects the delayed gateway's mean sleep minus the placebo's. "
         f"*Recovered* = the 95% interval excludes 0 and comes within {RESOLUTION_MS:g} ms of the expected "
         "value: the slack of that model, between the sleeps' median and mean (not a clock's resolution: the "
         "`/ab` page is cross-origin isolated, `performance.now()` moves in 5 µs)."),
@@ -189,7 +189,10 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
         "handshake, which is the browser's WebSocket TTFT. "
         "Chromium's EventSource and WebSocket differ without any delay, so the browser's calibration is a "
         "difference-in-differences: `EventSource, WebSocket` on the delayed gateway minus the same on a placebo "
-        f"gateway (`--inject-delay ws:0`: the same server path, no sleep), each arm over at least "
+        f"gateway (`--inject-delay ws:{PLACEBO_MS:g}` against `ws:{PLACEBO_MS + inject:g}`: the same server path, "
+        "both writes off the engine's step; against a placebo writing inside the step, where every process on "
+        "the way is awake, Chromium read the delayed write 0.1–0.15 ms later than the gateway slept), each arm "
+        "over at least "
         f"{s['min_streams']} streams, {s.get('browser_cal_runs', 1)} pairs of runs averaged pair by pair (a run "
         "moves both of its arms together, by up to ±0.6 ms on lan, which cancels inside its pair)."),
         ("- Intervals: bootstrap 95% over streams. Δ delivery is paired per token (as `tokenfan bench`; "

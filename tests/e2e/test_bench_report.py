@@ -11,7 +11,7 @@ import pytest
 
 from tests.system import require
 from tokenfan_bench.cli import main as bench_main
-from tokenfan_bench.matrix import BROWSER, FANOUT, RESPONSES, VIA
+from tokenfan_bench.matrix import BROWSER, FANOUT, PLACEBO_MS, RESPONSES, VIA
 from tokenfan_bench.report_md import slug
 
 
@@ -40,7 +40,8 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
         assert set(run["ttft_diffs_ms"]) == set(run["gap_p99_diffs_ms"]) == {f"{k}-A" for k in list(run["arms"])[1:]}
         assert set(run["stalls"]) == set(run["arms"])
     assert profile["browser_calibration"]["did_ms"]["n"] > 0  # the difference-in-differences was measured
-    assert 1 <= profile["browser_calibration"]["did_ms"]["pairs"] <= 2  # more pairs only while too wide
+    assert profile["browser_calibration"]["did_ms"]["pairs"] == 2  # --browser-calibration-runs, averaged
+    assert len(profile["browser_calibration"]["did_ms"]["per_pair_ms"]) == 2
     for run in ("browser", "browser_calibration", "browser_placebo"):
         assert profile[run]["separate_streams"] is True, run  # one arm per stream: arms read no token twice
     assert profile["browser"]["browser"]["texts_identical"] is True
@@ -48,7 +49,11 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
         assert all(a["errors"] == 0 for a in profile[cal]["arms"].values()), cal
         assert profile[cal]["applied"]["n"] > 0, cal  # the delayed gateway timed its sleeps in that run
         assert profile[cal]["expected_ms"] > 0, cal
-    assert profile["browser_calibration"]["applied_placebo"]["n"] == 0  # ws:0 takes the path, never sleeps
+    # the browser's placebo sleeps PLACEBO_MS before each WebSocket write and its delayed gateway that + 2 ms
+    placebo, delayed = profile["browser_calibration"]["applied_placebo"], profile["browser_calibration"]["applied"]
+    assert placebo["n"] > 0 and PLACEBO_MS <= placebo["mean_ms"] < PLACEBO_MS + 1
+    assert PLACEBO_MS + 2 <= delayed["mean_ms"] < PLACEBO_MS + 3
+    assert profile["browser_calibration"]["expected_ms"] == pytest.approx(delayed["mean_ms"] - placebo["mean_ms"])
     via = results["via"]["lan"]["run"]
     assert [(w["transport"], w["via"]) for k, w in via["wire"].items() if k != "post"] == \
         [(a.partition("@")[0], a.partition("@")[2] or "direct") for a in VIA]

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from tokenfan_bench.clients import Plan, worker_main
 from tokenfan_bench.stats import ArmSamples
 
-_CPU = re.compile(rb"^process_cpu_seconds_total (\S+)$", re.MULTILINE)
-_SENT = re.compile(rb'^tokenfan_chunks_sent_total\{transport="(\w+)"\} (\S+)$', re.MULTILINE)
+CPU_SECONDS = "process_cpu_seconds_total"
+CHUNKS_SENT = "tokenfan_chunks_sent_total"
 
 
 @dataclass
@@ -32,12 +32,30 @@ class Run:
 
 
 def scrape(url: str) -> tuple[float | None, dict[str, float]]:
+    """:func:`server_counters` of the server at ``url`` now; ``(None, {})`` when it is unreachable or has no
+    ``/metrics``."""
     try:
-        text = httpx.get(url + "/metrics", timeout=5.0, trust_env=False, verify=False).content
+        resp = httpx.get(url + "/metrics", timeout=5.0, trust_env=False, verify=False)
     except httpx.HTTPError:
         return None, {}
-    cpu = _CPU.search(text)
-    return (float(cpu.group(1)) if cpu else None), {t.decode(): float(v) for t, v in _SENT.findall(text)}
+    return server_counters(resp.text) if resp.status_code == 200 else (None, {})
+
+
+def server_counters(text: str) -> tuple[float | None, dict[str, float]]:
+    """The server's CPU seconds (:data:`CPU_SECONDS`; None when absent) and chunks written by transport
+    (:data:`CHUNKS_SENT`) in a ``/metrics`` text; ``(None, {})`` for a text that is not one."""
+    cpu: float | None = None
+    sent: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == CPU_SECONDS and not s.labels:
+                    cpu = s.value
+                elif s.name == CHUNKS_SENT and "transport" in s.labels:
+                    sent[s.labels["transport"]] = s.value
+    except ValueError:  # some other page (an HTML page, JSON): no metrics here
+        return None, {}
+    return cpu, sent
 
 
 def run_clients(plan: Plan, workers: int, desc: str = "bench", progress_bar: bool = True,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import socket
 import threading
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 import httpx
 from playwright.sync_api import Page
 
+from tests.e2e.helpers import sample
 from tests.procs import Proc, free_port, spawn
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -110,10 +110,9 @@ def start_gateway_without_engine(address: str, name: str = "gateway-no-engine") 
 
 def aborted_total(gateway_url: str) -> float:
     """``tokenfan_requests_aborted_total`` from the gateway's /metrics."""
-    text = httpx.get(gateway_url + "/metrics", timeout=5).text
-    m = re.search(r"^tokenfan_requests_aborted_total (\S+)$", text, re.MULTILINE)
-    assert m, "tokenfan_requests_aborted_total missing from /metrics"
-    return float(m.group(1))
+    value = sample(httpx.get(gateway_url + "/metrics", timeout=5).text, "tokenfan_requests_aborted_total")
+    assert value is not None, "tokenfan_requests_aborted_total missing from /metrics"
+    return value
 
 
 def full_stream_text(gateway_url: str, stream_id: str) -> str:

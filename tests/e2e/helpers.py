@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.core import sse
 from tests.procs import engine_and_gateway
@@ -36,10 +36,17 @@ def chunk_text(chunk: dict) -> str:
     return c["delta"].get("content") or "" if "delta" in c else c.get("text") or ""
 
 
-def metric(url: str, name: str, labels: str = "") -> float:
-    body = httpx.get(url + "/metrics").text
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", body, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
+def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """The value of the sample ``name`` with exactly ``labels`` in a ``/metrics`` text, or None."""
+    want = labels or {}
+    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == name and s.labels == want), None)
+
+
+def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """:func:`sample` of the gateway at ``url`` (http or https) now; 0 when absent."""
+    value = sample(httpx.get(url + "/metrics", verify=False, timeout=5).text, name, labels)
+    return 0.0 if value is None else value
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:

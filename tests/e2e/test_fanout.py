@@ -178,7 +178,7 @@ def test_a_stalled_subscriber_is_cut_without_growing_memory_or_delaying_others(i
 
 def _stalled_subscriber_case(url: str) -> None:
     info = create(url, max_tokens=6000, endpoint="completions")  # 12 MB over 6 s
-    errors_before = metric(url, "tokenfan_errors_total", '{class="network"}')
+    errors_before = metric(url, "tokenfan_errors_total", {"class": "network"})
     rss_before = metric(url, "process_resident_memory_bytes")
     stalled = stalled_client(url, f"GET /v1/streams/{info['id']}/events HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     try:
@@ -187,7 +187,7 @@ def _stalled_subscriber_case(url: str) -> None:
         assert last >= 100 and len(text) >= 6000 * 2000
         # The healthy reader finished at the engine's pace even though the stalled one never read.
         assert time.monotonic() - t0 < 6000 / 1000 + 10
-        wait_until(lambda: metric(url, "tokenfan_errors_total", '{class="network"}') > errors_before,
+        wait_until(lambda: metric(url, "tokenfan_errors_total", {"class": "network"}) > errors_before,
                    timeout=10, what="stalled subscriber closed as slow")
         assert metric(url, "process_resident_memory_bytes") - rss_before < 50 << 20
     finally:

@@ -110,7 +110,7 @@ def _warm(url: str) -> None:
 def test_a_burst_of_3000_requests_on_one_websocket_leaves_others_served(defaults: tuple[Proc, str]) -> None:
     gw, url = defaults
     _warm(url)
-    before = metric(url, "tokenfan_refusals_total", '{reason="connection_queue_limit"}')
+    before = metric(url, "tokenfan_refusals_total", {"reason": "connection_queue_limit"})
     summary, ttft, growth = run_flood(gw, url, "ws", 3000)
     codes = summary["codes"]
     assert summary["bad"] == 0 and summary["unanswered"] == 0, summary
@@ -118,7 +118,7 @@ def test_a_burst_of_3000_requests_on_one_websocket_leaves_others_served(defaults
     # 32 generate, 64 wait (--ws-max-in-flight, --ws-max-queued): each of the others is refused on its own
     assert codes["connection_queue_limit"] >= 3000 - 32 - 64, codes
     assert set(codes) <= {"connection_queue_limit", "done", "client_generation_limit", "fair_share_limit"}, codes
-    assert metric(url, "tokenfan_refusals_total", '{reason="connection_queue_limit"}') - before \
+    assert metric(url, "tokenfan_refusals_total", {"reason": "connection_queue_limit"}) - before \
         == codes["connection_queue_limit"]
     assert ttft < FIRST_TOKEN_S and growth < RSS_GROWTH
 

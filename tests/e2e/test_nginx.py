@@ -161,7 +161,7 @@ def test_a_stalled_client_behind_nginx_is_cut_by_the_gateway(ipc_dir: Path, cert
     with fat_gateway(ipc_dir, "nginx-fat") as gw_url, nginx_in_front(gw_url, certs, "fat") as url:
         info = httpx.post(url + "/v1/streams", json={"endpoint": "completions", "prompt": "hi", "max_tokens": 15000},
                           verify=False, timeout=10).json()
-        errors_before = metric(gw_url, "tokenfan_errors_total", '{class="network"}')
+        errors_before = metric(gw_url, "tokenfan_errors_total", {"class": "network"})
         port = int(url.rsplit(":", 1)[1])
         raw = socket.socket()
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
@@ -172,7 +172,7 @@ def test_a_stalled_client_behind_nginx_is_cut_by_the_gateway(ipc_dir: Path, cert
         try:
             stalled.sendall(f"GET /v1/streams/{info['id']}/events HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
             # Never read: nginx stops reading from the gateway, whose write blocks and is cut.
-            wait_until(lambda: metric(gw_url, "tokenfan_errors_total", '{class="network"}') > errors_before,
+            wait_until(lambda: metric(gw_url, "tokenfan_errors_total", {"class": "network"}) > errors_before,
                        timeout=60, what="the stalled subscriber behind nginx closed as slow")
         finally:
             stalled.close()

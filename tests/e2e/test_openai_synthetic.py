@@ -198,11 +198,11 @@ def test_sdk_raises_typed_errors(client: openai.OpenAI) -> None:
 
 
 def test_errors_are_counted_by_class(gateway_url: str) -> None:
-    before = {c: metric(gateway_url, "tokenfan_errors_total", f'{{class="{c}"}}') for c in ("client", "content")}
+    before = {c: metric(gateway_url, "tokenfan_errors_total", {"class": c}) for c in ("client", "content")}
     httpx.post(gateway_url + "/v1/completions", json={"prompt": "x", "n": 3})
     httpx.post(gateway_url + "/v1/completions", json={"prompt": "w " * 3000})
-    assert metric(gateway_url, "tokenfan_errors_total", '{class="client"}') == before["client"] + 1
-    assert metric(gateway_url, "tokenfan_errors_total", '{class="content"}') == before["content"] + 1
+    assert metric(gateway_url, "tokenfan_errors_total", {"class": "client"}) == before["client"] + 1
+    assert metric(gateway_url, "tokenfan_errors_total", {"class": "content"}) == before["content"] + 1
 
 
 def test_models_health_and_metrics(gateway_url: str) -> None:

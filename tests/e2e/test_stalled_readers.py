@@ -119,7 +119,7 @@ PATHS: dict[str, Callable[[str], tuple[bytes, list[bytes], Callable[[bytes], Non
 @pytest.mark.parametrize("path", list(PATHS))
 def test_a_reader_that_stops_reading_is_cut_its_generation_aborted_and_told_why(fat_url: str, path: str) -> None:
     url = fat_url
-    network_before = metric(url, "tokenfan_errors_total", '{class="network"}')
+    network_before = metric(url, "tokenfan_errors_total", {"class": "network"})
     aborted_before = metric(url, "tokenfan_requests_aborted_total")
     request, messages, check = PATHS[path](url)
     sock = stalled_client(url, request)
@@ -128,7 +128,7 @@ def test_a_reader_that_stops_reading_is_cut_its_generation_aborted_and_told_why(
             time.sleep(0.3)  # the 101 arrives first
             for m in messages:
                 sock.sendall(m)
-        wait_until(lambda: metric(url, "tokenfan_errors_total", '{class="network"}') > network_before,
+        wait_until(lambda: metric(url, "tokenfan_errors_total", {"class": "network"}) > network_before,
                    timeout=25, what=f"{path}: the stalled reader is cut")
         # The only reader was cut: its generation(s) are aborted in the engine, not run to the end.
         wait_until(lambda: metric(url, "tokenfan_requests_aborted_total") > aborted_before, timeout=10,

@@ -19,7 +19,7 @@ from cryptography import x509
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from tests.e2e.helpers import chunk_text, sse_events
+from tests.e2e.helpers import chunk_text, metric, sse_events
 from tests.procs import Proc, StartGateway, engine_and_gateway, free_port, spawn, start_engine
 
 
@@ -239,7 +239,7 @@ def test_a_stalled_reader_over_tls_is_cut_by_the_send_timeout(ipc_dir: Path, cer
                              "2000", "--max-model-len", "20000"), ("--send-timeout", "1", "--max-tokens-cap", "20000"),
                             name="tls-fat", start=tls(certs)) as url:
         def network_errors() -> float:
-            return metric_https(url, "tokenfan_errors_total", '{class="network"}')
+            return metric(url, "tokenfan_errors_total", {"class": "network"})
 
         for proto in ("http/1.1", "h2"):
             info = httpx.post(url + "/v1/streams", json={"endpoint": "completions", "prompt": "hi",
@@ -267,11 +267,3 @@ def test_a_stalled_reader_over_tls_is_cut_by_the_send_timeout(ipc_dir: Path, cer
                            what=f"the stalled {proto} reader closed as slow")
             finally:
                 stalled.close()
-
-
-def metric_https(url: str, name: str, labels: str = "") -> float:
-    import re
-
-    body = httpx.get(url + "/metrics", verify=False, timeout=5).text
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", body, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0

@@ -274,10 +274,12 @@ def test_one_engine_step_is_one_pass_and_one_write_per_connection() -> None:
         tokens = HotCounter()
         m = metrics()
         readers = []
+        builders: dict[str, ChunkBuilder] = {}
         for rid in ("a", "b"):
             handle = client.submit(submit(rid))
             stream = Stream(rid, "chat.completions", "m", listed=False)
-            gen = Generation(stream, handle, ChatRenderer(builder(rid)), tokens)
+            builders[rid] = builder(rid)
+            gen = Generation(stream, handle, ChatRenderer(builders[rid]), tokens)
             gen.start()
             reader = Reader(MuxWs(rid), conn, ReaderMeter(m, clock.now), clock=clock)
             policy = SlowConsumerPolicy()
@@ -298,7 +300,7 @@ def test_one_engine_step_is_one_pass_and_one_write_per_connection() -> None:
         assert [(x["id"], x["data"]["choices"][0]["delta"]) for x in msgs] == [
             ("a", {"role": "assistant", "content": ""}), ("a", {"content": "Hel"}),
             ("b", {"role": "assistant", "content": ""}), ("b", {"content": "Wor"})]
-        assert msgs[1]["data"] == builder("a").delta_chunk("Hel", None)
+        assert msgs[1]["data"] == builders["a"].delta_chunk("Hel", None)  # same builder: same "created" second
         assert {ev.timing["sent_ns"] for s, _ in readers for ev in s.events} == {clock.wall_ns}
         assert m.chunks.value == 4 and tokens.value == 2
         assert all(s.events[-1].seq == 1 for s, _ in readers)

@@ -365,7 +365,7 @@ def test_ab_stop_cancels_the_stream_being_read_and_creates_no_other(
     before = aborted_total(slow_gateway_url)
     page.goto(slow_gateway_url + "/ab")
     page.fill("#runs", "3")
-    page.fill("#max-tokens", "200")  # 10 s per stream at 20 tokens/s
+    page.fill("#max-tokens", "60")  # 3 s per stream at 20 tokens/s: A ends, B is still running when stopped
     page.fill("#seed", "1")
     page.click("#start")
     page.wait_for_function("a => document.querySelector(`#pane-${a} .text`).textContent.length > 10", arg=arm)

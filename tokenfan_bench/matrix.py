@@ -245,7 +245,7 @@ def scrape_sleeps(url: str, transport: str = "ws") -> Sleeps:
 
 def applied_delay(sleeps: Sleeps) -> dict[str, float]:
     """What a gateway's ``--inject-delay`` applied over some runs (the difference of two scrapes): the mean
-    and median sleep in ms (0 when it slept none: a placebo's ``ws:0`` never sleeps) and their count.
+    and median sleep in ms (0 when it slept none, e.g. a gateway started without the flag) and their count.
     The median is interpolated in its bucket, as Prometheus's ``histogram_quantile`` does."""
     if sleeps.count <= 0:
         return {"mean_ms": 0.0, "median_ms": 0.0, "n": 0}

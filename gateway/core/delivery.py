@@ -125,8 +125,8 @@ async def stop(gw: Gateway, stream: Stream) -> bool:
         assert gw.broker is not None and stream.task is not None
         if not await gw.broker.cancel_remote(stream.id):
             return False
-        # asyncio.wait: on timeout the mirror goes on; its end (a cancel too) is not raised here, a cancel of this
-        # caller is
+        # Wait up to 5 s for the mirror to end. asyncio.wait neither cancels it on timeout nor raises how it
+        # ended, and (unlike wait_for on Python 3.11) never swallows a cancel of this caller.
         await asyncio.wait({stream.task}, timeout=5.0)
         return True
     if not cancel(stream):

@@ -42,10 +42,12 @@ browser: test-deps
 test: setup test-deps lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# ruff and mypy at the versions pinned in the `dev` extra (installed by setup); fails on any finding.
+# ruff, mypy and import-linter (the layer contracts in pyproject.toml) at the versions pinned in the `dev`
+# extra (installed by setup); fails on any finding.
 lint: setup
-	$(VENV)/bin/ruff check gateway engine_worker tokenfan_bench tools tests
-	$(VENV)/bin/mypy gateway engine_worker tokenfan_bench
+	$(VENV)/bin/ruff check tokenfan gateway engine_worker tokenfan_bench tools tests
+	$(VENV)/bin/mypy tokenfan gateway engine_worker tokenfan_bench
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache test-artifacts

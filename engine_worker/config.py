@@ -1,5 +1,5 @@
 """Engine worker settings: the :class:`EngineConfig` dataclass, filled from the table in
-:mod:`engine_worker.settings` (flags, ``TOKENFAN_*`` environment fallbacks and defaults are declared there)."""
+:mod:`tokenfan.settings` (flags, ``TOKENFAN_*`` environment fallbacks and defaults are declared there)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine_worker.settings import (  # noqa: F401  (re-exported: the defaults lived here)
+from tokenfan.settings import (  # noqa: F401  (re-exported: the defaults lived here)
     add_arguments,
     build,
     declared,
@@ -62,7 +62,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(values: Mapping[str, Any]) -> EngineConfig:
-    """An EngineConfig from :func:`engine_worker.settings.resolve` values (of ``engine`` or ``serve``)."""
+    """An EngineConfig from :func:`tokenfan.settings.resolve` values (of ``engine`` or ``serve``)."""
     return build(EngineConfig, values, "engine")
 
 

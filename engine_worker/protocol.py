@@ -18,7 +18,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"tokenfan/%d" % PROTOCOL_VERSION
 
 Endpoint = Literal["chat.completions", "completions"]
@@ -51,7 +51,13 @@ class Submit(msgspec.Struct, tag="submit", array_like=True, frozen=True):
 
     ``body`` is the client's OpenAI request object (JSON): the engine serves it through vLLM's own
     OpenAI layer when it needs more than the plain path (tools, structured outputs, logprobs, ``n`` …)
-    and says so in :class:`Accepted`. ``stream``: whether the client reads chunks or one response."""
+    and says so in :class:`Accepted`. ``stream``: whether the client reads chunks or one response.
+
+    A *continuation* (the request's engine was lost mid-answer; see docs/failures.md) is the same request
+    with ``resume``: the output token ids already delivered, to be appended to the prompt, and
+    ``resume_chars``: how many characters of their text the client already has (text the old engine held
+    back, for a stop string or an unfinished character, is sent first). The engine generates the rest of
+    the token budget and reports usage as one request (the original prompt, every completion token)."""
 
     request_id: str
     endpoint: Endpoint
@@ -61,6 +67,8 @@ class Submit(msgspec.Struct, tag="submit", array_like=True, frozen=True):
     trace_id: str = ""
     body: bytes = b""
     stream: bool = True
+    resume: list[int] = []
+    resume_chars: int = 0
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, frozen=True):
@@ -90,7 +98,8 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     ``seq`` starts at 0 and increases by one per delta of a request. ``emit_ns`` is
     the engine's wall clock (``time.time_ns()``) when the delta left the backend. ``chunk`` (requests
     served by vLLM's OpenAI layer) is one whole OpenAI chunk, exactly as vllm serve writes it after
-    ``data:``, or the whole response of a non-streamed request; ``text`` is then empty.
+    ``data:``, or the whole response of a non-streamed request; ``text`` is then empty. ``token_ids``:
+    the output token ids of the step (the plain path; what a continuation resumes from).
     """
 
     request_id: str
@@ -101,6 +110,7 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     chunk: bytes = b""
+    token_ids: list[int] = []
 
 
 class DeltaBatch(msgspec.Struct, tag="deltas", array_like=True, frozen=True):

@@ -25,6 +25,7 @@ import functools
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,19 +63,25 @@ class IntervalMerger:
     _tokens: int = 0
     _sent: bool = False
 
+    _ids: list[int] = field(default_factory=list)
+
     def push(self, step: Step) -> Step | None:
         if self.interval <= 1 or step.chunk:  # a whole OpenAI chunk is never merged
             return step
         held = self._tokens + step.token_count
         if self._sent and step.finish_reason is None and held < self.interval:
             self._texts.append(step.text)
+            self._ids.extend(step.token_ids)
             self._tokens = held
             return None
         self._sent = True
         if self._texts:
             self._texts.append(step.text)
-            step = Step(text="".join(self._texts), token_count=held, finish_reason=step.finish_reason)
-            self._texts.clear()
+            self._ids.extend(step.token_ids)
+            step = Step(text="".join(self._texts), token_count=held, finish_reason=step.finish_reason,
+                        token_ids=self._ids)
+            self._texts = []
+            self._ids = []
             self._tokens = 0
         return step
 
@@ -95,21 +102,24 @@ class Emitter:
     finish_reason: p.FinishReason | None = None
 
     def __call__(self, text: str, token_count: int, finish_reason: p.FinishReason | None = None,
-                 chunk: bytes = b"") -> None:
+                 chunk: bytes = b"", token_ids: Sequence[int] = ()) -> None:
         self.completion += token_count
         if self.merger is not None:
-            step = self.merger.push(Step(text=text, token_count=token_count, finish_reason=finish_reason, chunk=chunk))
+            step = self.merger.push(Step(text=text, token_count=token_count, finish_reason=finish_reason, chunk=chunk,
+                                         token_ids=token_ids))
             if step is None:
                 self.held_ns = self.held_ns or self.server.step_ns()
                 return
             text, token_count, finish_reason, chunk = step.text, step.token_count, step.finish_reason, step.chunk
+            token_ids = step.token_ids
         usage = None
         if finish_reason is not None:
             usage = p.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion)
             self.finish_reason = finish_reason
         self.server.queue(self.identity, p.Delta(
             request_id=self.request_id, seq=self.seq, text=text, token_count=token_count,
-            emit_ns=self.held_ns or self.server.step_ns(), finish_reason=finish_reason, usage=usage, chunk=chunk))
+            emit_ns=self.held_ns or self.server.step_ns(), finish_reason=finish_reason, usage=usage, chunk=chunk,
+            token_ids=token_ids if isinstance(token_ids, list) else list(token_ids)))
         self.held_ns = 0
         self.seq += 1
 
@@ -264,9 +274,14 @@ class EngineServer:
                 return
             await self._send(identity, p.Accepted(request_id=rid, prompt_tokens=prepared.prompt_tokens,
                                                   openai=prepared.openai))
-            log.info("accepted %s trace=%s prompt_tokens=%d", rid, submit.trace_id, prepared.prompt_tokens)
+            if submit.resume:
+                log.info("accepted %s trace=%s prompt_tokens=%d: a continuation after %d output tokens", rid,
+                         submit.trace_id, prepared.prompt_tokens, len(submit.resume))
+            else:
+                log.info("accepted %s trace=%s prompt_tokens=%d", rid, submit.trace_id, prepared.prompt_tokens)
             emitter = Emitter(self, identity, rid, prepared.prompt_tokens,
-                              IntervalMerger(self.stream_interval) if self.stream_interval > 1 else None)
+                              IntervalMerger(self.stream_interval) if self.stream_interval > 1 else None,
+                              completion=len(submit.resume))
             await self.backend.stream(prepared, emitter)
             if emitter.finish_reason is None:  # the backend ended without a last step: stopped from outside
                 emitter("", 0, "abort")

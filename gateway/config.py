@@ -1,18 +1,76 @@
 """Gateway settings: the :class:`GatewayConfig` dataclass, filled from the table in
-:mod:`engine_worker.settings` (flags, ``TOKENFAN_*`` environment fallbacks and defaults are declared there)."""
+:mod:`tokenfan.settings` (flags, ``TOKENFAN_*`` environment fallbacks and defaults are declared there)."""
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Mapping
+import ipaddress
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine_worker.settings import add_arguments, build, declared
-from gateway.api.validation import Limits
+from gateway.core.engine_pool import MigrationPolicy
 from gateway.core.streams import Retention, SlowConsumerPolicy
-from gateway.scaleout.broker_codec import BrokerTimings
+from tokenfan.settings import build, declared
+
+IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(slots=True)
+class Limits:
+    """Request limits enforced at parse time (see gateway.config)."""
+
+    default_max_tokens: int = 256
+    max_tokens_cap: int = 4096
+    max_stop: int = 16
+    max_json_depth: int = 64  # OpenAI bodies nest ~6 deep (tools' JSON schemas more); orjson stops at 1024
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerTimings:
+    """The broker's own clocks (seconds). ``idle_timeout`` is ``--broker-idle-timeout``."""
+
+    op_timeout: float = 2.0  # connect and reply timeout of an ordinary command
+    block: float = 2.0  # longest XREAD BLOCK / BLPOP; their socket timeout is block + op_timeout
+    backoff_max: float = 1.0  # reconnect delays double from 50 ms up to this (jittered)
+    lease_interval: float = 0.5  # how often a gateway refreshes its lease
+    lease_ttl: float = 2.0  # a lease not refreshed for this long means the gateway is gone
+    cancel_timeout: float = 3.0  # how long cancel_remote waits for the owner's answer
+    max_pending: int = 65_536  # entries queued for the next pipeline; beyond, streams are repaired later
+
+    def __post_init__(self) -> None:
+        if min(self.op_timeout, self.block, self.backoff_max, self.lease_interval, self.cancel_timeout) <= 0:
+            raise ValueError("the broker's timeouts and intervals must be positive")
+        if self.lease_interval >= self.lease_ttl:
+            raise ValueError(f"--broker-lease-interval ({self.lease_interval}) must be shorter than "
+                             f"--broker-lease-ttl ({self.lease_ttl}), or every lease expires between refreshes")
+        if self.max_pending < 1:
+            raise ValueError("--broker-max-pending must be at least 1")
+
+
+class TrustedProxies:
+    """The ``--trusted-proxies`` networks; ``forwarded_for`` reads ``X-Forwarded-For`` only from them."""
+
+    def __init__(self, entries: Iterable[str] = ()) -> None:
+        self.networks: tuple[IpNetwork, ...] = tuple(ipaddress.ip_network(e.strip(), strict=False)
+                                                      for e in entries if e.strip())
+
+    def __contains__(self, host: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return any(ip in net for net in self.networks)
+
+    def client_address(self, peer: str, forwarded_for: str | None) -> str:
+        """The client's address: ``peer`` unless it is a trusted proxy that named the client."""
+        if not forwarded_for or peer not in self:
+            return peer
+        hops = [h.strip() for h in forwarded_for.split(",") if h.strip()]
+        for hop in reversed(hops):
+            if hop not in self:
+                return hop
+        return hops[0] if hops else peer
 
 
 @dataclass(slots=True)
@@ -59,6 +117,7 @@ class GatewayConfig:
     broker_url: str | None = declared("broker_url")
     broker_idle_timeout: float = declared("broker_idle_timeout")
     broker: BrokerTimings = field(default_factory=BrokerTimings)  # filled through dotted fields
+    migration: MigrationPolicy = field(default_factory=MigrationPolicy)  # likewise
     max_loop_lag: float = declared("max_loop_lag")
     direct_write: bool = declared("direct_write")
     gc_gen0_threshold: int = declared("gc_gen0_threshold")
@@ -70,19 +129,13 @@ class GatewayConfig:
     log_level: str = declared("log_level")
 
     def __post_init__(self) -> None:
-        from gateway.http.clients import TrustedProxies
-
         try:
             TrustedProxies(self.trusted_proxies)
         except ValueError as exc:
             raise ValueError(f"--trusted-proxies: {exc}") from None
 
 
-def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``tokenfan gateway``."""
-    add_arguments(parser, "gateway")
-
 
 def gateway_config(values: Mapping[str, Any]) -> GatewayConfig:
-    """A GatewayConfig from :func:`engine_worker.settings.resolve` values (of ``gateway`` or ``serve``)."""
+    """A GatewayConfig from :func:`tokenfan.settings.resolve` values (of ``gateway`` or ``serve``)."""
     return build(GatewayConfig, values, "gateway")

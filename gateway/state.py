@@ -1,71 +1,24 @@
-"""What every route shares: the :class:`Gateway` (config, engine link, stream hub, metrics) and admission."""
+"""What every route shares: the :class:`Gateway` (config, engine link, the delivery core's parts, admission)."""
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import logging
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from gateway.api.openai_api import ChunkBuilder, ParsedRequest, new_id
+from gateway.admission import Admission, Holdings, LoopMonitor
 from gateway.config import GatewayConfig
+from gateway.core.delivery import Delivery, cancel
 from gateway.core.engine_pool import EnginePool
 from gateway.core.metrics import Metrics
 from gateway.core.streams import SlowConsumerPolicy, StreamHub, Watchdog
-from gateway.errors import APIError, EngineError, engine_unavailable
-from gateway.http.clients import Holdings, fair_refusal
+from gateway.errors import APIError, engine_unavailable
 
 if TYPE_CHECKING:
-    from gateway.core.engine_client import RequestHandle
+    from gateway.core.ports import Publisher, RemoteStreams
     from gateway.scaleout.peers import Peers
-    from gateway.scaleout.protocols import Publisher, StreamBroker
 
 log = logging.getLogger(__name__)
-
-
-class LoopMonitor:
-    """How late the event loop runs: the overshoot of a short periodic sleep, over the last ``window`` s.
-
-    ``lag`` is the worst tick of the window (``tokenfan_event_loop_lag_seconds``); ``sustained`` is its
-    median, what admission compares with ``--max-loop-lag``. One stall (a GC pause, a first-call import,
-    the process descheduled on a busy host) raises ``lag`` for a second but not ``sustained``; a loop
-    that is behind on most ticks raises both. A gateway that is behind would only deliver everything
-    later, failure notices included, so it refuses new work instead."""
-
-    def __init__(self, interval: float = 0.05, window: float = 1.0) -> None:
-        self.interval = interval
-        self.window = window
-        self.lag = 0.0
-        self.sustained = 0.0
-        self._recent: collections.deque[tuple[float, float]] = collections.deque()  # (at, overshoot)
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-monitor")
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    def record(self, at: float, overshoot: float) -> None:
-        """Add one tick; keeps the window (never fewer than 3 ticks, so a loop slower than one tick per
-        window still has a median)."""
-        self._recent.append((at, overshoot))
-        while len(self._recent) > 3 and at - self._recent[0][0] > self.window:
-            self._recent.popleft()
-        values = sorted(v for _, v in self._recent)
-        self.lag = values[-1]
-        self.sustained = values[len(values) // 2]
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            t = loop.time()
-            await asyncio.sleep(self.interval)
-            now = loop.time()
-            self.record(now, max(0.0, now - t - self.interval))
 
 
 @dataclass
@@ -78,14 +31,11 @@ class Gateway:
     hub: StreamHub = field(init=False)
     policy: SlowConsumerPolicy = field(init=False)
     watchdog: Watchdog = field(init=False)
-    broker: StreamBroker | None = None  # other gateways' streams: Redis (--broker) or the peer workers (--workers)
-    publisher: Publisher | None = None  # --broker: this gateway's listed streams, written to Redis
+    delivery: Delivery = field(init=False)  # the core's parts: hub, metrics, policy, watchdog, publisher, broker
+    admission: Admission = field(init=False)
     peers: Peers | None = None  # --workers: the other workers (their metrics merged into /metrics)
     draining: bool = False
     listening: bool = field(init=False)  # --workers: on the shared port yet (gateway.http.server.listen_when_ready)
-    clients: Holdings = field(default_factory=Holdings)  # per client: connections, generations, subscriptions
-    loop: LoopMonitor = field(default_factory=LoopMonitor)
-    _overload_logged_at: float = field(default=float("-inf"), repr=False)
 
     def __post_init__(self) -> None:
         self.hub = StreamHub(self.config.retention)
@@ -94,11 +44,39 @@ class Gateway:
         self.watchdog = Watchdog(self.policy.send_timeout, self.config.keepalive_interval)
         if self.config.inject_delay:
             self.metrics.hot.inject(self.config.inject_delay)
+        self.delivery = Delivery(self.hub, self.metrics, self.policy, self.watchdog,
+                                 inject_delay=self.config.inject_delay, direct_write=self.config.direct_write)
+        self.admission = Admission(self.config)
+
+    @property
+    def broker(self) -> RemoteStreams | None:
+        """Other gateways' streams: Redis (``--broker``) or the peer workers (``--workers``)."""
+        return self.delivery.remote
+
+    @broker.setter
+    def broker(self, value: RemoteStreams | None) -> None:
+        self.delivery.remote = value
+
+    @property
+    def publisher(self) -> Publisher | None:
+        """``--broker``: this gateway's listed streams, written to Redis."""
+        return self.delivery.publisher
+
+    @publisher.setter
+    def publisher(self, value: Publisher | None) -> None:
+        self.delivery.publisher = value
+
+    @property
+    def clients(self) -> Holdings:
+        """Per client: connections, generations, subscriptions."""
+        return self.admission.clients
+
+    @property
+    def loop(self) -> LoopMonitor:
+        return self.admission.loop
 
     def cancel_local_stream(self, stream_id: str) -> bool:
         """Cancel a generation this gateway runs (a broker-forwarded DELETE); False if not ours."""
-        from gateway.core.delivery import cancel
-
         s = self.hub.streams.get(stream_id)
         return s is not None and cancel(s)
 
@@ -135,74 +113,10 @@ class Gateway:
         self.metrics.refusals.labels(err.code or "unknown").inc()
         return err
 
-    def _admit(self, client: str, key: str | None) -> None:
-        """Raise (and count) the refusal a new generation of ``client`` gets, if any: overload, the gateway's
-        total, the client's own limits, then fair admission (:func:`gateway.http.clients.fair_refusal`)."""
+    def admit(self, client: str, key: str | None) -> None:
+        """Raise (and count) the refusal a new generation of ``client`` gets, if any
+        (:meth:`gateway.admission.Admission.check`)."""
         try:
-            self._check_admission(client, key)
+            self.admission.check(client, key, engines_queue=self.engine.load()[1] > 0)
         except APIError as err:
             raise self.refused(err) from None
-
-    def _check_admission(self, client: str, key: str | None) -> None:
-        max_lag = self.config.max_loop_lag
-        lag = self.loop.sustained
-        if max_lag and lag > max_lag:
-            now = time.monotonic()
-            if now - self._overload_logged_at > 1.0:  # rate-limited: one line per second of refusals
-                self._overload_logged_at = now
-                log.warning("refusing new work: event loop %.0f ms behind (median of the last second; "
-                            "--max-loop-lag %.0f ms)", lag * 1000, max_lag * 1000)
-            raise APIError(503, f"The gateway is overloaded (event loop {lag * 1000:.0f} ms behind; the "
-                                f"limit is {max_lag * 1000:.0f} ms); retry shortly.", type="server_error",
-                           code="overloaded", retry_after=1.0)
-        held = self.clients
-        total = held.totals["generations"]
-        if total >= self.config.max_concurrent:
-            raise APIError(429, f"Too many concurrent generations ({total}); the limit is "
-                                f"{self.config.max_concurrent}.", type="rate_limit_error",
-                           code="too_many_requests", retry_after=1.0)
-        per_key = self.config.max_concurrent_per_key
-        mine = held.of("generations", client)
-        if per_key and key is not None and mine >= per_key:
-            raise APIError(429, f"This API key has {mine} generations in flight; the limit is "
-                                f"{per_key}.", type="rate_limit_error", code="too_many_requests", retry_after=1.0)
-        held.check("generations", client, self.config.max_generations_per_client)
-        soft = int(self.config.max_concurrent * self.config.fair_share_at) if self.config.fair_share_at else 0
-        why = fair_refusal(mine, total, held.clients("generations"), soft,
-                           engines_queue=mine > 0 and self.engine.load()[1] > 0)
-        if why is not None:
-            raise APIError(429, why + "; retry shortly.", type="rate_limit_error", code="fair_share_limit",
-                           retry_after=1.0)
-
-    async def open(self, parsed: ParsedRequest, scope: Any = None) -> tuple[RequestHandle, ChunkBuilder]:
-        """Submit to the engine and wait until it accepted (prompt validated).
-
-        Raises APIError or EngineError. ``scope`` (of the HTTP request or WebSocket) supplies the API key
-        for per-key limits and the request id the engine logs as ``trace``; the generation id is recorded
-        for the access log."""
-        state = scope.setdefault("state", {}) if scope is not None else {}
-        key = state.get("api_key")
-        client = state.get("client") or "internal"  # set by gateway.http.clients.ClientLimitMiddleware
-        model = self.check_model(parsed.model)
-        self._admit(client, key)
-        rid = new_id(parsed.endpoint)
-        handle = self.engine.submit(parsed.to_submit(rid, trace_id=state.get("request_id", rid)))
-        state["generation_id"] = rid
-        self.clients.acquire("generations", client)
-        handle.on_close.append(lambda: self.clients.release("generations", client))
-        try:
-            prompt_tokens = await handle.wait_accepted(self.config.accept_timeout)
-            limit = self.config.max_prompt_tokens
-            if limit and prompt_tokens > limit:
-                raise APIError(400, f"The prompt has {prompt_tokens} tokens; this server accepts at most {limit}.",
-                               param="messages" if parsed.endpoint == "chat.completions" else "prompt",
-                               code="prompt_too_long")
-        except EngineError as exc:
-            handle.close()
-            if exc.code == "engine_overloaded":
-                self.metrics.refusals.labels(exc.code).inc()
-            raise
-        except BaseException:
-            handle.close()
-            raise
-        return handle, ChunkBuilder(parsed.endpoint, rid, model, parsed.include_usage)

@@ -80,7 +80,7 @@ def _start_vllm_engine(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
 
 def _start_parser_gateway(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
     port = free_port()
-    proc = spawn(["-m", "gateway.cli", "serve", "--engine", "vllm", "--model", str(model),
+    proc = spawn(["-m", "tokenfan.cli", "serve", "--engine", "vllm", "--model", str(model),
                   "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
                   "--kv-cache-gib", "1", "--engine-address", f"ipc://{ipc_dir / 'parser.sock'}",
                   "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *PARSER_FLAGS],

@@ -100,7 +100,7 @@ class StartGateway(Protocol):
 def start_gateway(engine_address: str, *args: str, name: str = "gateway", timeout: float = 30.0,
                   port: int | None = None) -> tuple[Proc, str]:
     port = port or free_port()
-    proc = spawn(["-m", "gateway.cli", "gateway", "--engine-address", engine_address, "--host", "127.0.0.1",
+    proc = spawn(["-m", "tokenfan.cli", "gateway", "--engine-address", engine_address, "--host", "127.0.0.1",
                   "--port", str(port), "--log-level", "warning", *args], name)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, timeout)

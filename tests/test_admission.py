@@ -30,22 +30,22 @@ def _gateway(waiting: int = 0, **config: Any) -> Gateway:
 
 def _hold(gw: Gateway, client: str, n: int = 1) -> None:
     for _ in range(n):
-        gw._admit(client, None)
+        gw.admit(client, None)
         gw.clients.acquire("generations", client)
 
 
 def test_total_and_per_key_limits_refuse_with_429_and_free_on_release() -> None:
     gw = _gateway(max_concurrent=3, max_concurrent_per_key=2, fair_share_at=0)
     for key in ("a", "a", "b"):
-        gw._admit(key, key)
+        gw.admit(key, key)
         gw.clients.acquire("generations", key)
     with pytest.raises(APIError) as info:
-        gw._admit("c", "c")
+        gw.admit("c", "c")
     assert info.value.status == 429 and info.value.code == "too_many_requests" and info.value.retry_after
     gw.clients.release("generations", "b")
     with pytest.raises(APIError):
-        gw._admit("a", "a")  # per key: "a" already has 2
-    gw._admit("c", "c")
+        gw.admit("a", "a")  # per key: "a" already has 2
+    gw.admit("c", "c")
     assert gw.clients.of("generations", "b") == 0
 
 
@@ -53,11 +53,11 @@ def test_a_client_over_its_generation_limit_gets_429_naming_the_limit_and_is_cou
     gw = _gateway(max_generations_per_client=2)
     _hold(gw, "addr:10.0.0.1", 2)
     with pytest.raises(APIError) as info:
-        gw._admit("addr:10.0.0.1", None)
+        gw.admit("addr:10.0.0.1", None)
     err = info.value
     assert (err.status, err.type, err.code) == (429, "rate_limit_error", "client_generation_limit")
     assert err.retry_after and "--max-generations-per-client" in err.message
-    gw._admit("addr:10.0.0.2", None)  # another client is not affected
+    gw.admit("addr:10.0.0.2", None)  # another client is not affected
     assert gw.metrics.refusals.labels("client_generation_limit")._value.get() == 1
 
 
@@ -66,27 +66,27 @@ def test_when_saturated_the_biggest_holder_is_refused_and_a_client_holding_nothi
     _hold(gw, "big", 4)
     _hold(gw, "small", 1)  # 5 in flight: the soft cap
     with pytest.raises(APIError) as info:
-        gw._admit("big", None)
+        gw.admit("big", None)
     assert info.value.code == "fair_share_limit" and info.value.status == 429
-    gw._admit("small", None)  # below the average (2.5)
+    gw.admit("small", None)  # below the average (2.5)
     for i in range(5):  # newcomers get in up to --max-concurrent
         _hold(gw, f"new{i}")
     with pytest.raises(APIError) as info:
-        gw._admit("another", None)
+        gw.admit("another", None)
     assert info.value.code == "too_many_requests"
 
 
 def test_while_the_engines_queue_only_a_client_above_the_average_waits() -> None:
     gw = _gateway(waiting=3, max_generations_per_client=0)
     _hold(gw, "alone", 5)
-    gw._admit("alone", None)  # alone: the engine's queue is fair enough
+    gw.admit("alone", None)  # alone: the engine's queue is fair enough
     _hold(gw, "other", 5)
-    gw._admit("alone", None)  # equal
+    gw.admit("alone", None)  # equal
     _hold(gw, "alone", 1)
     with pytest.raises(APIError) as info:
-        gw._admit("alone", None)
+        gw.admit("alone", None)
     assert info.value.code == "fair_share_limit"
-    gw._admit("other", None)
+    gw.admit("other", None)
 
 
 def test_a_late_event_loop_refuses_new_work_with_503() -> None:
@@ -96,12 +96,12 @@ def test_a_late_event_loop_refuses_new_work_with_503() -> None:
     for i in range(5):  # behind on every tick of the last second
         gw.loop.record(i * 0.2, limit * 2)
     with pytest.raises(APIError) as info:
-        gw._admit("c", None)
+        gw.admit("c", None)
     assert info.value.status == 503 and info.value.code == "overloaded" and info.value.retry_after
     for i in range(5, 15):  # on time again: the window forgets the late ticks
         gw.loop.record(i * 0.2, 0.001)
     assert gw.loop.lag == pytest.approx(0.001)
-    gw._admit("c", None)
+    gw.admit("c", None)
 
 
 def test_one_stall_is_not_overload_but_shows_in_the_lag_gauge() -> None:
@@ -111,7 +111,7 @@ def test_one_stall_is_not_overload_but_shows_in_the_lag_gauge() -> None:
     for i, overshoot in enumerate(ticks):
         gw.loop.record(i * 0.06, overshoot)
     assert gw.loop.lag == limit * 4  # /metrics still shows the worst tick
-    gw._admit("c", None)
+    gw.admit("c", None)
 
 
 def test_a_loop_slower_than_the_window_keeps_three_ticks() -> None:
@@ -120,4 +120,4 @@ def test_a_loop_slower_than_the_window_keeps_three_ticks() -> None:
         gw.loop.record(i * 2.0, 2.0)
     assert len(gw.loop._recent) == 3 and gw.loop.sustained == 2.0
     with pytest.raises(APIError):
-        gw._admit("c", None)
+        gw.admit("c", None)

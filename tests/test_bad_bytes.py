@@ -9,8 +9,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.api.openai_api import parse_request
-from gateway.api.validation import MAX_JSON_DEPTH, Limits, check_json_depth, decode_json_object
+from gateway.api.openai.request import parse_request
+from gateway.api.validation import MAX_JSON_DEPTH, check_json_depth, decode_json_object
+from gateway.config import Limits
 from gateway.errors import APIError
 
 DEEP = 100_000

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.api.responses_ws import Lanes, WsClientError
-from gateway.api.ws_mux import Request, queue_full
+from gateway.admission import Holdings, fair_refusal
+from gateway.api.lanes import Lanes, WsClientError
+from gateway.api.openai.ws_mux import Request, queue_full
+from gateway.config import TrustedProxies
 from gateway.errors import APIError
-from gateway.http.clients import Holdings, TrustedProxies, fair_refusal, identify, key_client
+from gateway.http.clients import identify, key_client
 
 
 def _scope(peer: str, *headers: tuple[bytes, bytes], key: str | None = None) -> dict:

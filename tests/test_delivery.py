@@ -13,12 +13,13 @@ import orjson
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from engine_worker import protocol as p
-from gateway.api.openai_api import ChunkBuilder
+from gateway.api.openai.framing import OPENAI_SSE, MuxWs
+from gateway.api.openai.render import ChatRenderer, ChunkTemplate
+from gateway.api.openai.request import ChunkBuilder
 from gateway.core.conn import HttpConn, Step, WsConn
 from gateway.core.delivery import Reader, ReaderMeter
 from gateway.core.engine_client import EngineClient, RequestHandle
-from gateway.core.framing import OPENAI_SSE, MuxWs
-from gateway.core.generation import ChatRenderer, ChunkEvent, ChunkTemplate, Generation
+from gateway.core.generation import ChunkEvent, Generation
 from gateway.core.metrics import (
     _LAT_BUCKETS,
     INJECTED_DELAY,
@@ -370,7 +371,7 @@ def test_deltas_that_arrived_before_the_generation_attached_are_rendered_in_orde
     async def main() -> None:
         client = EngineClient("ipc:///nonexistent")
         try:
-            handle = RequestHandle(client, "r", "t")
+            handle = RequestHandle(client, p.Submit("r", "chat.completions", p.Sampling(), trace_id="t"))
             step = Step(1.0, 2)
             handle._push(p.Delta("r", 0, "a", 1, 5), step)  # queued: no generation yet
             stream = Stream("r", "chat.completions", "m", listed=False)
@@ -392,7 +393,7 @@ def test_a_failed_or_cancelled_generation_appends_its_closing_events_then_ends_o
         client = EngineClient("ipc:///nonexistent")
         try:
             for cancel in (False, True):
-                handle = RequestHandle(client, "r", "t")
+                handle = RequestHandle(client, p.Submit("r", "chat.completions", p.Sampling(), trace_id="t"))
                 stream = Stream("r", "chat.completions", "m", listed=False)
                 gen = Generation(stream, handle, Closing(), HotCounter())
                 gen.start()

@@ -71,7 +71,7 @@ def cli_help(sub: str) -> str:
     """``tokenfan <sub> --help-all`` (every setting, the advanced ones too), from the real CLI."""
     env = {**os.environ, "COLUMNS": "300"}
     env = {k: v for k, v in env.items() if not k.startswith("TOKENFAN_")}  # required-flag defaults
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", sub, "--help-all"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "tokenfan.cli", sub, "--help-all"], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=30, check=True)
     return out.stdout
 

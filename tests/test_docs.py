@@ -1,7 +1,7 @@
 """The docs stay true: README.md, ARCHITECTURE.md and the pages in docs/ link only to files and headings that
 exist, name only flags that a command of this repository accepts, and docs/settings.md names every setting.
 
-Flags are checked against the argparse parsers the commands build (``gateway.cli.parsers()`` and the
+Flags are checked against the argparse parsers the commands build (``tokenfan.cli.parsers()`` and the
 scripts the docs run), not by running them.
 """
 
@@ -13,8 +13,8 @@ import importlib.util
 import re
 from pathlib import Path
 
-from engine_worker import settings
-from gateway import cli
+from tokenfan import settings
+from tokenfan import cli
 from tests.procs import ROOT
 from tokenfan_bench import clientcost, matrix
 

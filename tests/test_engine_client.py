@@ -14,7 +14,7 @@ import zmq.asyncio
 
 from engine_worker import protocol as p
 from gateway.core.engine_client import EngineClient, RequestHandle
-from gateway.core.engine_pool import EnginePool
+from gateway.core.engine_pool import EnginePool, MigrationPolicy
 from gateway.errors import EngineError, to_api_error
 
 
@@ -150,10 +150,11 @@ def test_heartbeat_with_a_new_engine_id_fails_the_old_instances_requests_but_not
     run(main)
 
 
-def test_a_dropped_connection_fails_in_flight_requests_at_once_and_a_restart_is_counted() -> None:
+def test_with_migration_off_a_dropped_connection_fails_in_flight_requests_at_once_and_a_restart_is_counted() -> None:
     async def main(address: str) -> None:
         engine = FakeEngine(address, "first")
-        pool = EnginePool([address], heartbeat_interval=0.05, heartbeat_timeout=30)
+        pool = EnginePool([address], heartbeat_interval=0.05, heartbeat_timeout=30,
+                          migration=MigrationPolicy(limit=0))
         client = pool.clients[0]
         await pool.start()
         try:
@@ -185,6 +186,73 @@ def test_a_dropped_connection_fails_in_flight_requests_at_once_and_a_restart_is_
         finally:
             await pool.close()
             await engine.kill()
+
+    run(main)
+
+
+def test_a_lost_request_continues_on_the_restarted_engine_from_the_tokens_delivered() -> None:
+    """kill -9 of the only engine: the request waits for its restart, then is re-submitted as a continuation
+    (same request, the output token ids and characters delivered so far, a new engine id); the deltas of the
+    new instance reach the same handle, and the gap is counted."""
+    async def main(address: str) -> None:
+        engine = FakeEngine(address, "first")
+        pool = EnginePool([address], heartbeat_interval=0.05, heartbeat_timeout=30,
+                          migration=MigrationPolicy(limit=1, wait=20))
+        await pool.start()
+        try:
+            await until(lambda: pool.healthy, "first heartbeat")
+            h = pool.submit(p.Submit(request_id="q", endpoint="completions", prompt="x",
+                                     sampling=p.Sampling(max_tokens=6, presence_penalty=0.0)))
+            penalised = pool.submit(p.Submit(request_id="pp", endpoint="completions", prompt="x",
+                                             sampling=p.Sampling(max_tokens=6, presence_penalty=0.5)))
+            await engine.wait_for(lambda m: isinstance(m, p.Submit) and m.request_id == "pp")
+            for rid in ("q", "pp"):
+                await engine.send(p.Accepted(request_id=rid, prompt_tokens=3))
+            await engine.send(p.DeltaBatch([p.Delta("q", 0, " a", 1, 1, token_ids=[7]),
+                                            p.Delta("q", 1, " bé", 2, 2, token_ids=[8, 9])]))
+            got = [await anext(aiter(h.deltas())) for _ in range(2)]
+            assert [d.text for d in got] == [" a", " bé"]
+            await engine.kill()
+            err = await first_failure(penalised)  # a penalty depends on the output so far: not continued
+            assert isinstance(err, EngineError) and err.code == "engine_unavailable"
+
+            engine = FakeEngine(address, "second")
+            cont = await engine.wait_for(lambda m: isinstance(m, p.Submit))
+            assert isinstance(cont, p.Submit)
+            assert (cont.request_id, cont.resume, cont.resume_chars, cont.prompt) == ("q.m1", [7, 8, 9], 5, "x")
+            assert cont.sampling == h.submit.sampling
+            await engine.send(p.Accepted(request_id="q.m1", prompt_tokens=6))
+            await engine.send(p.DeltaBatch([p.Delta("q.m1", 0, " c", 1, 3, "length", p.Usage(3, 4),
+                                                    token_ids=[10])]))
+            rest = [d async for d in h.deltas()]
+            assert [d.text for d in rest] == [" c"] and rest[-1].finish_reason == "length"
+            assert h.output_ids == [7, 8, 9, 10] and h.migrations == 1
+            assert pool.migrations.outcomes == {"continued": 1, "refused": 1, "timeout": 0, "failed": 0}
+            assert sum(pool.migrations.gap.counts) == 1
+        finally:
+            await pool.close()
+            await engine.kill()
+
+    run(main)
+
+
+def test_a_lost_request_fails_when_no_engine_comes_back_within_the_wait() -> None:
+    async def main(address: str) -> None:
+        engine = FakeEngine(address, "only")
+        pool = EnginePool([address], heartbeat_interval=0.05, heartbeat_timeout=30,
+                          migration=MigrationPolicy(limit=3, wait=0.3))
+        await pool.start()
+        try:
+            await until(lambda: pool.healthy, "first heartbeat")
+            h = pool.submit(submit("q"))
+            await engine.wait_for(lambda m: isinstance(m, p.Submit))
+            await engine.send(p.Accepted(request_id="q", prompt_tokens=3))
+            await engine.kill()
+            err = await first_failure(h)
+            assert isinstance(err, EngineError) and err.code == "engine_unavailable" and "within 0.3s" in err.message
+            assert pool.migrations.outcomes["timeout"] == 1
+        finally:
+            await pool.close()
 
     run(main)
 

@@ -5,13 +5,14 @@ the clock once per step and queues one outbox per gateway (no sockets: the serve
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
+import msgspec
 import pytest
 
 from engine_worker import protocol as p
 from engine_worker.backends.base import Prepared, StepSink
-from engine_worker.backends.synthetic import _WORDS, SyntheticBackend
+from engine_worker.backends.synthetic import _WORDS, SyntheticBackend, _Start
 from engine_worker.config import EngineConfig
 from engine_worker.server import Emitter, EngineServer, IntervalMerger
 
@@ -72,16 +73,18 @@ def test_merged_delta_keeps_the_emit_time_of_its_oldest_text(server: EngineServe
 def _prepared(rid: str, max_tokens: int, offset: int, stop: list[str] | None = None) -> Prepared:
     submit = p.Submit(request_id=rid, endpoint="completions", prompt="x",
                       sampling=p.Sampling(max_tokens=max_tokens, stop=stop or []))
-    return Prepared(submit=submit, prompt_tokens=1, payload=offset)
+    return Prepared(submit=submit, prompt_tokens=1, payload=_Start(offset, max_tokens))
 
 
 class Steps:
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, str | None]] = []
+        self.ids: list[int] = []
 
     def __call__(self, text: str, token_count: int, finish_reason: p.FinishReason | None = None,
-                 chunk: bytes = b"") -> None:
+                 chunk: bytes = b"", token_ids: Sequence[int] = ()) -> None:
         self.calls.append((text, token_count, finish_reason))
+        self.ids += token_ids
 
 
 def _backend(tokens_per_s: float = 2000.0) -> SyntheticBackend:
@@ -102,6 +105,29 @@ def test_synthetic_one_timer_paces_every_request_to_its_end() -> None:
         assert "".join(t for t, _, _ in s.calls) == "".join(_WORDS[(7 * i + k) % len(_WORDS)] for k in range(20 + i))
         assert [f for _, _, f in s.calls] == [None] * (len(s.calls) - 1) + ["length"]
     assert load == (0, 0)
+
+
+def test_a_synthetic_continuation_goes_on_exactly_where_the_delivered_tokens_end() -> None:
+    """A continuation (``Submit.resume``: the output token ids delivered) yields the rest of the uninterrupted
+    answer: the same text, the same finish, a stop string that spans the join included."""
+    async def run(submit: p.Submit) -> Steps:
+        backend = _backend()
+        steps = Steps()
+        await backend.stream(await backend.prepare(submit), steps)
+        return steps
+
+    for stop in ([], ["gateway receives", "subscriber"]):
+        whole = p.Submit(request_id="w", endpoint="completions", prompt="rivers",
+                         sampling=p.Sampling(max_tokens=30, seed=3, stop=stop))
+        full = asyncio.run(run(whole))
+        text = "".join(t for t, _, _ in full.calls)
+        for k in range(1, len(full.ids)):
+            cont = msgspec.structs.replace(whole, resume=full.ids[:k])
+            rest = asyncio.run(run(cont))
+            head = "".join(_WORDS[i] for i in full.ids[:k])
+            assert head + "".join(t for t, _, _ in rest.calls) == text, (stop, k)
+            # (a step may carry several tokens; past a stop string they are not the answer's)
+            assert rest.calls[-1][2] == full.calls[-1][2] and (full.ids[:k] + rest.ids)[:len(full.ids)] == full.ids
 
 
 def test_synthetic_shared_steps_put_every_running_request_in_the_same_ticks() -> None:
@@ -126,7 +152,7 @@ def test_synthetic_shared_steps_put_every_running_request_in_the_same_ticks() ->
         def sink(rid: str) -> StepSink:
             """A sink that records the tick each of the request's steps came in."""
             def call(text: str, token_count: int, finish_reason: p.FinishReason | None = None,
-                     chunk: bytes = b"") -> None:
+                     chunk: bytes = b"", token_ids: Sequence[int] = ()) -> None:
                 seen[rid].append(ticks)
             return call
 

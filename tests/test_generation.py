@@ -9,10 +9,11 @@ from typing import Any
 import orjson
 
 from engine_worker import protocol as p
-from gateway.api.openai_api import ChunkBuilder
-from gateway.api.responses_api import ResponseEvents
-from gateway.api.routes_responses import ResponseRenderer
-from gateway.core.generation import ChunkEvent, chunk_events
+from gateway.api.openai.render import chunk_events
+from gateway.api.openai.request import ChunkBuilder
+from gateway.api.responses.api import ResponseEvents
+from gateway.api.responses.routes import ResponseRenderer
+from gateway.core.generation import ChunkEvent
 
 USAGE = p.Usage(prompt_tokens=3, completion_tokens=4)
 # A byte-fallback token whose text the detokenizer holds back, then the token completing it.

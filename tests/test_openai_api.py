@@ -6,8 +6,8 @@ import orjson
 import pytest
 
 from engine_worker import protocol as p
-from gateway.api.openai_api import ChunkBuilder, parse_request
-from gateway.api.validation import Limits
+from gateway.api.openai.request import ChunkBuilder, parse_request
+from gateway.config import Limits
 from gateway.errors import APIError
 
 

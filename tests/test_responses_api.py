@@ -21,8 +21,8 @@ from openai.types.responses.response_create_params import ResponseCreateParamsBa
 from pydantic import TypeAdapter
 
 from engine_worker import protocol as p
-from gateway.api.openai_api import parse_request
-from gateway.api.responses_api import (
+from gateway.api.openai.request import parse_request
+from gateway.api.responses.api import (
     CANCELLED_CODE,
     REFUSED,
     CreateRequest,
@@ -36,8 +36,8 @@ from gateway.api.responses_api import (
     response_from_events,
     response_not_found,
 )
-from gateway.api.responses_chat import decode_transcript, encode_transcript
-from gateway.api.validation import Limits
+from gateway.api.responses.chat import decode_transcript, encode_transcript
+from gateway.config import Limits
 from gateway.core.delivery import resume_point
 from gateway.errors import APIError
 

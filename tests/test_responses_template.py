@@ -21,10 +21,10 @@ from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from engine_worker import protocol as p
-from gateway.api import responses_api
-from gateway.api.responses_api import ResponseEvents, TextDeltaTemplate, response_from_events
-from gateway.api.responses_stream import RESPONSES_MERGE, RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesWs
-from gateway.api.routes_responses import ResponseRenderer
+from gateway.api.responses import api as responses_api
+from gateway.api.responses.api import ResponseEvents, TextDeltaTemplate, response_from_events
+from gateway.api.responses.routes import ResponseRenderer
+from gateway.api.responses.stream import RESPONSES_MERGE, RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesWs
 from gateway.core.conn import Step
 from gateway.core.framing import Framing
 from gateway.core.generation import ChunkEvent

@@ -19,15 +19,15 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from pydantic import BaseModel
 
 from engine_worker import protocol as p
-from gateway.api.responses_api import (
+from gateway.api.responses.api import (
     ResponseEvents,
     build_request,
     decode_create,
     parse_create,
     response_from_events,
 )
-from gateway.api.responses_chat import decode_transcript, encode_transcript, responses_param
-from gateway.api.responses_stream import RESPONSES_MERGE
+from gateway.api.responses.chat import decode_transcript, encode_transcript, responses_param
+from gateway.api.responses.stream import RESPONSES_MERGE
 from gateway.core.streams import coalesce, encode_event
 from gateway.errors import APIError
 from tests.test_responses_api import LIMITS, _Server, sdk_client, validate_event, validate_response

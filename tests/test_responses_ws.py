@@ -14,17 +14,17 @@ from openai.types.responses.responses_server_event import ResponsesServerEvent, 
 from pydantic import TypeAdapter
 
 from engine_worker import protocol as p
-from gateway.api.responses_api import ResponseEvents, build_request, previous_response_not_found
-from gateway.api.responses_ws import (
-    Lanes,
+from gateway.api.lanes import Lanes, WsClientError
+from gateway.api.responses.api import ResponseEvents, build_request, previous_response_not_found
+from gateway.api.responses.ws import (
     TranscriptCache,
-    WsClientError,
+    client_error_event,
     parse_client_message,
     ws_error,
     ws_event,
     ws_text,
 )
-from gateway.api.validation import Limits
+from gateway.config import Limits
 from gateway.errors import APIError
 from tests.test_responses_api import no_extra_fields
 
@@ -104,7 +104,7 @@ def test_a_default_lane_create_and_a_warmup() -> None:
 def test_bad_client_messages_get_the_protocols_error_event(raw: str, code: str, param: str | None) -> None:
     with pytest.raises(WsClientError) as e:
         parse_client_message(raw)
-    ev = e.value.event()
+    ev = client_error_event(e.value)
     err = validate(ev)
     assert isinstance(err, ResponseWsError) and err.error.code == code and err.error.param == param
     assert err.status == 400 and err.error.type == "invalid_request_error" and err.error.message
@@ -113,7 +113,7 @@ def test_bad_client_messages_get_the_protocols_error_event(raw: str, code: str, 
 def test_an_error_on_a_named_lane_echoes_its_stream_id() -> None:
     with pytest.raises(WsClientError) as e:
         parse_client_message('{"type": "response.create", "stream_id": "a", "input": "x", "top_logprobs": 2}')
-    assert validate(e.value.event()).stream_id == "a"
+    assert validate(client_error_event(e.value)).stream_id == "a"
 
 
 def test_stream_is_implicit_over_websocket() -> None:

@@ -1,4 +1,4 @@
-"""The settings table (engine_worker/settings.py) is the one truth: flags, environment, defaults, configs,
+"""The settings table (tokenfan/settings.py) is the one truth: flags, environment, defaults, configs,
 the engine child's argv, `--help` and docs/settings.md agree with it."""
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from typing import Any
 import pytest
 
 from engine_worker.config import EngineConfig, engine_argv, engine_config
-from engine_worker.settings import (
+from tokenfan import cli
+from gateway.config import GatewayConfig, gateway_config
+from tests.procs import ROOT
+from tokenfan.settings import (
     ADVANCED,
     BOOL,
     BY_NAME,
@@ -37,9 +40,6 @@ from engine_worker.settings import (
     read,
     resolve,
 )
-from gateway import cli
-from gateway.config import GatewayConfig, gateway_config
-from tests.procs import ROOT
 
 LEGACY_ENV = {"backend": "TOKENFAN_ENGINE", "broker_url": "TOKENFAN_BROKER"}  # kept for existing deployments
 
@@ -75,7 +75,7 @@ CASES = [pytest.param(c, s, id=f"{c}:{s.name}") for c in COMMANDS for s in for_c
 def test_settings_reference_is_generated_from_the_settings_table() -> None:
     page = (ROOT / SETTINGS_DOC).read_text()
     current = page.partition(TABLE_START)[2].partition(TABLE_END)[0].strip()
-    assert current == markdown(), f"stale tables: run `python -m engine_worker.settings --write {SETTINGS_DOC}`"
+    assert current == markdown(), f"stale tables: run `python -m tokenfan.settings --write {SETTINGS_DOC}`"
 
 
 @pytest.mark.parametrize(("command", "setting"), CASES)

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
-from gateway.api.openai_api import ChunkBuilder
-from gateway.core.framing import FANOUT_SSE, FANOUT_WS
-from gateway.core.generation import CHUNK_MERGE, ChunkEvent
+from gateway.api.openai.framing import FANOUT_SSE, FANOUT_WS
+from gateway.api.openai.render import CHUNK_MERGE
+from gateway.api.openai.request import ChunkBuilder
+from gateway.core.generation import ChunkEvent
 from gateway.core.streams import Event, Retention, SlowConsumerPolicy, StreamHub, Watchdog, coalesce
 from gateway.core.streams import follow as _follow
 from gateway.errors import APIError

@@ -33,7 +33,7 @@ def test_env_and_arg_overrides_reach_only_the_named_server() -> None:
 
 
 @pytest.mark.parametrize(("name", "cmdline", "root", "kind", "role"), [
-    ("python", "python -m gateway.cli serve", True, "tokenfan", "gateway"),
+    ("python", "python -m tokenfan.cli serve", True, "tokenfan", "gateway"),
     ("python", "python -m engine_worker --engine vllm", False, "tokenfan", "engine_worker"),
     ("python", "python -m vllm.entrypoints.openai.api_server", True, "vllm", "api_server"),
     ("VLLM::EngineCor", "VLLM::EngineCore", False, "vllm", "engine_core"),

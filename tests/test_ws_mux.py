@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.api.ws_mux import BadMessage, Cancel, Request, parse_message
+from gateway.api.openai.ws_mux import BadMessage, Cancel, Request, parse_message
 
 
 def test_a_request_and_a_cancel_parse() -> None:

@@ -29,14 +29,16 @@ import numpy as np
 from uvicorn.protocols.http.flow_control import FlowControl
 
 from engine_worker import protocol as p
-from gateway.api.openai_api import ChunkBuilder
-from gateway.api.responses_api import ResponseEvents
-from gateway.api.responses_stream import RESPONSES_SSE
-from gateway.api.routes_responses import ResponseRenderer
+from gateway.api.openai.framing import FANOUT_SSE, OPENAI_SSE, MuxWs
+from gateway.api.openai.render import ChatRenderer
+from gateway.api.openai.request import ChunkBuilder
+from gateway.api.responses.api import ResponseEvents
+from gateway.api.responses.routes import ResponseRenderer
+from gateway.api.responses.stream import RESPONSES_SSE
 from gateway.core.conn import HttpConn, Step, WsConn
 from gateway.core.delivery import Reader, ReaderMeter
-from gateway.core.framing import FANOUT_SSE, OPENAI_SSE, Framing, MuxWs
-from gateway.core.generation import ChatRenderer, Generation, Renderer
+from gateway.core.framing import Framing
+from gateway.core.generation import Generation, Renderer
 from gateway.core.metrics import HotCounter, TransportMetrics
 from gateway.core.streams import Event, SlowConsumerPolicy, Stream, Watchdog, follow
 from tokenfan_bench import report

@@ -86,7 +86,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float,
 
 def spawn_synthetic(tokens_per_s: float, ttft_ms: float, log_dir: Path, gateway_args: list[str] = (),  # type: ignore[assignment]
                     engine_args: list[str] = ()) -> Spawned:  # type: ignore[assignment]
-    """``python -m engine_worker --engine synthetic`` + ``python -m gateway.cli gateway`` on a free port."""
+    """``python -m engine_worker --engine synthetic`` + ``python -m tokenfan.cli gateway`` on a free port."""
     tmp = tempfile.TemporaryDirectory(prefix="tokenfan-bench-")
     address = f"ipc://{tmp.name}/engine.sock"
     port = free_port()
@@ -99,7 +99,7 @@ def spawn_synthetic(tokens_per_s: float, ttft_ms: float, log_dir: Path, gateway_
                                      "--synthetic-ttft-ms", str(ttft_ms), "--log-level", "WARNING", *engine_args],
                                     log_dir / f"engine-{tag}.log"))
         glog = log_dir / f"gateway-{tag}.log"
-        spawned.procs.append(_popen(["-m", "gateway.cli", "gateway", "--engine", address, "--host", "127.0.0.1",
+        spawned.procs.append(_popen(["-m", "tokenfan.cli", "gateway", "--engine", address, "--host", "127.0.0.1",
                                      "--port", str(port), "--log-level", "warning", *SPAWN_GATEWAY_ARGS,
                                      *gateway_args], glog))
         wait_healthy(spawned.url, spawned.procs, 60.0, glog)

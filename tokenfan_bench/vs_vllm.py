@@ -314,7 +314,7 @@ def _view_without(source: Path, skip: str, view: Path) -> Path:
 def server_command(spec: ServerSpec, model: Model, ns: argparse.Namespace, port: int) -> list[str]:
     """The command line of one server, with the engine arguments both kinds share."""
     if spec.kind == "tokenfan":
-        return [sys.executable, "-m", "gateway.cli", "serve", "--engine", "vllm", "--model", str(model.path),
+        return [sys.executable, "-m", "tokenfan.cli", "serve", "--engine", "vllm", "--model", str(model.path),
                 "--served-model-name", model.name, "--dtype", ns.dtype, "--max-model-len", str(ns.max_model_len),
                 "--kv-cache-gib", str(ns.kv_cache_gib), "--host", "127.0.0.1", "--port", str(port),
                 "--log-level", "warning", "--max-generations-per-client", "0", "--max-connections-per-client", "0",

@@ -8,7 +8,7 @@ timestamps, batching and sockets); the backend only generates.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,6 +43,7 @@ class Prepared:
     prompt_tokens: int
     payload: object = None  # backend-specific (token ids, prompt text...)
     openai: bool = False  # served by vLLM's OpenAI layer: steps carry whole chunks (``Step.chunk``)
+    held: str = ""  # a continuation: text of the resumed tokens the client does not have yet (sent first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +52,16 @@ class Step:
     token_count: int
     finish_reason: FinishReason | None = None
     chunk: bytes = b""  # a whole OpenAI chunk (vLLM's OpenAI layer, engine_worker.backends.vllm_openai)
+    token_ids: Sequence[int] = ()
 
 
 class StepSink(Protocol):
     """Where a request's steps go (the engine server's per-request emitter). Called once per engine step,
-    synchronously; the step carrying a ``finish_reason`` is the last."""
+    synchronously; the step carrying a ``finish_reason`` is the last. ``token_ids``: the step's output
+    token ids, where the backend has them (the plain path: what a continuation resumes from)."""
 
     def __call__(self, text: str, token_count: int, finish_reason: FinishReason | None = None,
-                 chunk: bytes = b"") -> None: ...
+                 chunk: bytes = b"", token_ids: Sequence[int] = ()) -> None: ...
 
 
 async def feed(steps: AsyncIterator[Step], sink: StepSink) -> None:

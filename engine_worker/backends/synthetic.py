@@ -35,8 +35,9 @@ import msgspec
 
 from engine_worker.backends import vllm_fields, vllm_openai
 from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, StepSink, feed
-from engine_worker.backends.vllm_openai import PLAIN_FIELDS, decode_body, is_plain
+from engine_worker.backends.vllm_openai import decode_body
 from engine_worker.config import EngineConfig
+from engine_worker.plain_path import PLAIN_FIELDS, is_plain
 from engine_worker.protocol import ChatMessage, FinishReason, Submit
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,16 @@ _WORD = re.compile(r"\w+|[^\w\s]")
 def count_tokens(text: str) -> int:
     """The synthetic tokenizer: words and punctuation marks."""
     return len(_WORD.findall(text))
+
+
+@dataclass(frozen=True, slots=True)
+class _Start:
+    """Where a request starts: its first corpus word, its token budget and, for a continuation, the text
+    before it (a stop string may span the join)."""
+
+    offset: int
+    max_tokens: int
+    tail: str = ""
 
 
 @dataclass(eq=False, slots=True)
@@ -152,7 +163,15 @@ class SyntheticBackend:
                 param="messages" if submit.messages is not None else "prompt",
             )
         seed = submit.sampling.seed if submit.sampling.seed is not None else zlib.crc32(text.encode())
-        return Prepared(submit=submit, prompt_tokens=prompt_tokens, payload=seed % len(_WORDS))
+        start = _Start(seed % len(_WORDS), max_tokens)
+        if submit.resume:  # a continuation: the corpus word after the last one delivered
+            resume = submit.resume
+            if len(resume) >= max_tokens or any(not 0 <= i < len(_WORDS) for i in resume):
+                raise RequestRejected("resume: not output tokens of this engine, or the whole budget", param="resume")
+            stops = submit.sampling.stop
+            tail = "".join(self._token(i) for i in resume[-16:])[-max(map(len, stops)):] if stops else ""
+            start = _Start((resume[-1] + 1) % len(_WORDS), max_tokens - len(resume), tail)
+        return Prepared(submit=submit, prompt_tokens=prompt_tokens, payload=start)
 
     async def stream(self, prepared: Prepared, sink: StepSink) -> None:
         if prepared.openai:
@@ -164,15 +183,16 @@ class SyntheticBackend:
                 self._running -= 1
             return
         sampling = prepared.submit.sampling
-        if sampling.max_tokens == 0:
+        begin: _Start = prepared.payload  # type: ignore[assignment]
+        if begin.max_tokens == 0:
             sink("", 0, "length")
             return
         loop = asyncio.get_running_loop()
         start = loop.time() + self._config.synthetic_ttft_ms / 1000.0
         if self._shared_steps:  # join the step clock at its next step
             start = math.ceil(start / self._interval) * self._interval
-        req = _Paced(sink=sink, done=loop.create_future(), offset=int(prepared.payload),  # type: ignore[call-overload]
-                     max_tokens=sampling.max_tokens, stops=list(sampling.stop), start=start)
+        req = _Paced(sink=sink, done=loop.create_future(), offset=begin.offset, max_tokens=begin.max_tokens,
+                     stops=list(sampling.stop), start=start, tail=begin.tail)
         self._waiting += 1
         self._push(req, req.start)
         try:
@@ -217,6 +237,7 @@ class SyntheticBackend:
         n = min(req.max_tokens - req.emitted, 1 + max(0, int((now - at) / self._interval)))
         first = req.offset + req.emitted
         piece = self._token(first) if n == 1 else "".join(self._token(first + i) for i in range(n))
+        ids = [(first + i) % len(_WORDS) for i in range(n)]  # a token's id: its corpus word
         req.emitted += n
         finish: FinishReason | None = "length" if req.emitted >= req.max_tokens else None
         if req.stops:
@@ -225,7 +246,7 @@ class SyntheticBackend:
                 piece, finish = piece[:stop_at], "stop"
             req.tail = (req.tail + piece)[-max(len(s) for s in req.stops):]
         try:
-            req.sink(piece, n, finish)
+            req.sink(piece, n, finish, b"", ids)
         except Exception as exc:  # noqa: BLE001 - the request fails, the other requests of the step go on
             req.gone = True
             req.done.set_exception(exc)

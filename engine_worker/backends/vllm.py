@@ -38,7 +38,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -79,6 +79,41 @@ class _Live:
     sink: StepSink
     done: asyncio.Future[None]
     started: bool = False
+
+
+class _Join:
+    """A continuation's sink for its first steps (see :meth:`VllmBackend._continuation`): the held text goes
+    out first, and a stop string that spans the join (begun in text the lost engine held back, completed
+    by a new token) ends the request where an uninterrupted run would have, found by vLLM's own
+    ``check_stop_strings``. Past the longest stop string it only passes steps on."""
+
+    def __init__(self, sink: StepSink, held: str, stops: list[str], done: asyncio.Future[None]) -> None:
+        self.sink = sink
+        self.pending = held  # not sent yet
+        self.joined = held  # held text + the new text so far, while the join is in reach
+        self.new = 0  # new characters so far
+        self.stops = stops
+        self.reach = max(map(len, stops), default=0)
+        self.done = done
+        self.stopped = False
+
+    def __call__(self, text: str, token_count: int, finish_reason: FinishReason | None = None,
+                 chunk: bytes = b"", token_ids: Sequence[int] = ()) -> None:
+        if self.stopped:
+            return
+        out, self.pending = self.pending + text, ""
+        if self.stops and self.new < self.reach:
+            from vllm.v1.engine.detokenizer import check_stop_strings
+
+            sent = len(self.joined) - len(out)
+            self.joined += text
+            hit = check_stop_strings(self.joined, len(text), self.stops, False) if text else None
+            if hit is not None and hit[1] >= 0:
+                out, finish_reason, self.stopped = self.joined[sent:hit[1]], "stop", True
+        self.new += len(text)
+        self.sink(out, token_count, finish_reason, chunk, token_ids)
+        if self.stopped and not self.done.done():
+            self.done.set_result(None)
 
 
 @dataclass(eq=False)
@@ -226,7 +261,23 @@ class VllmBackend:
                 f"completion). Please reduce the length of the {param} or completion.",
                 code="context_length_exceeded", param=param,
             )
+        if submit.resume:
+            return self._continuation(submit, sampling, ids)
         return Prepared(submit=submit, prompt_tokens=len(ids), payload=(ids, params))
+
+    def _continuation(self, submit: Submit, sampling: Sampling, ids: list[int]) -> Prepared:
+        """The rest of a request whose engine was lost: its prompt plus the output tokens delivered, the rest
+        of its budget. The text of those tokens the client lacks (vLLM holds back the last characters while
+        a stop string may still match) goes first (:class:`_Join`)."""
+        resume = submit.resume
+        vocab = self._require_engine().model_config.get_vocab_size()
+        if len(resume) >= sampling.max_tokens or max(resume) >= vocab or min(resume) < 0:
+            raise RequestRejected("resume: not output tokens of this model, or the whole budget", param="resume")
+        decoded = self._tokenizer.decode(resume, skip_special_tokens=True)
+        # An unfinished character (trailing U+FFFD) is not held: the detokenizer emits it when it completes.
+        held = decoded.rstrip("\ufffd")[submit.resume_chars:]
+        params = self.sampling_params(msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume)))
+        return Prepared(submit=submit, prompt_tokens=len(ids), payload=(ids + list(resume), params), held=held)
 
     def sampling_params(self, sampling: Sampling) -> SamplingParams:
         """vLLM sampling parameters (streamed as deltas); raises :class:`RequestRejected` if invalid."""
@@ -282,22 +333,28 @@ class VllmBackend:
             collector.ready = outputs.ready  # put() now wakes the one drain task (see the module docstring)
             if collector.output is not None:
                 outputs.ready.set()
-            live = _Live(collector, sink, asyncio.get_running_loop().create_future())
+            done = asyncio.get_running_loop().create_future()
+            if prepared.submit.resume:
+                sink = _Join(sink, prepared.held, list(params.stop or ()), done)
+            live = _Live(collector, sink, done)
             outputs.live[rid] = live
             try:
                 await live.done
             finally:
                 outputs.live.pop(rid, None)
                 collector.close()
+            if isinstance(sink, _Join) and sink.stopped:
+                await engine.abort(rid)  # stopped at the join, before vLLM saw the stop string
         finally:
             self._waiting.discard(rid)
             self._running.discard(rid)
 
     def _running_sink(self, rid: str, sink: StepSink) -> StepSink:
-        def counted(text: str, token_count: int, finish_reason: FinishReason | None = None, chunk: bytes = b"") -> None:
+        def counted(text: str, token_count: int, finish_reason: FinishReason | None = None, chunk: bytes = b"",
+                    token_ids: Sequence[int] = ()) -> None:
             self._waiting.discard(rid)
             self._running.add(rid)
-            sink(text, token_count, finish_reason, chunk)
+            sink(text, token_count, finish_reason, chunk, token_ids)
         return counted
 
     def _drainer(self) -> _Outputs:
@@ -324,7 +381,7 @@ class VllmBackend:
                         self._running.add(rid)
                     completion = out.outputs[0]  # type: ignore[index]
                     finish = _FINISH.get(str(completion.finish_reason), "stop") if out.finished else None
-                    req.sink(completion.text, len(completion.token_ids), finish)
+                    req.sink(completion.text, len(completion.token_ids), finish, b"", completion.token_ids)
                 except Exception as exc:  # noqa: BLE001 - this request fails, the others of the step go on
                     del live[rid]
                     if not req.done.done():

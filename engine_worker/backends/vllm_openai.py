@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from engine_worker.backends.base import Prepared, RequestRejected, Step
+from engine_worker.plain_path import is_plain
 from engine_worker.protocol import Endpoint, FinishReason, Submit
 
 if TYPE_CHECKING:
@@ -42,46 +43,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Top-level fields the plain path serves exactly as vllm serve does (anything else takes vLLM's layer).
-PLAIN_FIELDS = frozenset({
-    "model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-    "temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty", "ignore_eos",
-    "user", "n",
-})
-_PLAIN_MESSAGE_FIELDS = frozenset({"role", "content"})
-_PLAIN_ROLES = frozenset({"system", "user", "assistant"})
-
-
 def decode_body(raw: bytes) -> dict[str, Any]:
     """The request object the gateway forwarded (it already checked it is a JSON object)."""
     body = orjson.loads(raw)
     if not isinstance(body, dict):
         raise RequestRejected("the request body must be a JSON object", param="body")
     return body
-
-
-def is_plain(body: dict[str, Any]) -> bool:
-    """Whether a chat/completions body needs nothing beyond tokenfan's plain path (pure, cheap)."""
-    if not body.keys() <= PLAIN_FIELDS or body.get("n", 1) not in (1, None):
-        return False
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not options.keys() <= {"include_usage"}):
-        return False
-    prompt = body.get("prompt")
-    if prompt is not None and not isinstance(prompt, str) and not (
-            isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str)):
-        return False  # token ids and batches: vLLM's layer
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for m in messages:
-            if not isinstance(m, dict) or not m.keys() <= _PLAIN_MESSAGE_FIELDS or m.get("role") not in _PLAIN_ROLES:
-                return False
-            content = m.get("content")
-            if isinstance(content, list) and not all(
-                    isinstance(part, dict) and part.get("type") == "text" and part.keys() <= {"type", "text"}
-                    for part in content):
-                return False
-    return True
 
 
 @dataclass(slots=True)

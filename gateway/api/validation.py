@@ -18,26 +18,17 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, TypeVar
 
 import msgspec
 import orjson
 
+from gateway.config import Limits
 from gateway.errors import APIError
 
 T = TypeVar("T")
 
-
-@dataclass(slots=True)
-class Limits:
-    """Request limits enforced at parse time (see gateway.config)."""
-
-    default_max_tokens: int = 256
-    max_tokens_cap: int = 4096
-    max_stop: int = 16
-    max_json_depth: int = 64  # OpenAI bodies nest ~6 deep (tools' JSON schemas more); orjson stops at 1024
 
 
 MAX_JSON_DEPTH = Limits().max_json_depth

@@ -3,10 +3,11 @@
     engine step ──► Generation.on_delta ──► Stream.append ──► Reader.write_now ──► Conn (one write per step)
                                                    └──────► reader's own loop (follow): replay, resume, lag
 
-- :func:`start_generation` admits a request, submits it, creates its stream (listed for fan-out
-  and background responses, unlisted for a POST SSE response or one ``/v1/ws`` request) and attaches its
-  :class:`gateway.core.generation.Generation` to the request: from then on the engine link hands it each
-  delta in the engine step's pass. :func:`pump` only waits for the generation's end (no wake-up per
+- :func:`start` creates the stream of a request the engine accepted (listed for fan-out and background
+  responses, unlisted for a POST SSE response or one ``/v1/ws`` request) and attaches its
+  :class:`gateway.core.generation.Generation`, with the API's renderer: from then on the engine link hands
+  it each delta in the engine step's pass. The core knows no API: the caller (an API module, through
+  :mod:`gateway.api.generations`) has admitted and submitted the request. :func:`pump` only waits for the generation's end (no wake-up per
   token) and turns a cancel of its task into the generation's cancel.
 - :func:`read` is the only reader, for every path: a :class:`Reader` writes the :mod:`gateway.core.framing`
   frames to a :mod:`gateway.core.conn` connection, in the publisher's pass while it is caught up
@@ -26,79 +27,81 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from gateway.api.openai_api import ParsedRequest
 from gateway.core import sse
 from gateway.core.conn import HttpConn, WsConn
 from gateway.core.framing import Ending, Framing
-from gateway.core.generation import Generation, Renderer, chat_renderer
-from gateway.core.streams import Event, SlowConsumer, Stream, follow
+from gateway.core.generation import Generation, Renderer
+from gateway.core.streams import Event, SlowConsumer, SlowConsumerPolicy, Stream, StreamHub, Watchdog, follow
 from gateway.errors import APIError, error_class
 
 if TYPE_CHECKING:
-    from gateway.api.openai_api import ChunkBuilder
     from gateway.core.conn import Step
     from gateway.core.engine_client import RequestHandle
-    from gateway.core.metrics import HotHistogram, TransportMetrics
-    from gateway.state import Gateway
+    from gateway.core.metrics import HotHistogram, Metrics, TransportMetrics
+    from gateway.core.ports import Publisher, RemoteStreams
 
 log = logging.getLogger(__name__)
-
-# (handle, builder) -> the renderer of one generation's payloads; the default gives OpenAI chunks.
-Source = Callable[["RequestHandle", "ChunkBuilder"], Renderer]
-
 
 def clock() -> tuple[float, int]:
     """(monotonic seconds, epoch ns): the time of a write outside an engine step."""
     return time.monotonic(), time.time_ns()
 
 
-async def start_generation(
-    gw: Gateway, parsed: ParsedRequest, scope: Any, *, listed: bool, detached: bool | None = None,
-    source: Source = chat_renderer, stream_id: str | None = None, endpoint: str | None = None,
-) -> Stream:
-    """Admit, submit and wait for the engine's accept; then the stream exists and its pump runs.
+@dataclass(eq=False)
+class Delivery:
+    """The delivery core's parts, handed to it explicitly (the gateway owns them): the stream hub, metrics,
+    the slow-reader policy and its watchdog, and the ports to other gateways (:mod:`gateway.core.ports`):
+    ``publisher`` (``--broker``: listed streams written to Redis) and ``remote`` (streams another gateway
+    runs). ``inject_delay`` (bench calibration) and ``direct_write`` (the one-pass write) are settings."""
 
-    ``listed``: findable by id and retained after it ends; ``detached`` (default: ``listed``): the
-    generation outlives its readers. Raises :class:`APIError` (admission, validation, broker) or
-    :class:`EngineError`."""
-    if listed:
-        try:
-            gw.hub.check_capacity()
-        except APIError as err:
-            raise gw.refused(err) from None
-    handle, builder = await gw.open(parsed, scope)
-    stream = gw.hub.create(endpoint or parsed.endpoint, builder.model, stream_id=stream_id or handle.request_id,
-                           listed=listed)
+    hub: StreamHub
+    metrics: Metrics
+    policy: SlowConsumerPolicy
+    watchdog: Watchdog
+    publisher: Publisher | None = None
+    remote: RemoteStreams | None = None
+    inject_delay: dict[str, float] = field(default_factory=dict)
+    direct_write: bool = True
+
+
+async def start(d: Delivery, handle: RequestHandle, renderer: Renderer, *, endpoint: str, model: str,
+                listed: bool, detached: bool | None = None, stream_id: str | None = None) -> Stream:
+    """The stream of an accepted request, its generation attached and its pump running.
+
+    ``renderer``: the API's payloads of this generation. ``listed``: findable by id and retained after it
+    ends; ``detached`` (default: ``listed``): the generation outlives its readers. Raises what the
+    publisher's announcement raises (the request is then closed)."""
+    stream = d.hub.create(endpoint, model, stream_id=stream_id or handle.request_id, listed=listed)
     stream.detached = listed if detached is None else detached
-    if listed and gw.publisher is not None:
+    publisher = d.publisher if listed else None
+    if publisher is not None:
         try:
-            await gw.publisher.created(stream)  # announced before its id is handed out
+            await publisher.created(stream)  # announced before its id is handed out
         except BaseException:
             handle.close()
-            gw.hub.forget(stream)
+            d.hub.forget(stream)
             raise
-    publisher = gw.publisher if listed else None
-    generation = Generation(stream, handle, source(handle, builder), gw.metrics.hot.tokens, publisher)
+    generation = Generation(stream, handle, renderer, d.metrics.hot.tokens, publisher)
     generation.start()
-    stream.task = asyncio.create_task(pump(gw, generation), name=f"pump-{stream.id}")
+    stream.task = asyncio.create_task(pump(d, generation), name=f"pump-{stream.id}")
     return stream
 
 
-async def pump(gw: Gateway, generation: Generation) -> None:
+async def pump(d: Delivery, generation: Generation) -> None:
     """Wait for the generation's end (its deltas arrive in the engine link's pass, not here); a cancel of
     this task cancels the generation. Then the request is released and the stream retained."""
     stream, handle = generation.stream, generation.handle
-    publisher = gw.publisher if stream.listed else None
+    publisher = d.publisher if stream.listed else None
     try:
         err = await asyncio.shield(generation.ended)
         if err is not None:
-            gw.metrics.errors.labels(error_class(err)).inc()
+            d.metrics.errors.labels(error_class(err)).inc()
     except asyncio.CancelledError:
         if not handle.done:
-            gw.metrics.aborted.inc()
+            d.metrics.aborted.inc()
             log.info("generation %s aborted (no reader left, or cancelled)", stream.id)
         generation.cancel()
         raise
@@ -106,8 +109,8 @@ async def pump(gw: Gateway, generation: Generation) -> None:
         handle.close()  # aborts the engine request if it had not finished
         if publisher is not None:
             publisher.ended(stream)
-        gw.hub.mark_finished(stream)
-        gw.metrics.retained.set(gw.hub.total_bytes)
+        d.hub.mark_finished(stream)
+        d.metrics.retained.set(d.hub.total_bytes)
 
 
 def cancel(stream: Stream) -> bool:
@@ -118,12 +121,12 @@ def cancel(stream: Stream) -> bool:
     return True
 
 
-async def stop(gw: Gateway, stream: Stream) -> bool:
+async def stop(d: Delivery, stream: Stream) -> bool:
     """Cancel a stream's generation wherever it runs and wait for its end: here, or on the replica or worker
     that owns it (through the broker, waiting at most 5 s for its end to arrive). False if it had ended."""
     if stream.mirrored and not stream.finished:
-        assert gw.broker is not None and stream.task is not None
-        if not await gw.broker.cancel_remote(stream.id):
+        assert d.remote is not None and stream.task is not None
+        if not await d.remote.cancel_remote(stream.id):
             return False
         # Wait up to 5 s for the mirror to end. asyncio.wait neither cancels it on timeout nor raises how it
         # ended, and (unlike wait_for on Python 3.11) never swallows a cancel of this caller.
@@ -239,29 +242,29 @@ class Outcome:
     last_seq: int
 
 
-async def read(gw: Gateway, stream: Stream, framing: Framing, after: int, conn: HttpConn | WsConn,
+async def read(d: Delivery, stream: Stream, framing: Framing, after: int, conn: HttpConn | WsConn,
                *, t0: float | None = None, idle: Callable[[], Awaitable[None]] | None = None) -> Outcome:
     """Follow ``stream`` past ``after`` and write it to ``conn`` until it ends or the reader is cut.
 
     The caller writes the returned ending (or :func:`finish_reader` does it for a whole connection)."""
-    m = gw.metrics
+    m = d.metrics
     meter = ReaderMeter(m.hot.transports[framing.transport], time.monotonic() if t0 is None else t0)
-    reader = Reader(framing, conn, meter, delay=gw.config.inject_delay.get(framing.transport, 0.0),
+    reader = Reader(framing, conn, meter, delay=d.inject_delay.get(framing.transport, 0.0),
                     slept=m.hot.injected.get(framing.transport))
     active = m.active_streams.labels(framing.transport)
     # --inject-delay (bench calibration) turns the one pass off for every transport, so the arms differ
     # only by the injected delay, not by the path their writes take.
-    one_pass = gw.config.direct_write and not gw.config.inject_delay
+    one_pass = d.direct_write and not d.inject_delay
     active.inc()
     last = after
     try:
-        last = await follow(stream, framing.transport, after, reader.write, gw.policy, gw.watchdog, idle=idle,
+        last = await follow(stream, framing.transport, after, reader.write, d.policy, d.watchdog, idle=idle,
                             reader=reader if one_pass else None,
-                            merge=framing.merge if framing.mergeable else None)
+                            merge=framing.merge)
     except SlowConsumer:
         m.errors.labels("network").inc()
-        log.info("reader of %s cut: a write was blocked for more than %gs", stream.id, gw.policy.send_timeout)
-        return Outcome(framing.cut(gw.policy.send_timeout), True, last)
+        log.info("reader of %s cut: a write was blocked for more than %gs", stream.id, d.policy.send_timeout)
+        return Outcome(framing.cut(d.policy.send_timeout), True, last)
     finally:
         active.dec()
     return Outcome(framing.ending(stream), False, last)
@@ -293,9 +296,9 @@ async def until_disconnect(work: Awaitable[Any], receive: Callable[[], Awaitable
 class SseResponse:
     """An ASGI response that is one SSE reader of a stream (POST SSE, fan-out events, Responses SSE)."""
 
-    def __init__(self, gw: Gateway, stream: Stream, framing: Framing, after: int, *, preamble: bytes = b"",
+    def __init__(self, d: Delivery, stream: Stream, framing: Framing, after: int, *, preamble: bytes = b"",
                  t0: float | None = None) -> None:
-        self.gw, self.stream, self.framing, self.after = gw, stream, framing, after
+        self.d, self.stream, self.framing, self.after = d, stream, framing, after
         self.preamble = preamble
         self.t0 = t0
 
@@ -303,8 +306,8 @@ class SseResponse:
                (b"x-accel-buffering", b"no")]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        gw, stream = self.gw, self.stream
-        conn = HttpConn(scope, send, gw.policy.linger)
+        d, stream = self.d, self.stream
+        conn = HttpConn(scope, send, d.policy.linger)
         outcome: Outcome | None = None
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
@@ -315,7 +318,7 @@ class SseResponse:
             async def idle() -> None:
                 await conn.write(keepalive)
 
-            outcome = await until_disconnect(read(gw, stream, self.framing, self.after, conn, t0=self.t0,
+            outcome = await until_disconnect(read(d, stream, self.framing, self.after, conn, t0=self.t0,
                                                   idle=idle), receive)
         finally:
             release(stream, cut=bool(outcome and outcome.cut))

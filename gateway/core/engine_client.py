@@ -12,8 +12,9 @@ caught-up readers; then the step's connections are flushed, one write each. A re
 
 Engine identity: each engine instance names itself by the ``engine_id`` in its heartbeats. A request
 lives only as long as the link that carried it, because the engine routes replies by the connection's
-ZeroMQ identity, which is new after every reconnect. So in-flight requests fail with
-``engine_unavailable`` when
+ZeroMQ identity, which is new after every reconnect. So in-flight requests are *lost* (handed to
+``on_lost``: the :class:`gateway.core.engine_pool.EnginePool` continues them on a healthy engine, or fails
+them with ``engine_unavailable``) when
 
 * the connection drops (a socket-monitor ``DISCONNECTED`` event: a killed engine is noticed at once,
   even when a supervisor restarts it faster than ``heartbeat_timeout``); the link then counts as down
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -67,16 +69,29 @@ class RequestHandle:
     """Events of one request: an ``Accepted`` first, then deltas, or a failure (:class:`EngineError`).
 
     Deltas go to the attached :class:`gateway.core.generation.Generation` (:meth:`attach`) in the engine step's
-    pass, or, until one is attached, to a queue read by :meth:`deltas`."""
+    pass, or, until one is attached, to a queue read by :meth:`deltas`.
 
-    __slots__ = ("_client", "_queue", "accepted", "done", "generation", "on_close", "openai", "request_id",
-                 "send_seq", "trace_id")
+    What a continuation on another engine needs is kept here: the ``submit`` as sent, the output token ids
+    and the number of text characters received so far. ``engine_rid`` is the id the current engine knows
+    it by (``request_id``, then ``request_id.m<n>`` after the n-th migration, so a late delta of a lost
+    engine can never mix in)."""
 
-    def __init__(self, client: EngineClient, request_id: str, trace_id: str, send_seq: int = 0) -> None:
+    __slots__ = ("_client", "_queue", "accepted", "closed", "done", "engine_rid", "generation", "lost_at",
+                 "migrations", "on_close", "openai", "output_chars", "output_ids", "request_id", "send_seq",
+                 "submit", "trace_id")
+
+    def __init__(self, client: EngineClient, submit: p.Submit, send_seq: int = 0) -> None:
         self._client = client
-        self.request_id = request_id
-        self.trace_id = trace_id
+        self.submit = submit
+        self.request_id = submit.request_id
+        self.engine_rid = submit.request_id
+        self.trace_id = submit.trace_id
         self.send_seq = send_seq  # position of its Submit among this link's submits (vs. the pings)
+        self.output_ids: list[int] = []
+        self.output_chars = 0
+        self.migrations = 0
+        self.lost_at = 0.0  # monotonic time its engine was lost (0: not migrating)
+        self.closed = False
         self._queue: asyncio.Queue[p.Delta | Failure] = asyncio.Queue()
         self.accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.openai = False  # the engine serves it with vLLM's OpenAI layer: deltas carry whole chunks
@@ -96,6 +111,11 @@ class RequestHandle:
                 generation.on_delta(item, None)
 
     def _push(self, item: p.Delta, step: Step) -> None:
+        if item.token_ids:
+            self.output_ids += item.token_ids
+        self.output_chars += len(item.text)
+        if self.lost_at:
+            self._client.continued(self, step.now)
         if self.generation is not None:
             self.generation.on_delta(item, step)
         else:
@@ -141,10 +161,11 @@ class RequestHandle:
 
     def close(self) -> None:
         """Forget the request; abort it in the engine if it had not finished (sync: safe in ``finally``)."""
+        self.closed = True
         callbacks, self.on_close = self.on_close, []
         for cb in callbacks:
             cb()
-        self._client._forget(self.request_id, abort=not self.done)
+        self._client._forget(self.engine_rid, abort=not self.done)
 
 
 @dataclass
@@ -163,6 +184,12 @@ class EngineClient:
     disconnects: int = 0  # dropped connections to the engine address
     previous_engine_id: str | None = None
     engine_changed_at: float | None = None  # epoch seconds of the last new engine_id
+    # Requests of a lost engine (link dropped, heartbeats missed, a new instance): the pool continues them
+    # elsewhere or fails them (None: fail them with the error).
+    on_lost: Callable[[EngineClient, list[RequestHandle], EngineError], None] | None = None
+    # A continued request's first delta (handle, monotonic now, True) or its refusal (False): the pool's
+    # migration accounting.
+    on_continued: Callable[[RequestHandle, float, bool], None] | None = None
 
     def __post_init__(self) -> None:
         # A plain (blocking-API) socket read from the event loop's selector: the reader drains every
@@ -260,11 +287,10 @@ class EngineClient:
             await asyncio.sleep(self.heartbeat_interval)
             healthy = self.healthy
             if self._was_healthy and not healthy:
-                log.error("engine at %s missed heartbeats for %.1fs: failing %d in-flight requests",
+                log.error("engine at %s missed heartbeats for %.1fs: %d requests in flight",
                           self.address, self.heartbeat_timeout, len(self._handles))
-                self._fail_handles(list(self._handles.values()),
-                                   EngineError.unavailable("the engine stopped answering (crashed or restarting)"),
-                                   abort=False)
+                self._lose(list(self._handles.values()),
+                           EngineError.unavailable("the engine stopped answering (crashed or restarting)"), abort=True)
             self._was_healthy = healthy
 
     async def _watch_link(self) -> None:
@@ -279,11 +305,11 @@ class EngineClient:
             self._last_beat_at = 0.0  # down until the next heartbeat: nothing is sent into the gap
             self._was_healthy = False
             if self._handles:
-                log.error("connection to engine %s at %s dropped: failing %d in-flight requests",
+                log.error("connection to engine %s at %s dropped: %d requests in flight",
                           self.engine_id, self.address, len(self._handles))
-                self._fail_handles(list(self._handles.values()),
-                                   EngineError.unavailable("the connection to the engine dropped (crashed or "
-                                                           "restarting)"), abort=False)
+                self._lose(list(self._handles.values()),
+                           EngineError.unavailable("the connection to the engine dropped (crashed or restarting)"),
+                           abort=False)
             else:
                 log.warning("connection to engine %s at %s dropped", self.engine_id, self.address)
 
@@ -293,14 +319,41 @@ class EngineClient:
         """Send a request to the engine; raises EngineError ``engine_unavailable`` if the engine is down."""
         if not self.healthy:
             raise EngineError.unavailable()
-        handle = RequestHandle(self, submit.request_id, submit.trace_id, self._submit_seq)
-        self._handles[submit.request_id] = handle
-        if not self._send(submit):
-            del self._handles[submit.request_id]
+        handle = RequestHandle(self, submit, self._submit_seq)
+        if not self._send_handle(handle, submit):
             raise EngineError.unavailable("the engine socket is not connected")
+        return handle
+
+    def resume(self, handle: RequestHandle) -> bool:
+        """Continue a request another link lost on this engine: its submit with the output so far as
+        ``resume`` (:class:`engine_worker.protocol.Submit`), under a new engine id. False if it cannot be
+        sent now (the handle is untouched)."""
+        if not self.healthy:
+            return False
+        rid = f"{handle.request_id}.m{handle.migrations}"
+        submit = msgspec.structs.replace(handle.submit, request_id=rid, resume=list(handle.output_ids),
+                                         resume_chars=handle.output_chars)
+        previous = handle._client, handle.engine_rid, handle.send_seq
+        handle._client, handle.engine_rid, handle.send_seq = self, rid, self._submit_seq
+        if self._send_handle(handle, submit):
+            return True
+        handle._client, handle.engine_rid, handle.send_seq = previous
+        return False
+
+    def continued(self, handle: RequestHandle, now: float) -> None:
+        """The first delta of a continued request arrived (called by the handle)."""
+        if self.on_continued is not None:
+            self.on_continued(handle, now, True)
+        handle.lost_at = 0.0
+
+    def _send_handle(self, handle: RequestHandle, submit: p.Submit) -> bool:
+        self._handles[handle.engine_rid] = handle
+        if not self._send(submit):
+            del self._handles[handle.engine_rid]
+            return False
         self._submit_seq += 1
         self._submitted_since_beat += 1
-        return handle
+        return True
 
     def fail_all(self, err: Failure) -> int:
         """Fail every in-flight request with ``err`` and abort them in the engine; returns how many."""
@@ -308,13 +361,25 @@ class EngineClient:
 
     def _fail_handles(self, handles: list[RequestHandle], err: Failure, abort: bool) -> int:
         for h in handles:
-            self._handles.pop(h.request_id, None)
+            self._handles.pop(h.engine_rid, None)
         if handles and abort:
-            self._abort([h.request_id for h in handles])
+            self._abort([h.engine_rid for h in handles])
         for h in handles:
             h.done = True
             h._fail(err)
         return len(handles)
+
+    def _lose(self, handles: list[RequestHandle], err: EngineError, abort: bool) -> None:
+        """This engine lost these requests: off this link (aborted if it may still run them), then to
+        ``on_lost`` (continued elsewhere, or failed there), or failed with ``err``."""
+        if self.on_lost is None:
+            self._fail_handles(handles, err, abort)
+            return
+        for h in handles:
+            self._handles.pop(h.engine_rid, None)
+        if handles and abort:
+            self._abort([h.engine_rid for h in handles])
+        self.on_lost(self, handles, err)
 
     def _forget(self, request_id: str, abort: bool) -> None:
         if self._handles.pop(request_id, None) is not None and abort:
@@ -426,10 +491,10 @@ class EngineClient:
         # earlier ones fail, and are aborted in case the new instance got some of them.
         before = self._pings.get(msg.ping_sent_ns, self._submit_seq)
         stale = [h for h in self._handles.values() if h.send_seq < before]
-        log.error("engine at %s restarted: %s -> %s (%s model=%s); failing %d requests of the old instance",
+        log.error("engine at %s restarted: %s -> %s (%s model=%s); %d requests of the old instance lost",
                   self.address, previous.engine_id, msg.engine_id, msg.backend, msg.model, len(stale))
         if stale:
-            self._fail_handles(stale, EngineError.unavailable(
+            self._lose(stale, EngineError.unavailable(
                 f"the engine restarted (instance {previous.engine_id} replaced by {msg.engine_id})"), abort=True)
 
     def _on_error(self, msg: p.Error) -> None:
@@ -438,6 +503,8 @@ class EngineClient:
             return
         h = self._handles.pop(msg.request_id, None)
         if h is not None:
+            if h.lost_at and self.on_continued is not None:
+                self.on_continued(h, time.monotonic(), False)
             h.done = True
             h._fail(EngineError(msg.code, msg.message, msg.param, msg.status, msg.error_type))
 

@@ -133,6 +133,40 @@ class DeliveryCollector(Collector):
             yield family
 
 
+MIGRATION_OUTCOMES = ("continued", "refused", "timeout", "failed")
+
+
+class Migrations:
+    """What migration did: counts by outcome and the gap each continued request saw, from the loss to its
+    next delta (``tokenfan_migrations_total``, ``tokenfan_migration_gap_seconds``)."""
+
+    def __init__(self) -> None:
+        self.outcomes = dict.fromkeys(MIGRATION_OUTCOMES, 0)
+        self.gap = HotHistogram()
+
+
+class MigrationCollector(Collector):
+    """Requests continued on another engine after theirs was lost (:class:`gateway.core.engine_pool.Migrations`),
+    folded into Prometheus at scrape time."""
+
+    def __init__(self, migrations: Migrations) -> None:
+        self.migrations = migrations
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("tokenfan_migrations_total", "Requests whose engine was lost, by outcome: "
+                                     "continued on another engine, refused (cannot be continued exactly), timeout "
+                                     "(no healthy engine in time), failed (the continuation was refused)",
+                                     labels=["outcome"])
+        for outcome, n in self.migrations.outcomes.items():
+            family.add_metric([outcome], float(n))
+        yield family
+        gap: HotHistogram = self.migrations.gap
+        hist = HistogramMetricFamily("tokenfan_migration_gap_seconds", "Loss of a request's engine to its next "
+                                     "delta from the engine it continues on")
+        hist.add_metric([], gap.buckets(), gap.sum)
+        yield hist
+
+
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 

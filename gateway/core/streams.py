@@ -131,8 +131,8 @@ def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str 
 
 class MergeRules(Protocol):
     """An API's rule for merging a lagging reader's content events (:func:`coalesce`); the delivery core
-    knows no payload shape: the OpenAI chunks' rules are :data:`gateway.core.generation.CHUNK_MERGE`, the
-    Responses events' :data:`gateway.api.responses_stream.RESPONSES_MERGE`."""
+    knows no payload shape: the OpenAI chunks' rules are :data:`gateway.api.openai.render.CHUNK_MERGE`, the
+    Responses events' :data:`gateway.api.responses.stream.RESPONSES_MERGE`."""
 
     def group(self, payload: dict[str, Any]) -> object | None:
         """The run a content event may merge into (only with neighbours of the same group); None: never

@@ -1,7 +1,7 @@
 """The Starlette application: routes, middleware and the lifespan that owns the :class:`Gateway`.
 
-Route modules: :mod:`gateway.api.routes_openai` (chat/completions/models), :mod:`gateway.api.ws_mux`
-(``/v1/ws``), :mod:`gateway.api.fanout` (``/v1/streams``), :mod:`gateway.http.service` (health, metrics,
+Route modules: :mod:`gateway.api.openai.routes` (chat/completions/models), :mod:`gateway.api.openai.ws_mux`
+(``/v1/ws``), :mod:`gateway.api.openai.fanout` (``/v1/streams``), :mod:`gateway.http.service` (health, metrics,
 time, pages). Every streamed token goes through :mod:`gateway.core.delivery`.
 """
 
@@ -21,14 +21,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
-from gateway.api import fanout, responses_ws_route, routes_openai, routes_responses, ws_mux
-from gateway.config import GatewayConfig
+from gateway.api.openai import fanout, ws_mux
+from gateway.api.openai import routes as routes_openai
+from gateway.api.responses import routes as routes_responses
+from gateway.api.responses import ws_route as responses_ws_route
+from gateway.config import GatewayConfig, TrustedProxies
 from gateway.core.engine_pool import EnginePool
+from gateway.core.metrics import MigrationCollector
 from gateway.errors import APIError, EngineError
-from gateway.http import service
+from gateway.http import internal, service
 from gateway.http.access_log import AccessLogMiddleware
 from gateway.http.auth import Auth, AuthMiddleware
-from gateway.http.clients import ClientLimitMiddleware, TrustedProxies
+from gateway.http.clients import ClientLimitMiddleware
 from gateway.http.middleware import (
     IsolationHeaders,
     RawSend,
@@ -54,7 +58,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine = EnginePool([a.strip() for a in config.engine_address.split(",") if a.strip()],
                             heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout,
-                            curve_dir=config.curve_dir)
+                            curve_dir=config.curve_dir, migration=config.migration)
         await engine.start()
         # Accept connections once the engine answers (bounded: an engine that starts later is fine too),
         # so a fresh gateway or worker does not answer its first requests with 503.
@@ -63,6 +67,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
                 break
             await asyncio.sleep(0.02)
         gw = Gateway(config=config, engine=engine)
+        gw.metrics.registry.register(MigrationCollector(engine.migrations))
         gc.set_threshold(config.gc_gen0_threshold, *gc.get_threshold()[1:])
         app.state.gateway = gw
         gw.loop.start()
@@ -117,11 +122,11 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
         *service.page_routes(),
     ]
     if config.workers > 1:  # served only over each worker's private Unix socket (gateway.scaleout.workers)
-        routes += [Route("/internal/streams/{id}", workers.internal_stream, methods=["GET"]),
-                   Route("/internal/streams/{id}", workers.internal_cancel, methods=["DELETE"]),
-                   Route("/internal/transcripts/{id}", workers.internal_transcript, methods=["GET"]),
-                   Route("/internal/metrics", workers.internal_metrics, methods=["GET"]),
-                   Route("/internal/ready", workers.internal_ready, methods=["GET"])]
+        routes += [Route("/internal/streams/{id}", internal.internal_stream, methods=["GET"]),
+                   Route("/internal/streams/{id}", internal.internal_cancel, methods=["DELETE"]),
+                   Route("/internal/transcripts/{id}", internal.internal_transcript, methods=["GET"]),
+                   Route("/internal/metrics", internal.internal_metrics, methods=["GET"]),
+                   Route("/internal/ready", internal.internal_ready, methods=["GET"])]
     auth = Auth(api_keys=frozenset(config.api_keys), token_ttl=config.stream_token_ttl,
                 allowed_origins=config.allowed_origins,
                 **({"secret": config.token_secret.encode()} if config.token_secret else {}))

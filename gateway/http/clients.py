@@ -25,55 +25,20 @@ refused first and a client holding nothing still gets in. ``docs/limits.md`` lis
 
 from __future__ import annotations
 
-import collections
 import hashlib
-import ipaddress
 import logging
-from collections.abc import Iterable
-from typing import Any, Literal
 
-import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.api.edge import refuse
+from gateway.config import TrustedProxies
 from gateway.errors import APIError
 
 log = logging.getLogger(__name__)
 
-Kind = Literal["connections", "generations", "subscriptions"]
-KINDS: tuple[Kind, ...] = ("connections", "generations", "subscriptions")
-CODES: dict[Kind, str] = {"connections": "client_connection_limit", "generations": "client_generation_limit",
-                          "subscriptions": "client_subscription_limit"}
-FLAGS: dict[Kind, str] = {"connections": "--max-connections-per-client",
-                          "generations": "--max-generations-per-client",
-                          "subscriptions": "--max-subscriptions-per-client"}
-IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 # -- identity ------------------------------------------------------------------------------------
-
-class TrustedProxies:
-    """The ``--trusted-proxies`` networks; ``forwarded_for`` reads ``X-Forwarded-For`` only from them."""
-
-    def __init__(self, entries: Iterable[str] = ()) -> None:
-        self.networks: tuple[IpNetwork, ...] = tuple(ipaddress.ip_network(e.strip(), strict=False)
-                                                      for e in entries if e.strip())
-
-    def __contains__(self, host: str) -> bool:
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
-            return False
-        return any(ip in net for net in self.networks)
-
-    def client_address(self, peer: str, forwarded_for: str | None) -> str:
-        """The client's address: ``peer`` unless it is a trusted proxy that named the client."""
-        if not forwarded_for or peer not in self:
-            return peer
-        hops = [h.strip() for h in forwarded_for.split(",") if h.strip()]
-        for hop in reversed(hops):
-            if hop not in self:
-                return hop
-        return hops[0] if hops else peer
 
 
 def key_client(api_key: str) -> str:
@@ -93,67 +58,6 @@ def identify(scope: Scope, trusted: TrustedProxies) -> str:
             if name == b"x-forwarded-for":
                 forwarded = value.decode("latin-1") if forwarded is None else forwarded + "," + value.decode("latin-1")
     return "addr:" + trusted.client_address(host, forwarded)
-
-
-# -- holdings ------------------------------------------------------------------------------------
-
-class Holdings:
-    """What every client holds, by kind (pure counting; the callers pass the limits)."""
-
-    def __init__(self) -> None:
-        self.held: dict[Kind, collections.Counter[str]] = {k: collections.Counter() for k in KINDS}
-        self.totals: dict[Kind, int] = dict.fromkeys(KINDS, 0)
-
-    def of(self, kind: Kind, client: str) -> int:
-        return self.held[kind].get(client, 0)
-
-    def clients(self, kind: Kind) -> int:
-        """Clients holding at least one of ``kind``."""
-        return len(self.held[kind])
-
-    def check(self, kind: Kind, client: str, limit: int) -> None:
-        """APIError 429 (code :data:`CODES`) if ``client`` already holds ``limit`` (0 = no limit)."""
-        held = self.of(kind, client)
-        if limit and held >= limit:
-            noun = {"connections": "open connections", "generations": "generations in flight",
-                    "subscriptions": "open stream subscriptions"}[kind]
-            raise APIError(429, f"This client has {held} {noun}; the limit is {limit} per client "
-                                f"({FLAGS[kind]}).", type="rate_limit_error", code=CODES[kind], retry_after=1.0)
-
-    def acquire(self, kind: Kind, client: str, limit: int = 0) -> None:
-        self.check(kind, client, limit)
-        self.held[kind][client] += 1
-        self.totals[kind] += 1
-
-    def release(self, kind: Kind, client: str) -> None:
-        counter = self.held[kind]
-        if counter.get(client, 0) <= 0:
-            raise RuntimeError(f"{client} holds no {kind}")  # a release without its acquire is a bug
-        counter[client] -= 1
-        self.totals[kind] -= 1
-        if counter[client] == 0:
-            del counter[client]
-
-
-def fair_refusal(holding: int, total: int, clients: int, soft_cap: int, engines_queue: bool) -> str | None:
-    """Why a client holding ``holding`` of ``total`` generations (``clients`` clients hold any) must wait,
-    or None.
-
-    - Gateway saturated (``total >= soft_cap``): a client holding at least the average per client is refused,
-      so the biggest holder always is, and a client holding nothing always gets in (up to --max-concurrent).
-    - The engines queue requests (``engines_queue``): a client holding more than the average is refused;
-      equal clients, and a client alone, are not (the engine's queue is fair among them).
-    """
-    if holding == 0:
-        return None
-    average = total / max(1, clients)
-    if soft_cap and total >= soft_cap and holding >= average:
-        return (f"The gateway is busy ({total} generations in flight) and this client holds {holding}, at least "
-                f"the average of {average:.1f} per client")
-    if engines_queue and holding > average:
-        return (f"The engines are queueing requests and this client holds {holding} generations, more than the "
-                f"average of {average:.1f} per client")
-    return None
 
 
 # -- connections (ASGI) ----------------------------------------------------------------------------
@@ -187,16 +91,3 @@ class ClientLimitMiddleware:
             await self.app(scope, receive, send)
         finally:
             gw.clients.release("connections", client)
-
-
-async def refuse(scope: Scope, receive: Receive, send: Send, err: APIError) -> None:
-    """Answer a scope with ``err`` before the route runs: HTTP status + OpenAI body, or for a WebSocket an
-    accept, one error message (the ``/v1/ws`` and Responses shapes at once) and close 4000 + status
-    (a browser cannot read a refused handshake's status, but it can read this)."""
-    if scope["type"] == "http":
-        return await err.response()(scope, receive, send)
-    message: dict[str, Any] = {"type": "error", "id": None, "status": err.status, "error": err.body()["error"]}
-    await receive()  # websocket.connect
-    await send({"type": "websocket.accept"})
-    await send({"type": "websocket.send", "text": orjson.dumps(message).decode()})
-    await send({"type": "websocket.close", "code": 4000 + err.status, "reason": err.code or "refused"})

@@ -12,7 +12,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from engine_worker import protocol as p
-from gateway.http.edge import gateway_of
+from gateway.api.edge import gateway_of
 from gateway.state import Gateway
 
 

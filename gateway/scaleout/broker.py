@@ -37,10 +37,10 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from gateway.config import BrokerTimings
 from gateway.core.streams import Event, Stream, StreamHub
 from gateway.errors import stream_lost
 from gateway.scaleout import broker_codec as codec
-from gateway.scaleout.broker_codec import BrokerTimings
 from gateway.scaleout.broker_parts import (
     KNOWN_TTL_S,
     REDIS_ERRORS,
@@ -61,8 +61,8 @@ log = logging.getLogger(__name__)
 
 
 class Broker(Mirroring):
-    """One gateway's link to Redis: publishing its streams (:class:`gateway.scaleout.protocols.Publisher`), and
-    mirrors, cancels and transcripts of other replicas' (:class:`gateway.scaleout.protocols.StreamBroker`).
+    """One gateway's link to Redis: publishing its streams (:class:`gateway.core.ports.Publisher`), and
+    mirrors, cancels and transcripts of other replicas' (:class:`gateway.core.ports.RemoteStreams`).
 
     ``local_cancel(stream_id)`` cancels a generation this gateway runs and says whether it did.
     """
@@ -136,7 +136,7 @@ class Broker(Mirroring):
         s = self.hub.streams.get(stream_id)
         return s is not None and not s.finished
 
-    # -- this gateway's streams (gateway.scaleout.protocols.Publisher) --------------------------------------------------------------------------
+    # -- this gateway's streams (gateway.core.ports.Publisher) --------------------------------------------------------------------------
 
     async def created(self, stream: Stream) -> None:
         """Announce a new stream before its id is handed out; APIError 503 if Redis does not take it."""

@@ -222,25 +222,3 @@ def decode_cancel(data: bytes) -> CancelRequest:
         return CancelRequest(str(obj["id"]), str(obj["reply"]))
     except (ValueError, KeyError, TypeError) as exc:
         raise CodecError(f"malformed cancel message: {data[:200]!r}") from exc
-
-
-@dataclass(frozen=True, slots=True)
-class BrokerTimings:
-    """The broker's own clocks (seconds). ``idle_timeout`` is ``--broker-idle-timeout``."""
-
-    op_timeout: float = 2.0  # connect and reply timeout of an ordinary command
-    block: float = 2.0  # longest XREAD BLOCK / BLPOP; their socket timeout is block + op_timeout
-    backoff_max: float = 1.0  # reconnect delays double from 50 ms up to this (jittered)
-    lease_interval: float = 0.5  # how often a gateway refreshes its lease
-    lease_ttl: float = 2.0  # a lease not refreshed for this long means the gateway is gone
-    cancel_timeout: float = 3.0  # how long cancel_remote waits for the owner's answer
-    max_pending: int = 65_536  # entries queued for the next pipeline; beyond, streams are repaired later
-
-    def __post_init__(self) -> None:
-        if min(self.op_timeout, self.block, self.backoff_max, self.lease_interval, self.cancel_timeout) <= 0:
-            raise ValueError("the broker's timeouts and intervals must be positive")
-        if self.lease_interval >= self.lease_ttl:
-            raise ValueError(f"--broker-lease-interval ({self.lease_interval}) must be shorter than "
-                             f"--broker-lease-ttl ({self.lease_ttl}), or every lease expires between refreshes")
-        if self.max_pending < 1:
-            raise ValueError("--broker-max-pending must be at least 1")

@@ -28,10 +28,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 from redis.exceptions import RedisError
 
+from gateway.config import BrokerTimings
 from gateway.core.streams import Stream
 from gateway.errors import APIError, stream_expired, stream_lost, stream_not_found
 from gateway.scaleout import broker_codec as codec
-from gateway.scaleout.broker_codec import BrokerTimings
 from gateway.scaleout.mirror import Item, Lease, Opened, Quiet
 
 log = logging.getLogger(__name__)

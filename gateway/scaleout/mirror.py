@@ -263,7 +263,7 @@ class Mirrors:
 
 
 class Mirroring:
-    """What ``--broker`` and ``--workers`` share of :class:`gateway.scaleout.protocols.StreamBroker`: mirrors and remote
+    """What ``--broker`` and ``--workers`` share of :class:`gateway.core.ports.RemoteStreams`: mirrors and remote
     cancels, over each one's link."""
 
     mirrors: Mirrors

@@ -5,7 +5,7 @@
   :mod:`gateway.scaleout.broker_codec` records as SSE events (``id`` = seq; :class:`gateway.scaleout.workers.PeerFraming`),
   read with the shared :class:`gateway.core.sse.SseDecoder`. Cut or dropped, it is resumed with ``?after=``;
   a peer whose socket refuses is gone (the mirror ends with ``owner_lost``).
-- :class:`Peers` is what the routes use (:class:`gateway.scaleout.protocols.StreamBroker`): mirrors, cancels
+- :class:`Peers` is what the routes use (:class:`gateway.core.ports.RemoteStreams`): mirrors, cancels
   (``DELETE /internal/streams/{id}``) and transcripts (``GET /internal/transcripts/{id}``) of the peers'
   streams, and ``/metrics`` merged over every worker (:func:`merge_metrics`).
 - HTTP/1.1 to a peer is ``h11``'s (:func:`request`): one request per connection, the body as it comes.
@@ -176,7 +176,7 @@ class PeerLink:
 
 
 class Peers(Mirroring):
-    """The other workers of this server: their streams (:class:`gateway.scaleout.protocols.StreamBroker`) and metrics.
+    """The other workers of this server: their streams (:class:`gateway.core.ports.RemoteStreams`) and metrics.
 
     ``idle_timeout`` / ``recheck``: the mirrors' idle clock (:class:`gateway.scaleout.mirror.Idle`)."""
 

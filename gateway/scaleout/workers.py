@@ -6,7 +6,7 @@
   (:func:`spawn_workers`). Each worker has its own engine link (the engine serves several gateways).
 - A reader that lands on a worker that does not run its stream gets a local *mirror* of it
   (:mod:`gateway.scaleout.mirror`, the same as ``--broker``'s), fed from the owner's log over the owner's Unix
-  socket: ``GET /internal/streams/{id}`` here (:class:`PeerFraming`), :class:`gateway.scaleout.peers.PeerLink`
+  socket: ``GET /internal/streams/{id}`` (:mod:`gateway.http.internal`, in :class:`PeerFraming`), :class:`gateway.scaleout.peers.PeerLink`
   on the peer. ``DELETE`` and cancel reach the owner through ``DELETE /internal/streams/{id}``.
 - ``/metrics`` on any worker merges every worker's metrics (:func:`gateway.scaleout.peers.merge_metrics`), so a
   scrape sees the whole server; ``tokenfan_workers`` says how many answered.
@@ -30,23 +30,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-
-from engine_worker.settings import default_runtime_dir
-from gateway.api.responses_chat import encode_transcript
-from gateway.api.routes_responses import retained_transcript
 from gateway.core import sse
-from gateway.core.delivery import SseResponse, cancel, resume_point
 from gateway.core.framing import Ending, Framing
 from gateway.core.streams import Event, Stream
-from gateway.errors import APIError
-from gateway.http.edge import gateway_of
 from gateway.scaleout import broker_codec as codec
+from tokenfan.settings import default_runtime_dir
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
-    from gateway.state import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +54,9 @@ def worker_socket(port: int, k: int) -> Path:
 
 def spawn_workers(config: GatewayConfig) -> list[subprocess.Popen[bytes]]:
     """Start workers 1…N-1 (this process is worker 0): ``tokenfan gateway`` with the same settings."""
-    from engine_worker.settings import to_argv
+    from tokenfan.settings import to_argv
 
-    argv = [sys.executable, "-m", "gateway.cli", "gateway", *to_argv(config, "gateway")]
+    argv = [sys.executable, "-m", "tokenfan.cli", "gateway", *to_argv(config, "gateway")]
     procs = []
     for k in range(1, config.workers):
         env = {**os.environ, WORKER_INDEX_ENV: str(k)}
@@ -85,12 +76,7 @@ def stop_workers(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
             p.kill()
 
 
-# -- the owner's side: the internal routes, only on the private Unix socket ----------------------------
-
-
-def _over_unix_socket(request: Request) -> bool:
-    server = request.scope.get("server")
-    return isinstance(server, tuple | list) and len(server) == 2 and server[1] is None
+# -- the owner's side of a peer link: its log as records ------------------------------------------
 
 
 class PeerFraming(Framing):
@@ -99,7 +85,6 @@ class PeerFraming(Framing):
     no end: its mirror resumes after the last id it got."""
 
     name = "peer"
-    mergeable = False
 
     def build(self, ev: Event) -> bytes:
         return sse.event(codec.pack_event(ev), id=ev.seq)
@@ -112,55 +97,6 @@ class PeerFraming(Framing):
 
 
 PEER = PeerFraming()
-
-
-async def internal_stream(request: Request) -> Any:
-    if not _over_unix_socket(request):
-        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
-    gw: Gateway = gateway_of(request)
-    stream = gw.hub.get(request.path_params["id"])  # 404 / 410
-    if stream.mirrored:
-        raise APIError(404, "not the owner", code="stream_not_found")
-    after = resume_point(request.query_params.get("after"), "after")
-    header = codec.encode_header(stream.endpoint, stream.model, str(worker_index()), detached=stream.detached,
-                                 held=len(stream.events) + stream.finished)
-    return SseResponse(gw, stream, PEER, after, preamble=sse.event(codec.pack(header)))
-
-
-async def internal_cancel(request: Request) -> Response:
-    if not _over_unix_socket(request):
-        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
-    gw: Gateway = gateway_of(request)
-    s = gw.hub.streams.get(request.path_params["id"])
-    return JSONResponse({"cancelled": bool(s is not None and not s.mirrored and cancel(s))})
-
-
-async def internal_transcript(request: Request) -> Response:
-    """A retained response's transcript (msgpack), for a peer resolving ``previous_response_id``."""
-    if not _over_unix_socket(request):
-        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
-    transcript = retained_transcript(gateway_of(request).hub, request.path_params["id"])
-    if transcript is None:
-        return Response(status_code=404)
-    return Response(encode_transcript(transcript), media_type="application/msgpack")
-
-
-async def internal_metrics(request: Request) -> Response:
-    if not _over_unix_socket(request):
-        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
-    gw: Gateway = gateway_of(request)
-    from gateway.http.service import refresh_metrics
-
-    refresh_metrics(gw)
-    return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
-
-
-async def internal_ready(request: Request) -> Response:
-    """Whether this worker listens on the shared port and whether its engine link is up (for peers' /health)."""
-    if not _over_unix_socket(request):
-        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
-    gw: Gateway = gateway_of(request)
-    return JSONResponse({"listening": gw.listening, "ready": gw.engine.healthy})
 
 
 def bind_sockets(config: GatewayConfig) -> list[Any]:

@@ -91,7 +91,7 @@ def _close(s: socket.socket) -> None:
 def start_gateway_without_engine(address: str, name: str = "gateway-no-engine") -> tuple[Proc, str]:
     """A gateway whose engine never answers: /health says 503 once it is up."""
     port = free_port()
-    proc = spawn(["-m", "gateway.cli", "gateway", "--engine", address, "--host", "127.0.0.1",
+    proc = spawn(["-m", "tokenfan.cli", "gateway", "--engine", address, "--host", "127.0.0.1",
                   "--port", str(port), "--log-level", "warning"], name)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30

@@ -2,7 +2,7 @@
 
 It is not the gateway: no engine (deltas are ``tok0 tok1 ...`` at a fixed pace), no stream hub (each
 response's events are a list plus a condition), no limits. It runs the same wire contract the gateway
-routes must (``gateway.api.responses_api`` / ``gateway.api.responses_ws``), so the official Python and Node
+routes must (``gateway.api.responses.api`` / ``gateway.api.responses.ws``), so the official Python and Node
 SDK harnesses in ``test_responses_sdk.py`` are known to work before they are pointed at the gateway.
 """
 
@@ -23,7 +23,8 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine_worker import protocol as p
-from gateway.api.responses_api import (
+from gateway.api.lanes import Lanes, WsClientError
+from gateway.api.responses.api import (
     ResponseEvents,
     ResponsesRequest,
     build_request,
@@ -32,17 +33,16 @@ from gateway.api.responses_api import (
     previous_response_not_found,
     response_not_found,
 )
-from gateway.api.responses_chat import Message
-from gateway.api.responses_ws import (
-    Lanes,
+from gateway.api.responses.chat import Message
+from gateway.api.responses.ws import (
     TranscriptCache,
-    WsClientError,
     WsCreate,
+    client_error_event,
     parse_client_message,
     ws_error,
     ws_text,
 )
-from gateway.api.validation import Limits
+from gateway.config import Limits
 from gateway.core import sse
 from gateway.core.delivery import resume_point
 from gateway.errors import APIError
@@ -213,7 +213,7 @@ class Stub:
                     for started in lanes.submit(msg.stream_id, msg):
                         spawn(*started)
                 except WsClientError as err:
-                    await send(orjson.dumps(err.event()).decode())
+                    await send(orjson.dumps(client_error_event(err)).decode())
         except WebSocketDisconnect:
             for t in tasks:
                 t.cancel()

@@ -14,7 +14,7 @@ def test_request_id_links_the_access_log_and_the_engine_log(ipc_dir) -> None:  #
     address = f"ipc://{ipc_dir / 'accesslog.sock'}"
     engine = start_engine(address, "--engine", "synthetic", name="engine-accesslog")
     port = free_port()
-    gw = spawn(["-m", "gateway.cli", "gateway", "--engine", address, "--port", str(port), "--log-level", "info"],
+    gw = spawn(["-m", "tokenfan.cli", "gateway", "--engine", address, "--port", str(port), "--log-level", "info"],
                "gateway-accesslog-info")
     url = f"http://127.0.0.1:{port}"
     try:

@@ -28,7 +28,7 @@ def measured(x: object) -> bool:
 
 def test_bench_cpu_reports_every_mode_against_the_raw_floor(tmp_path: Path) -> None:
     out = tmp_path / "cpu"
-    proc = subprocess.run([sys.executable, "-m", "gateway.cli", "bench", "cpu", *TINY, "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "tokenfan.cli", "bench", "cpu", *TINY, "--out", str(out)],
                           capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((out / "results.json").read_text())

@@ -26,12 +26,13 @@ import pytest
 import redis
 import websockets
 
+from gateway.config import BrokerTimings
 from gateway.core import sse
 from gateway.core.generation import ChunkEvent
 from gateway.core.streams import Retention, Stream, StreamHub
 from gateway.errors import APIError
 from gateway.scaleout import broker_codec as codec
-from gateway.scaleout.broker import Broker, BrokerTimings
+from gateway.scaleout.broker import Broker
 from tests.e2e.helpers import chunk_text, event_dict, sse_events, wait_until
 from tests.procs import Proc, free_port, start_engine, start_gateway
 from tests.system import require

@@ -21,8 +21,9 @@ PER_KIND = 25  # x2 kinds per transport = 50 SSE clients and 50 WebSocket client
 
 def test_engine_kill_under_load_errors_every_client_and_service_recovers(ipc_dir) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
-    proc = spawn(["-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", str(port),
-                  "--synthetic-tokens-per-s", "20", "--engine-address", f"ipc://{ipc_dir / 'chaos.sock'}",
+    proc = spawn(["-m", "tokenfan.cli", "serve", "--engine", "synthetic", "--port", str(port),
+                  "--synthetic-tokens-per-s", "20", "--migration-limit", "0",
+                  "--engine-address", f"ipc://{ipc_dir / 'chaos.sock'}",
                   "--max-generations-per-client", str(4 * PER_KIND)], "chaos")  # one address holds 75
     url = f"http://127.0.0.1:{port}"
     wsurl = url.replace("http", "ws")

@@ -52,7 +52,7 @@ def test_an_engine_kill_under_overload_reaches_every_client_explicitly(ipc_dir: 
     engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", str(rate),
                           "--synthetic-ttft-ms", "5", "--max-queue", "5000", "--max-model-len", "20000",
                           name="engine-overload")
-    gw, url = start_gateway(address, "--max-loop-lag", "0", "--max-tokens-cap", "20000", *NO_CLIENT_LIMITS,
+    gw, url = start_gateway(address, "--migration-limit", "0", "--max-loop-lag", "0", "--max-tokens-cap", "20000", *NO_CLIENT_LIMITS,
                             name="gateway-overload")
     sel = selectors.DefaultSelector()
     try:

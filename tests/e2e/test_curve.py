@@ -14,10 +14,10 @@ from tests.procs import ROOT, free_port, spawn, start_engine, start_gateway
 
 def test_curve_admits_authorized_gateways_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
     keys = tmp_path / "keys"
-    subprocess.run([sys.executable, "-m", "gateway.cli", "keys", str(keys)], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-m", "tokenfan.cli", "keys", str(keys)], check=True, cwd=ROOT)
     assert (keys / "engine.key_secret").stat().st_mode & 0o077 == 0
     intruder = tmp_path / "intruder"
-    subprocess.run([sys.executable, "-m", "gateway.cli", "keys", str(intruder)], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-m", "tokenfan.cli", "keys", str(intruder)], check=True, cwd=ROOT)
     shutil.copy(keys / "engine.key", intruder / "engine.key")  # knows the engine, but is not authorized
 
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -29,7 +29,7 @@ def test_curve_admits_authorized_gateways_only(tmp_path) -> None:  # type: ignor
         good.stop()
         for name, extra in (("plain", []), ("intruder", ["--curve-dir", str(intruder)])):
             port = free_port()
-            proc = spawn(["-m", "gateway.cli", "gateway", "--engine", address, "--port", str(port),
+            proc = spawn(["-m", "tokenfan.cli", "gateway", "--engine", address, "--port", str(port),
                           "--log-level", "warning", *extra], f"gateway-{name}")
             try:
                 time.sleep(3)  # long enough for many heartbeats, had the link worked

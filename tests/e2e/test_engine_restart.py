@@ -1,7 +1,9 @@
 """Engine identity: kill -9 the engine and restart it at once on the same address, faster than
 ``--heartbeat-timeout`` (as systemd or a container runtime does). Every in-flight client, on POST SSE and
 on ``/v1/ws``, gets an explicit ``engine_unavailable`` within 2 s; the old instance's requests stop
-counting against ``--max-concurrent``; new requests succeed; ``/health`` names the new instance.
+counting against ``--max-concurrent``; new requests succeed; ``/health`` names the new instance. Migration is
+off here (``--migration-limit 0``): the explicit error is what a client gets when its request cannot be
+continued (tests/e2e/test_migration.py has the default, where it continues).
 
 Both layouts: a split engine + gateway (the test restarts the engine) and ``tokenfan serve`` (its
 supervisor restarts it). ``--heartbeat-timeout 30`` makes sure the restart beats the heartbeat timeout,
@@ -26,7 +28,7 @@ from tests.procs import Proc, free_port, spawn, start_engine, start_gateway, wai
 PER_TRANSPORT = 10
 LIMIT = 2 * PER_TRANSPORT  # --max-concurrent: exactly the in-flight clients
 # one address holds every slot: fair admission (which would refuse it at 75 %) is not what this tests
-GATEWAY_ARGS = ("--heartbeat-timeout", "30", "--max-concurrent", str(LIMIT), "--fair-share-at", "0")
+GATEWAY_ARGS = ("--migration-limit", "0", "--heartbeat-timeout", "30", "--max-concurrent", str(LIMIT), "--fair-share-at", "0")
 ENGINE_ARGS = ("--engine", "synthetic", "--synthetic-tokens-per-s", "20")
 LONG = {"prompt": "x", "max_tokens": 1500, "ignore_eos": True}
 
@@ -128,7 +130,7 @@ def test_split_engine_killed_and_restarted_at_once_fails_every_client_and_recove
 def test_serve_engine_killed_and_restarted_by_the_supervisor_fails_every_client_and_recovers(
         ipc_dir: Path) -> None:
     port = free_port()
-    proc = spawn(["-m", "gateway.cli", "serve", *ENGINE_ARGS, *GATEWAY_ARGS, "--port", str(port),
+    proc = spawn(["-m", "tokenfan.cli", "serve", *ENGINE_ARGS, *GATEWAY_ARGS, "--port", str(port),
                   "--log-level", "warning", "--engine-address", f"ipc://{ipc_dir / 'restart-serve.sock'}"],
                  "serve-restart")
     url = f"http://127.0.0.1:{port}"

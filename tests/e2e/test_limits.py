@@ -48,7 +48,7 @@ def test_requests_fail_fast_with_503_when_no_engine_is_attached(ipc_dir) -> None
     from tests.procs import free_port, spawn
 
     port = free_port()
-    proc = spawn(["-m", "gateway.cli", "gateway", "--engine", f"ipc://{ipc_dir / 'nobody.sock'}", "--port",
+    proc = spawn(["-m", "tokenfan.cli", "gateway", "--engine", f"ipc://{ipc_dir / 'nobody.sock'}", "--port",
                   str(port), "--log-level", "warning"], "gateway-no-engine")
     url = f"http://127.0.0.1:{port}"
     try:

@@ -20,8 +20,8 @@ from tests.procs import free_port, spawn, wait_healthy
 @pytest.fixture()
 def serve(ipc_dir):  # type: ignore[no-untyped-def]
     port = free_port()
-    proc = spawn(["-m", "gateway.cli", "serve", "--engine", "synthetic", "--port", str(port),
-                  "--synthetic-tokens-per-s", "20", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "0.8",
+    proc = spawn(["-m", "tokenfan.cli", "serve", "--engine", "synthetic", "--port", str(port),
+                  "--synthetic-tokens-per-s", "20", "--migration-limit", "0", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "0.8",
                   "--engine-address", f"ipc://{ipc_dir / f'serve-{port}.sock'}"], "serve")
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, 30)

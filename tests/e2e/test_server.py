@@ -120,7 +120,7 @@ def test_gateway_exits_0_after_a_clean_sigterm_drain(synthetic_engine: str) -> N
 
 def test_serve_exits_0_after_a_clean_sigterm_drain(ipc_dir: Path) -> None:
     port = free_port()
-    proc = spawn(["-m", "gateway.cli", "serve", "--engine", "synthetic", "--host", "127.0.0.1", "--port", str(port),
+    proc = spawn(["-m", "tokenfan.cli", "serve", "--engine", "synthetic", "--host", "127.0.0.1", "--port", str(port),
                   "--engine-address", f"ipc://{ipc_dir / 'serve-exit.sock'}", "--shutdown-grace", "1",
                   "--log-level", "warning"], "serve-exit")
     wait_healthy(f"http://127.0.0.1:{port}", proc, 60.0)

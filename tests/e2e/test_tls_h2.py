@@ -27,7 +27,7 @@ def start_tls_gateway(engine_address: str, certs: Path, *args: str, command: str
                       name: str = "gateway-tls") -> tuple[Proc, str]:
     port = free_port()
     engine_args = ["--engine", engine_address] if command == "gateway" else []
-    proc = spawn(["-m", "gateway.cli", command, *engine_args, "--host", "127.0.0.1", "--port", str(port),
+    proc = spawn(["-m", "tokenfan.cli", command, *engine_args, "--host", "127.0.0.1", "--port", str(port),
                   "--ssl-certfile", str(certs / "cert.pem"), "--ssl-keyfile", str(certs / "key.pem"),
                   "--log-level", "warning", *args], name)
     url = f"https://localhost:{port}"
@@ -61,7 +61,7 @@ def make_certs(directory: Path) -> Path:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", "certs", str(directory)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "tokenfan.cli", "certs", str(directory)], capture_output=True,
                          text=True, check=True)
     assert "--ssl-certfile" in out.stdout
     return directory

@@ -21,7 +21,7 @@ REQUESTS = 24
 
 
 def _serve(port: int, name: str) -> Proc:
-    return spawn(["-m", "gateway.cli", "serve", "--engine", "synthetic", "--workers", "2", "--host", "127.0.0.1",
+    return spawn(["-m", "tokenfan.cli", "serve", "--engine", "synthetic", "--workers", "2", "--host", "127.0.0.1",
                   "--port", str(port), "--log-level", "warning"], name)
 
 
@@ -75,7 +75,7 @@ def test_a_worker_takes_no_connections_on_the_shared_port_until_its_engine_link_
     address = f"ipc://{ipc_dir / 'late-engine.sock'}"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = spawn(["-m", "gateway.cli", "gateway", "--engine-address", address, "--workers", "2", "--host",
+    proc = spawn(["-m", "tokenfan.cli", "gateway", "--engine-address", address, "--workers", "2", "--host",
                   "127.0.0.1", "--port", str(port), "--log-level", "warning"], "gateway-workers-late-engine")
     engine = None
     try:

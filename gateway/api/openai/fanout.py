@@ -28,7 +28,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from gateway.api.openai_api import parse_request
+from gateway.api.edge import gateway_of, read_body, refuse
+from gateway.api.generations import start_generation
+from gateway.api.openai.framing import FANOUT_SSE, FANOUT_WS
+from gateway.api.openai.request import parse_request
 from gateway.core import sse
 from gateway.core.conn import PEER_GONE, WsConn
 from gateway.core.delivery import (
@@ -36,15 +39,11 @@ from gateway.core.delivery import (
     read,
     release,
     resume_point,
-    start_generation,
     stop,
     until_disconnect,
 )
-from gateway.core.framing import FANOUT_SSE, FANOUT_WS
 from gateway.core.streams import Stream
 from gateway.errors import APIError
-from gateway.http.clients import refuse
-from gateway.http.edge import gateway_of, read_body
 from gateway.state import Gateway
 
 log = logging.getLogger(__name__)
@@ -98,7 +97,7 @@ async def stream_status(request: Request) -> Response:
 async def delete_stream(request: Request) -> Response:
     gw: Gateway = gateway_of(request)
     s = await find_stream(gw, request.path_params["id"])
-    deleted = await stop(gw, s)
+    deleted = await stop(gw.delivery, s)
     return JSONResponse({"id": s.id, "object": "tokenfan.stream", "state": s.state, "deleted": deleted})
 
 
@@ -129,7 +128,7 @@ async def stream_events(request: Request) -> Any:
     if stream.finished and after >= len(stream.events) - 1 and stream.state == "done":
         return Response(status_code=204)
     preamble = sse.comment("tokenfan stream " + stream.id) + b"retry: %d\n\n" % gw.config.sse_retry_ms
-    return _Subscriber(SseResponse(gw, stream, FANOUT_SSE, after, preamble=preamble), gw)
+    return _Subscriber(SseResponse(gw.delivery, stream, FANOUT_SSE, after, preamble=preamble), gw)
 
 
 class _Subscriber:
@@ -171,7 +170,7 @@ async def stream_ws(ws: WebSocket) -> None:
     gauge.inc()
     outcome = None
     try:
-        outcome = await until_disconnect(read(gw, stream, FANOUT_WS, after, conn), ws.receive)
+        outcome = await until_disconnect(read(gw.delivery, stream, FANOUT_WS, after, conn), ws.receive)
     except WebSocketDisconnect:
         pass
     finally:

@@ -1,11 +1,12 @@
-"""What a gateway that is one of several (``--broker`` replicas, ``--workers`` processes) uses of the others.
+"""The delivery core's ports: what it needs of a gateway that is one of several (``--broker`` replicas,
+``--workers`` processes). :mod:`gateway.scaleout` implements them; the core knows only these protocols.
 
 Two roles, one protocol each, so neither side carries methods it has no use for:
 
 - :class:`Publisher` (``--broker`` only): the owner of a listed stream writes it where other replicas can
   read it (Redis), and a stored response's transcript with it. Workers need none: a worker serves its own
   log to its peers over its private socket.
-- :class:`StreamBroker` (``--broker`` or ``--workers``): a stream or a transcript that another gateway
+- :class:`RemoteStreams` (``--broker`` or ``--workers``): a stream or a transcript that another gateway
   holds: a local mirror of the stream (:mod:`gateway.scaleout.mirror`), a cancel sent to its owner, the transcript.
 """
 
@@ -30,7 +31,7 @@ class Publisher(Protocol):
         """Keep a finished stored response's transcript for ``ttl`` s where every replica finds it."""
 
 
-class StreamBroker(Protocol):
+class RemoteStreams(Protocol):
     """The reader's side: streams and transcripts that another gateway holds."""
 
     async def close(self) -> None: ...

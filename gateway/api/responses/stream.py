@@ -6,7 +6,7 @@ deltas merge. The delivery core (:mod:`gateway.core.streams`, :mod:`gateway.core
   ``responses_sse``  ``event: <type>`` + ``data: {event}``    ``event: error`` (the Responses error event)
   ``responses_ws``   ``{event}`` (+ the lane's ``stream_id``)  the WebSocket error shape; the socket stays
 
-A text delta rendered from its item's :class:`gateway.api.responses_api.TextDeltaTemplate` is framed from
+A text delta rendered from its item's :class:`gateway.api.responses.api.TextDeltaTemplate` is framed from
 its bytes, never parsed into a dict (the same bytes as the dict's: tests/test_responses_template.py).
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import orjson
 
-from gateway.api.responses_api import TERMINAL_TYPES, TextDeltaTemplate
-from gateway.api.responses_ws import ws_error, ws_event, ws_text
+from gateway.api.responses.api import TERMINAL_TYPES, TextDeltaTemplate
+from gateway.api.responses.ws import ws_error, ws_event, ws_text
 from gateway.core import sse
 from gateway.core.framing import Ending, Framing, Transport
 from gateway.core.streams import Event, Stream

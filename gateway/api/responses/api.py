@@ -3,7 +3,7 @@
 - :func:`decode_create` reads a ``POST /v1/responses`` body (or a WebSocket ``response.create``
   object) into a typed :class:`CreateRequest`; :func:`build_request` turns it, plus the transcript of
   ``previous_response_id`` that the caller looked up, into a chat-completions submission (endpoint
-  ``chat.completions``, the chat body of :mod:`gateway.api.responses_chat`): the engine serves it as a chat
+  ``chat.completions``, the chat body of :mod:`gateway.api.responses.chat`): the engine serves it as a chat
   request, with vLLM's own tool and reasoning parsers and structured outputs when it runs them.
 - :class:`ResponseEvents` builds the events of one response, exactly as the official SDKs type
   them, numbered by contiguous ``sequence_number`` from 0 (the stream log's ``seq``): from text deltas
@@ -36,8 +36,8 @@ import msgspec
 import orjson
 
 from engine_worker import protocol as p
-from gateway.api import responses_chat as rc
-from gateway.api.openai_api import ParsedRequest, parse_request
+from gateway.api.openai.request import ParsedRequest, parse_request
+from gateway.api.responses import chat as rc
 from gateway.api.validation import (
     Limits,
     check_json_depth,
@@ -66,8 +66,8 @@ class CreateRequest(msgspec.Struct):
     """The body of ``POST /v1/responses`` (and of a WebSocket ``response.create``).
 
     Fields we support are typed; ``tools``, ``tool_choice``, ``reasoning`` and ``text`` are checked by
-    :mod:`gateway.api.responses_chat`; fields we refuse unless harmless (see :data:`REFUSED`) are ``Any`` so
-    their presence can be named in the error; vLLM's extension fields (:data:`gateway.api.responses_chat.FORWARDED`)
+    :mod:`gateway.api.responses.chat`; fields we refuse unless harmless (see :data:`REFUSED`) are ``Any`` so
+    their presence can be named in the error; vLLM's extension fields (:data:`gateway.api.responses.chat.FORWARDED`)
     are ``Any`` too, validated by the engine. Unknown fields are ignored."""
 
     model: str | None = None
@@ -389,7 +389,7 @@ class TextDeltaTemplate:
         return b"%b%b%b%d%b" % (self.prefix, orjson.dumps(text), self.middle, seq, self.suffix)
 
     def sse(self, text: str, seq: int) -> bytes:
-        """The event's SSE frame, as :class:`gateway.api.responses_stream.ResponsesSse` frames a dict event."""
+        """The event's SSE frame, as :class:`gateway.api.responses.stream.ResponsesSse` frames a dict event."""
         return b"%b%b%b%d%b\n\n" % (self.sse_prefix, orjson.dumps(text), self.middle, seq, self.suffix)
 
 

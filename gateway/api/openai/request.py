@@ -4,7 +4,7 @@ Request bytes pass :func:`gateway.api.validation.decode_json_object` first, the 
 point; callers that decoded an object themselves pass it to :func:`parse_request` as is (re-encoding it is
 what fails), and it is checked for depth. The field checks are :mod:`gateway.api.validation`'s, shared with
 the Responses API. The object is then classified: a *plain* body (messages or prompt and the common sampling fields,
-:func:`engine_worker.backends.vllm_openai.is_plain`) is converted into typed structs (msgspec; a type
+:func:`engine_worker.plain_path.is_plain`) is converted into typed structs (msgspec; a type
 error is a 400 naming the field) and served by tokenfan's own path, chunks built here. Any other body
 (tools, structured outputs, logprobs, ``n`` > 1 …) is forwarded as is: the engine validates and serves it
 with vLLM's own OpenAI layer, and the gateway only frames the chunks it returns. Every body also reaches
@@ -22,7 +22,7 @@ import msgspec
 import orjson
 
 from engine_worker import protocol as p
-from engine_worker.backends.vllm_openai import is_plain
+from engine_worker.plain_path import is_plain
 from gateway.api.validation import (
     Limits,
     check_json_depth,

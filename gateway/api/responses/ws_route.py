@@ -1,8 +1,8 @@
-"""Responses API WebSocket mode on ``/v1/responses`` (the protocol is in :mod:`gateway.api.responses_ws`).
+"""Responses API WebSocket mode on ``/v1/responses`` (the protocol is in :mod:`gateway.api.responses.ws`).
 
 Each ``response.create`` runs as a response stream of the delivery core, read by this socket through
-:class:`gateway.api.responses_stream.ResponsesWs`; lanes (``stream_id``) run concurrently, FIFO within a lane
-(:class:`gateway.api.responses_ws.Lanes`). A write blocked past ``--send-timeout`` cuts the socket with close
+:class:`gateway.api.responses.stream.ResponsesWs`; lanes (``stream_id``) run concurrently, FIFO within a lane
+(:class:`gateway.api.responses.ws.Lanes`). A write blocked past ``--send-timeout`` cuts the socket with close
 1013 and aborts every response on it, as on every other path; a client that leaves aborts its
 responses too (WebSocket-mode responses are never background).
 """
@@ -16,22 +16,22 @@ from typing import Any
 import orjson
 from starlette.websockets import WebSocket
 
-from gateway.api.responses_api import ResponseEvents, build_request, new_response_id
-from gateway.api.responses_chat import Message
-from gateway.api.responses_stream import ResponsesWs
-from gateway.api.responses_ws import (
-    Lanes,
+from gateway.api.edge import gateway_of
+from gateway.api.lanes import Lanes, WsClientError
+from gateway.api.responses.api import ResponseEvents, build_request, new_response_id
+from gateway.api.responses.chat import Message
+from gateway.api.responses.routes import history, start_response
+from gateway.api.responses.stream import ResponsesWs
+from gateway.api.responses.ws import (
     TranscriptCache,
-    WsClientError,
     WsCreate,
+    client_error_event,
     parse_client_message,
     ws_error,
 )
-from gateway.api.routes_responses import history, start_response
 from gateway.api.ws_session import WsSession
 from gateway.core.delivery import read, release
 from gateway.errors import APIError, EngineError, to_api_error
-from gateway.http.edge import gateway_of
 from gateway.state import Gateway
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class ResponsesSession(WsSession):
             create = parse_client_message(raw)
             started = self.lanes.submit(create.stream_id, create)
         except WsClientError as exc:
-            self.send_event(exc.event(), exc.error)
+            self.send_event(client_error_event(exc), exc.error)
             return
         self._start(started)
 
@@ -85,7 +85,7 @@ class ResponsesSession(WsSession):
                 self.cache.put(events.id, rr.transcript(None))
                 return
             stream, events = await start_response(gw, rr, self.ws.scope, lane=lane)
-            outcome = await read(gw, stream, ResponsesWs(lane, self.timing), -1, self.conn)
+            outcome = await read(gw.delivery, stream, ResponsesWs(lane, self.timing), -1, self.conn)
             cut = outcome.cut
             if cut:
                 await self.cut_now(outcome.ending.close_code, outcome.ending.reason)

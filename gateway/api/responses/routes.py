@@ -22,8 +22,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine_worker import protocol as p
-from gateway.api.fanout import find_stream
-from gateway.api.responses_api import (
+from gateway.api.edge import gateway_of, read_body
+from gateway.api.generations import start_generation
+from gateway.api.openai.fanout import find_stream
+from gateway.api.responses.api import (
     ResponseEvents,
     ResponsesRequest,
     build_request,
@@ -36,13 +38,12 @@ from gateway.api.responses_api import (
     response_from_events,
     response_not_found,
 )
-from gateway.api.responses_chat import Message, decode_transcript, encode_transcript, responses_param
-from gateway.api.responses_stream import RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesSse
-from gateway.core.delivery import SseResponse, resume_point, start_generation, stop
+from gateway.api.responses.chat import Message, decode_transcript, encode_transcript, responses_param
+from gateway.api.responses.stream import RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesSse
+from gateway.core.delivery import SseResponse, resume_point, stop
 from gateway.core.generation import ChunkEvent
 from gateway.core.streams import Stream, StreamHub
 from gateway.errors import APIError, EngineError
-from gateway.http.edge import gateway_of, read_body
 from gateway.state import Gateway
 
 ENDPOINT = "responses"
@@ -159,7 +160,7 @@ async def create_response(request: Request) -> Any:
     stream, events = await start_response(gw, rr, request.scope)
     gw.metrics.requests.labels("/v1/responses", "200").inc()
     if rr.stream:
-        return SseResponse(gw, stream, _sse_framing(request), -1, t0=t0)
+        return SseResponse(gw.delivery, stream, _sse_framing(request), -1, t0=t0)
     if rr.background:
         return JSONResponse(events.response())
     assert stream.task is not None
@@ -195,7 +196,7 @@ async def retrieve_response(request: Request) -> Any:
     if request.query_params.get("stream") in ("true", "1"):
         after = resume_point(request.query_params.get("starting_after") or request.headers.get("last-event-id"),
                              "starting_after")
-        return SseResponse(gw, s, _sse_framing(request), after)
+        return SseResponse(gw.delivery, s, _sse_framing(request), after)
     if not s.events:  # its pump has not run yet: the builder knows the response as created
         events = s.meta.get("events")
         if events is None:
@@ -210,13 +211,13 @@ async def cancel_response(request: Request) -> Response:
     if not s.detached:
         raise APIError(400, "Only background responses can be cancelled.", param="response_id",
                        code="invalid_value")
-    await stop(gw, s)
+    await stop(gw.delivery, s)
     return JSONResponse(response_from_events(e.payload for e in s.events))
 
 
 async def delete_response(request: Request) -> Response:
     gw: Gateway = gateway_of(request)
     s = await _find(gw, request.path_params["id"])
-    await stop(gw, s)
+    await stop(gw.delivery, s)
     gw.hub.drop(s.id)
     return JSONResponse({"id": s.id, "object": "response.deleted", "deleted": True})

@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import orjson
 from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from gateway.errors import APIError
 
 
 def gateway_of(holder: Request | WebSocket) -> Any:
-    """The :class:`gateway.http.app.Gateway` the lifespan put on the app."""
+    """The :class:`gateway.state.Gateway` the lifespan put on the app."""
     return holder.app.state.gateway
 
 
@@ -37,3 +39,16 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise APIError(408, f"The request body did not arrive within {timeout:g} s.",
                        code="request_timeout") from None
     return b"".join(chunks)
+
+
+async def refuse(scope: Scope, receive: Receive, send: Send, err: APIError) -> None:
+    """Answer a scope with ``err`` before the route runs: HTTP status + OpenAI body, or for a WebSocket an
+    accept, one error message (the ``/v1/ws`` and Responses shapes at once) and close 4000 + status
+    (a browser cannot read a refused handshake's status, but it can read this)."""
+    if scope["type"] == "http":
+        return await err.response()(scope, receive, send)
+    message: dict[str, Any] = {"type": "error", "id": None, "status": err.status, "error": err.body()["error"]}
+    await receive()  # websocket.connect
+    await send({"type": "websocket.accept"})
+    await send({"type": "websocket.send", "text": orjson.dumps(message).decode()})
+    await send({"type": "websocket.close", "code": 4000 + err.status, "reason": err.code or "refused"})

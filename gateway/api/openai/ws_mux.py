@@ -11,7 +11,7 @@ write to the one socket. A write blocked past ``--send-timeout`` cuts the whole 
 and aborts every generation on it.
 
 Per connection, ``--ws-max-in-flight`` requests generate at once and ``--ws-max-queued`` more wait their
-turn (FIFO; the Responses WebSocket mode's :class:`gateway.api.responses_ws.Lanes`, one lane per request id);
+turn (FIFO; the Responses WebSocket mode's :class:`gateway.api.responses.ws.Lanes`, one lane per request id);
 each request beyond gets its own ``error`` (429 ``connection_queue_limit``) and the socket stays open.
 A cancel of a waiting request answers ``done`` with ``"cancelled": true`` at once.
 """
@@ -29,13 +29,14 @@ from typing import Any, cast
 import orjson
 from starlette.websockets import WebSocket
 
-from gateway.api.openai_api import Endpoint, parse_request
-from gateway.api.responses_ws import Lanes, WsClientError
+from gateway.api.edge import gateway_of
+from gateway.api.generations import start_generation
+from gateway.api.lanes import Lanes, WsClientError
+from gateway.api.openai.framing import MuxWs, mux_cancelled
+from gateway.api.openai.request import Endpoint, parse_request
 from gateway.api.ws_session import WsSession
-from gateway.core.delivery import read, release, start_generation
-from gateway.core.framing import MuxWs, mux_cancelled
+from gateway.core.delivery import read, release
 from gateway.errors import APIError, EngineError, to_api_error
-from gateway.http.edge import gateway_of
 from gateway.state import Gateway
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ class Session(WsSession):
         try:
             parsed = parse_request(req.endpoint, {**req.body, "stream": True}, gw.config.limits)  # always chunks
             stream = await start_generation(gw, parsed, self.ws.scope, listed=False)
-            outcome = await read(gw, stream, framing, -1, self.conn)
+            outcome = await read(gw.delivery, stream, framing, -1, self.conn)
             cut = outcome.cut
             if cut:
                 await self.cut_now(outcome.ending.close_code, outcome.ending.reason)

@@ -6,7 +6,7 @@ arguments (:func:`add_arguments`), the values of a command line with environment
 (:func:`resolve`: the flag wins, then the environment, then the default), the config dataclasses
 (:func:`build`, and the defaults of their fields via :func:`declared`), the argv that reproduces a
 config (:func:`to_argv`, what ``tokenfan serve`` passes to its engine) and the reference table in
-docs/settings.md (``python -m engine_worker.settings --write docs/settings.md``).
+docs/settings.md (``python -m tokenfan.settings --write docs/settings.md``).
 
 ``--help`` shows the settings a user sets, in the groups of :data:`HELP_GROUPS`; every other one is
 *advanced*: it works the same (flag and environment), ``--help-all`` shows it, and docs/settings.md lists it.
@@ -285,6 +285,14 @@ SETTINGS: tuple[Setting, ...] = (
         field="broker.cancel_timeout"),
     _gw("broker_max_pending", INT, 65_536, "stream entries queued for the next Redis pipeline; beyond, the "
         "streams are repaired from the owner's log later", field="broker.max_pending"),
+    _gw("migration_limit", INT, 3, "continuations of one request on another engine when its engine is lost "
+        "(killed, restarted, unreachable): the client's stream goes on with the next token (docs/failures.md); "
+        "0: never, the request fails with engine_unavailable", field="migration.limit", minimum=0),
+    _gw("migration_wait", FLOAT, 60.0, "seconds a request whose engine was lost waits for a healthy engine to "
+        "continue on (one engine: its restart) before it fails", field="migration.wait"),
+    _gw("migration_max_tokens", INT, 0, "a lost request with more prompt + output tokens than this is not "
+        "continued (re-reading a long sequence costs a prefill); 0: no limit", field="migration.max_tokens",
+        minimum=0),
     # engine
     _en("backend", STR, "vllm", "engine backend", flag="--engine", env="TOKENFAN_ENGINE",
         aliases={"serve": ("--backend",), "engine": ("--backend",)}, choices=("vllm", "synthetic")),
@@ -551,7 +559,7 @@ def replace_table(text: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m engine_worker.settings",
+    ap = argparse.ArgumentParser(prog="python -m tokenfan.settings",
                                  description=f"Print or update the settings reference ({SETTINGS_DOC}).")
     ap.add_argument("--markdown", action="store_true", help="print the tables")
     ap.add_argument("--write", type=Path, metavar="PAGE", help=f"replace the tables in this page ({SETTINGS_DOC})")

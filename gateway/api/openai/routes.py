@@ -13,12 +13,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine_worker import protocol as p
-from gateway.api.openai_api import ChunkBuilder, Endpoint, dumps, parse_request
-from gateway.core.delivery import SseResponse, start_generation
-from gateway.core.framing import OPENAI_SSE
-from gateway.core.generation import chunk_events
+from gateway.api.edge import gateway_of, read_body
+from gateway.api.generations import open_request, start_generation
+from gateway.api.openai.framing import OPENAI_SSE
+from gateway.api.openai.render import chunk_events
+from gateway.api.openai.request import ChunkBuilder, Endpoint, dumps, parse_request
+from gateway.core.delivery import SseResponse
 from gateway.errors import APIError, EngineError, engine_unavailable, to_api_error
-from gateway.http.edge import gateway_of, read_body
 from gateway.state import Gateway
 
 
@@ -31,12 +32,12 @@ def completions_route(endpoint: Endpoint) -> Any:
         body = await read_body(request, gw.config.max_body_bytes)
         parsed = parse_request(endpoint, body, gw.config.limits)
         if not parsed.stream:
-            handle, builder = await gw.open(parsed, request.scope)
+            handle, builder = await open_request(gw, parsed, request.scope)
             gw.metrics.requests.labels(name, "200").inc()
             return await full_response(handle, builder)
         stream = await start_generation(gw, parsed, request.scope, listed=False)
         gw.metrics.requests.labels(name, "200").inc()
-        return SseResponse(gw, stream, OPENAI_SSE, -1, t0=t0)
+        return SseResponse(gw.delivery, stream, OPENAI_SSE, -1, t0=t0)
 
     return handler
 

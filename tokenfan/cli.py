@@ -9,8 +9,8 @@ import sys
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from engine_worker.settings import SettingError, add_arguments, default_runtime_dir, given, resolve
 from gateway.http.server import run_gateway
+from tokenfan.settings import SettingError, add_arguments, default_runtime_dir, given, resolve
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -24,7 +24,7 @@ def _logging(level: str) -> None:
 
 def cmd_serve(values: dict[str, Any], gconf: GatewayConfig) -> int:
     from engine_worker.config import engine_argv, engine_config
-    from gateway.supervisor import EngineSupervisor
+    from tokenfan.supervisor import EngineSupervisor
 
     econf = engine_config(values)
     address = econf.engine_address

@@ -1,0 +1,79 @@
+"""Starting a generation, for every API: admission, the engine's accept, then the delivery core's stream.
+
+An API turns its request into a :class:`~gateway.api.openai.request.ParsedRequest` (the engine's
+``Submit``) and a renderer of its payloads; :func:`open_request` admits and submits it and waits for the
+engine's accept; :func:`start_generation` then hands the accepted request and the API's renderer to the
+core (:func:`gateway.core.delivery.start`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from gateway.api.openai.render import chat_renderer
+from gateway.api.openai.request import ChunkBuilder, ParsedRequest, new_id
+from gateway.core import delivery
+from gateway.core.generation import Renderer
+from gateway.errors import APIError, EngineError
+
+if TYPE_CHECKING:
+    from gateway.core.engine_client import RequestHandle
+    from gateway.core.streams import Stream
+    from gateway.state import Gateway
+
+# (handle, builder) -> the renderer of one generation's payloads; the default gives OpenAI chunks.
+Source = Callable[["RequestHandle", ChunkBuilder], Renderer]
+
+
+async def open_request(gw: Gateway, parsed: ParsedRequest, scope: Any = None) -> tuple[RequestHandle, ChunkBuilder]:
+    """Admit, submit to the engine and wait until it accepted (prompt validated).
+
+    Raises APIError or EngineError. ``scope`` (of the HTTP request or WebSocket) supplies the API key
+    for per-key limits and the request id the engine logs as ``trace``; the generation id is recorded
+    for the access log."""
+    state = scope.setdefault("state", {}) if scope is not None else {}
+    key = state.get("api_key")
+    client = state.get("client") or "internal"  # set by gateway.http.clients.ClientLimitMiddleware
+    model = gw.check_model(parsed.model)
+    gw.admit(client, key)
+    rid = new_id(parsed.endpoint)
+    handle = gw.engine.submit(parsed.to_submit(rid, trace_id=state.get("request_id", rid)))
+    state["generation_id"] = rid
+    gw.clients.acquire("generations", client)
+    handle.on_close.append(lambda: gw.clients.release("generations", client))
+    try:
+        prompt_tokens = await handle.wait_accepted(gw.config.accept_timeout)
+        limit = gw.config.max_prompt_tokens
+        if limit and prompt_tokens > limit:
+            raise APIError(400, f"The prompt has {prompt_tokens} tokens; this server accepts at most {limit}.",
+                           param="messages" if parsed.endpoint == "chat.completions" else "prompt",
+                           code="prompt_too_long")
+    except EngineError as exc:
+        handle.close()
+        if exc.code == "engine_overloaded":
+            gw.metrics.refusals.labels(exc.code).inc()
+        raise
+    except BaseException:
+        handle.close()
+        raise
+    return handle, ChunkBuilder(parsed.endpoint, rid, model, parsed.include_usage)
+
+
+async def start_generation(
+    gw: Gateway, parsed: ParsedRequest, scope: Any, *, listed: bool, detached: bool | None = None,
+    source: Source = chat_renderer, stream_id: str | None = None, endpoint: str | None = None,
+) -> Stream:
+    """Admit, submit and wait for the engine's accept; then the stream exists and its pump runs.
+
+    ``listed``: findable by id and retained after it ends; ``detached`` (default: ``listed``): the
+    generation outlives its readers. Raises :class:`APIError` (admission, validation, broker) or
+    :class:`EngineError`."""
+    if listed:
+        try:
+            gw.hub.check_capacity()
+        except APIError as err:
+            raise gw.refused(err) from None
+    handle, builder = await open_request(gw, parsed, scope)
+    return await delivery.start(gw.delivery, handle, source(handle, builder), endpoint=endpoint or parsed.endpoint,
+                                model=builder.model, listed=listed, detached=detached, stream_id=stream_id)

@@ -1,0 +1,125 @@
+"""Frames of the chat and completions chunks on every path (pure: events in, bytes or text out).
+
+  framing            event                                   normal end            failure / cancel
+  ``openai_sse``     ``data: {chunk}``                        ``data: [DONE]``      ``event: error``
+  ``fanout_sse``     ``id: seq`` + ``data: {chunk+tokenfan}``  ``data: [DONE]``      ``event: error`` / ``event: end``
+  ``fanout_ws``      ``{"type":"chunk","seq","data"}``        ``{"type":"done"}``   ``{"type":"error"}``, close 1011
+  ``mux_ws``         ``{"type":"chunk","id","data"}``         ``{"type":"done","id"}``  ``{"type":"error","id"}``
+
+A lagging reader gets content chunks merged by :data:`gateway.api.openai.render.CHUNK_MERGE`.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from gateway.api.openai.render import CHUNK_MERGE
+from gateway.core import sse
+from gateway.core.framing import Ending, Framing, Transport
+from gateway.core.streams import Event, MergeRules, Stream
+
+END_CANCELLED = sse.event(b'{"reason":"cancelled"}', event="end") + sse.DONE
+
+
+class OpenAISse(Framing):
+    """POST ``stream: true`` on the chat and completions endpoints."""
+
+    name = "openai_sse"
+    merge: MergeRules | None = CHUNK_MERGE
+
+    def build(self, ev: Event) -> bytes:
+        return b"data: " + ev.json + b"\n\n"
+
+    def frame_bytes(self, ev: Event) -> bytes:
+        return self.frame(ev)  # type: ignore[return-value]  # build() gives bytes: no str to encode
+
+    def ending(self, stream: Stream) -> Ending:
+        if stream.state == "error" and stream.error is not None:
+            return Ending(sse.event(stream.error.to_bytes(), event="error"))
+        if stream.state == "cancelled":
+            return Ending(END_CANCELLED)
+        return Ending(sse.DONE)
+
+
+class FanoutSse(OpenAISse):
+    """``GET /v1/streams/{id}/events``: numbered events for ``Last-Event-ID`` resume."""
+
+    name = "fanout_sse"
+    resumable = True
+
+    def build(self, ev: Event) -> bytes:
+        return _fanout_frames(ev)[0]
+
+
+def _fanout_frames(ev: Event) -> tuple[bytes, bytes]:
+    """Both fan-out frames from one serialization (readers of both transports are the common case); the
+    WebSocket one is kept as UTF-8 bytes, what the direct write sends, and decoded only for the slow path."""
+    payload = ev.json  # a JSON object: the timing object is spliced in before its closing brace
+    data = payload[:-1] + b',"tokenfan":' + orjson.dumps(ev.timing) + b"}" if len(payload) > 2 \
+        else orjson.dumps(ev.chunk)
+    sse_frame = ev.frames[FanoutSse.name] = b"id: %d\ndata: %b\n\n" % (ev.seq, data)
+    ws_frame = ev.frames[FanoutWs.name] = b'{"type":"chunk","seq":%d,"data":%b}' % (ev.seq, data)
+    return sse_frame, ws_frame
+
+
+class FanoutWs(Framing):
+    """``/v1/streams/{id}/ws``."""
+
+    name = "fanout_ws"
+    transport: Transport = "ws"
+    merge: MergeRules | None = CHUNK_MERGE
+    resumable = True
+
+    def build(self, ev: Event) -> bytes:
+        return _fanout_frames(ev)[1]
+
+    def frame_bytes(self, ev: Event) -> bytes:
+        cached = ev.frames.get(self.name)
+        return cached if cached is not None else _fanout_frames(ev)[1]
+
+    def frame(self, ev: Event) -> str:
+        return self.frame_bytes(ev).decode()
+
+    def ending(self, stream: Stream) -> Ending:
+        if stream.state == "cancelled":
+            return Ending('{"type":"done","reason":"cancelled"}', 1000, "cancelled")
+        if stream.state == "error" and stream.error is not None:
+            return Ending(orjson.dumps({"type": "error", "error": stream.error.body()["error"]}).decode(),
+                          1011, "generation failed")
+        return Ending('{"type":"done"}', 1000, "done")
+
+
+class MuxWs(Framing):
+    """One request of the ``/v1/ws`` multiplexer, tagged by the client's ``id``."""
+
+    transport: Transport = "ws"
+    merge: MergeRules | None = CHUNK_MERGE
+
+    def __init__(self, cid: str) -> None:
+        self.name = "mux_ws:" + cid  # frames differ per request id
+        self.cid = cid
+        self._id_bytes = orjson.dumps(cid)
+
+    def frame(self, ev: Event) -> str:  # per-request (the id differs): not cached
+        return self.frame_bytes(ev).decode()
+
+    def frame_bytes(self, ev: Event) -> bytes:
+        return b'{"type":"chunk","id":%b,"data":%b}' % (self._id_bytes, ev.json)
+
+    def ending(self, stream: Stream) -> Ending:
+        if stream.state == "error" and stream.error is not None:
+            return Ending(orjson.dumps({"type": "error", "id": self.cid, "error": stream.error.body()["error"]}).decode(),
+                          last=False)
+        if stream.state == "cancelled":
+            return Ending(mux_cancelled(self.cid), last=False)
+        return Ending(orjson.dumps({"type": "done", "id": self.cid}).decode(), last=False)
+
+
+def mux_cancelled(cid: str) -> str:
+    """``/v1/ws``'s final message of a cancelled request."""
+    return orjson.dumps({"type": "done", "id": cid, "cancelled": True}).decode()
+
+
+OPENAI_SSE = OpenAISse()
+FANOUT_SSE = FanoutSse()
+FANOUT_WS = FanoutWs()

@@ -1,0 +1,73 @@
+"""The ``--workers`` internal routes, served only on a worker's private Unix socket: its streams' logs
+(:class:`gateway.scaleout.workers.PeerFraming`), cancels, transcripts, metrics and readiness, for its peers
+(:mod:`gateway.scaleout.peers`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.api.edge import gateway_of
+from gateway.api.responses.chat import encode_transcript
+from gateway.api.responses.routes import retained_transcript
+from gateway.core import sse
+from gateway.core.delivery import SseResponse, cancel, resume_point
+from gateway.errors import APIError
+from gateway.http.service import refresh_metrics
+from gateway.scaleout import broker_codec as codec
+from gateway.scaleout.workers import PEER, worker_index
+from gateway.state import Gateway
+
+
+def _over_unix_socket(request: Request) -> bool:
+    server = request.scope.get("server")
+    return isinstance(server, tuple | list) and len(server) == 2 and server[1] is None
+
+
+async def internal_stream(request: Request) -> Any:
+    if not _over_unix_socket(request):
+        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+    gw: Gateway = gateway_of(request)
+    stream = gw.hub.get(request.path_params["id"])  # 404 / 410
+    if stream.mirrored:
+        raise APIError(404, "not the owner", code="stream_not_found")
+    after = resume_point(request.query_params.get("after"), "after")
+    header = codec.encode_header(stream.endpoint, stream.model, str(worker_index()), detached=stream.detached,
+                                 held=len(stream.events) + stream.finished)
+    return SseResponse(gw.delivery, stream, PEER, after, preamble=sse.event(codec.pack(header)))
+
+
+async def internal_cancel(request: Request) -> Response:
+    if not _over_unix_socket(request):
+        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+    gw: Gateway = gateway_of(request)
+    s = gw.hub.streams.get(request.path_params["id"])
+    return JSONResponse({"cancelled": bool(s is not None and not s.mirrored and cancel(s))})
+
+
+async def internal_transcript(request: Request) -> Response:
+    """A retained response's transcript (msgpack), for a peer resolving ``previous_response_id``."""
+    if not _over_unix_socket(request):
+        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+    transcript = retained_transcript(gateway_of(request).hub, request.path_params["id"])
+    if transcript is None:
+        return Response(status_code=404)
+    return Response(encode_transcript(transcript), media_type="application/msgpack")
+
+
+async def internal_metrics(request: Request) -> Response:
+    if not _over_unix_socket(request):
+        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+    gw: Gateway = gateway_of(request)
+    refresh_metrics(gw)
+    return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
+
+
+async def internal_ready(request: Request) -> Response:
+    """Whether this worker listens on the shared port and whether its engine link is up (for peers' /health)."""
+    if not _over_unix_socket(request):
+        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+    gw: Gateway = gateway_of(request)
+    return JSONResponse({"listening": gw.listening, "ready": gw.engine.healthy})

@@ -1,0 +1,357 @@
+"""An engine that dies costs no client its answer: kill -9 an engine mid-stream and every generation it ran
+continues on a healthy (or restarted) engine from the tokens already delivered (docs/failures.md).
+
+Real processes: synthetic engines (deterministic per seed: a continuation is exact), a gateway, clients on
+every path: POST SSE chat and completions, non-streamed chat and completions, ``/v1/ws``, a ``/v1/streams``
+stream with an SSE and a WebSocket subscriber and one that resumes by ``Last-Event-ID`` after the kill, the
+Responses API over SSE, WebSocket mode and in the background. Each answer must equal an uninterrupted
+control run's (text, finish reason, usage), with no error event and nothing repeated (fan-out ``seq``
+continuous). The vLLM variant (two real engines on the tiny model) is in test_vllm.py's module group, below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+
+from tests.e2e.helpers import metric, sse_events, wait_until
+from tests.procs import (
+    NO_CLIENT_LIMITS,
+    Proc,
+    free_port,
+    spawn,
+    start_engine,
+    start_gateway,
+    stop_all,
+    wait_healthy,
+)
+
+ENGINE_ARGS = ("--engine", "synthetic", "--synthetic-tokens-per-s", "25", "--synthetic-ttft-ms", "5")
+TOKENS = 50  # 2 s per answer: the kill lands mid-stream
+# The drop is seen on the socket at once; a 30 s heartbeat timeout makes sure that is what this tests.
+GATEWAY_ARGS = ("--heartbeat-timeout", "30", *NO_CLIENT_LIMITS)
+
+
+@dataclass
+class Answer:
+    text: str = ""
+    finish: str | None = None
+    usage: dict[str, int] | None = None
+    errors: list[Any] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+
+
+def chat_body(i: int, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": f"tell me about river {i}"}], "max_tokens": TOKENS,
+            "seed": i, **extra}
+
+
+def completions_body(i: int, **extra: Any) -> dict[str, Any]:
+    return {"prompt": f"river {i}", "max_tokens": TOKENS, "seed": i, **extra}
+
+
+def responses_body(i: int, **extra: Any) -> dict[str, Any]:
+    return {"input": f"tell me about river {i}", "max_output_tokens": TOKENS,
+            "metadata": {"case": str(i)}, **extra}
+
+
+def usage_of(u: dict[str, Any] | None) -> dict[str, int] | None:
+    if u is None:
+        return None
+    if "input_tokens" in u:  # a Responses usage
+        return {"prompt_tokens": u["input_tokens"], "completion_tokens": u["output_tokens"]}
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"]}
+
+
+def chunk_delta(chunk: dict[str, Any]) -> tuple[str, str | None]:
+    choice = chunk["choices"][0] if chunk.get("choices") else {}
+    text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
+    return text or "", choice.get("finish_reason")
+
+
+def fold_chunks(answer: Answer, chunk: dict[str, Any]) -> None:
+    text, finish = chunk_delta(chunk)
+    answer.text += text
+    answer.finish = finish or answer.finish
+    if chunk.get("usage"):
+        answer.usage = usage_of(chunk["usage"])
+
+
+def fold_responses(answer: Answer, ev: dict[str, Any]) -> bool:
+    """One Responses event into ``answer``; True at the end."""
+    if ev["type"] == "response.output_text.delta":
+        answer.text += ev["delta"]
+    elif ev["type"] in ("response.completed", "response.incomplete"):
+        answer.finish = ev["response"]["status"]
+        answer.usage = usage_of(ev["response"]["usage"])
+        return True
+    elif ev["type"] in ("error", "response.failed"):
+        answer.errors.append(ev)
+        return True
+    return False
+
+
+class Run:
+    """The clients of one scenario; each releases ``started`` once it has read a few tokens."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.ws = url.replace("http", "ws")
+        self.started = asyncio.Semaphore(0)
+        self.killed = asyncio.Event()
+        self.answers: dict[str, Answer] = {}
+
+    async def sse(self, c: httpx.AsyncClient, name: str, path: str, body: dict[str, Any],
+                  headers: dict[str, str] | None = None, method: str = "POST") -> Answer:
+        answer = self.answers.setdefault(name, Answer())
+        seen = 0
+        async with c.stream(method, self.url + path, json=body if method == "POST" else None,
+                            headers=headers) as r:
+            assert r.status_code == 200, await r.aread()
+            buf = ""
+            async for text in r.aiter_text():
+                buf += text
+                *whole, buf = buf.split("\n\n")
+                for ev in sse_events("\n\n".join(whole) + "\n\n") if whole else []:
+                    if ev.get("event") == "error":
+                        answer.errors.append(ev["data"])
+                        continue
+                    if ev.get("data") in (None, "[DONE]"):
+                        continue
+                    if "id" in ev:
+                        answer.seqs.append(int(ev["id"]))
+                    data = json.loads(ev["data"])
+                    if path.startswith("/v1/responses"):
+                        fold_responses(answer, data)
+                    else:
+                        fold_chunks(answer, data)
+                    seen += 1
+                    if seen == 3:
+                        self.started.release()
+        return answer
+
+    async def full(self, c: httpx.AsyncClient, name: str, path: str, body: dict[str, Any]) -> Answer:
+        self.started.release()  # nothing to read until the end: it is in flight once sent
+        r = await c.post(self.url + path, json=body)
+        assert r.status_code == 200, r.text
+        obj = r.json()
+        choice = obj["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        answer = self.answers[name] = Answer(text, choice["finish_reason"], usage_of(obj["usage"]))
+        return answer
+
+    async def mux(self, name: str, endpoint: str, body: dict[str, Any]) -> Answer:
+        answer = self.answers.setdefault(name, Answer())
+        async with websockets.connect(self.ws + "/v1/ws") as sock:
+            await sock.send(json.dumps({"type": "request", "id": name, "endpoint": endpoint, "body": body}))
+            seen = 0
+            while True:
+                msg = json.loads(await sock.recv())
+                if msg["type"] == "chunk":
+                    fold_chunks(answer, msg["data"])
+                    seen += 1
+                    if seen == 3:
+                        self.started.release()
+                elif msg["type"] == "done":
+                    return answer
+                else:
+                    answer.errors.append(msg)
+                    return answer
+
+    async def fanout(self, c: httpx.AsyncClient, name: str, body: dict[str, Any]) -> None:
+        r = await c.post(self.url + "/v1/streams", json=body)
+        assert r.status_code == 201, r.text
+        created = r.json()
+        ws_answer = self.answers.setdefault(name + "/ws", Answer())
+
+        async def ws_reader() -> None:
+            async with websockets.connect(created["ws_url"]) as sock:
+                while True:
+                    msg = json.loads(await sock.recv())
+                    if msg["type"] == "chunk":
+                        ws_answer.seqs.append(msg["seq"])
+                        fold_chunks(ws_answer, msg["data"])
+                    elif msg["type"] == "done":
+                        return
+                    else:
+                        ws_answer.errors.append(msg)
+                        return
+
+        async def resumer() -> None:
+            """Reads 4 events, leaves, and comes back after the kill with Last-Event-ID."""
+            first = self.answers.setdefault(name + "/resumed", Answer())
+            async with c.stream("GET", created["events_url"]) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("id: "):
+                        first.seqs.append(int(line[4:]))
+                    elif line.startswith("data: {"):
+                        fold_chunks(first, json.loads(line[6:]))
+                        if len(first.seqs) == 4:
+                            break
+            self.started.release()
+            await self.killed.wait()
+            await self.sse(c, name + "/resumed", f"/v1/streams/{created['id']}/events", {}, method="GET",
+                           headers={"Last-Event-ID": str(first.seqs[-1])})
+
+        await asyncio.gather(self.sse(c, name + "/sse", f"/v1/streams/{created['id']}/events", {}, method="GET"),
+                             ws_reader(), resumer())
+
+    async def responses_ws(self, name: str, body: dict[str, Any]) -> Answer:
+        answer = self.answers.setdefault(name, Answer())
+        async with websockets.connect(self.ws + "/v1/responses") as sock:
+            await sock.send(json.dumps({"type": "response.create", **body}))
+            seen = 0
+            while True:
+                ev = json.loads(await sock.recv())
+                if ev["type"] == "response.output_text.delta":
+                    seen += 1
+                    if seen == 3:
+                        self.started.release()
+                if fold_responses(answer, ev):
+                    return answer
+
+    async def background(self, c: httpx.AsyncClient, name: str, body: dict[str, Any]) -> Answer:
+        r = await c.post(self.url + "/v1/responses", json={**body, "background": True, "store": True})
+        assert r.status_code == 200, r.text
+        rid = r.json()["id"]
+        return await self.sse(c, name, f"/v1/responses/{rid}?stream=true", {}, method="GET")
+
+
+async def every_path(url: str, kill: Any) -> dict[str, Answer]:
+    """Every path's clients, the kill once each has tokens, their answers."""
+    run = Run(url)
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as c:
+        jobs = [
+            run.sse(c, "chat-sse", "/v1/chat/completions",
+                    chat_body(1, stream=True, stream_options={"include_usage": True})),
+            run.sse(c, "completions-sse", "/v1/completions",
+                    completions_body(2, stream=True, stream_options={"include_usage": True})),
+            run.sse(c, "chat-sse-2", "/v1/chat/completions", chat_body(3, stream=True)),
+            run.full(c, "chat-full", "/v1/chat/completions", chat_body(4)),
+            run.full(c, "completions-full", "/v1/completions", completions_body(5)),
+            run.mux("ws-chat", "chat.completions", chat_body(6, stream_options={"include_usage": True})),
+            run.mux("ws-completions", "completions", completions_body(7)),
+            run.fanout(c, "fanout", chat_body(8)),
+            run.sse(c, "responses-sse", "/v1/responses", responses_body(9, stream=True)),
+            run.responses_ws("responses-ws", responses_body(10)),
+            run.background(c, "responses-bg", responses_body(11)),
+        ]
+        clients = asyncio.gather(*jobs)
+        for _ in range(len(jobs) + 1):  # the fan-out stream's resuming reader too
+            await asyncio.wait_for(run.started.acquire(), 60)
+        kill()
+        run.killed.set()
+        await asyncio.wait_for(clients, 90)
+    return run.answers
+
+
+def control(url: str) -> dict[str, Answer]:
+    """The same requests, uninterrupted, read whole."""
+    def post(path: str, body: dict[str, Any]) -> Answer:
+        obj = httpx.post(url + path, json=body, timeout=60).json()
+        if path == "/v1/responses":
+            text = "".join(part["text"] for item in obj["output"] for part in item.get("content", []))
+            return Answer(text, obj["status"], usage_of(obj["usage"]))
+        choice = obj["choices"][0]
+        return Answer(choice["message"]["content"] if "message" in choice else choice["text"],
+                      choice["finish_reason"], usage_of(obj["usage"]))
+
+    chat = {name: post("/v1/chat/completions", chat_body(i)) for name, i in (
+        ("chat-sse", 1), ("chat-sse-2", 3), ("chat-full", 4), ("ws-chat", 6), ("fanout", 8))}
+    completions = {name: post("/v1/completions", completions_body(i)) for name, i in (
+        ("completions-sse", 2), ("completions-full", 5), ("ws-completions", 7))}
+    responses = {name: post("/v1/responses", responses_body(i)) for name, i in (
+        ("responses-sse", 9), ("responses-ws", 10), ("responses-bg", 11))}
+    return {**chat, **completions, **responses}
+
+
+def check(answers: dict[str, Answer], expected: dict[str, Answer]) -> None:
+    for name, got in answers.items():
+        base = name.split("/")[0]
+        want = expected[base]
+        assert not got.errors, (name, got.errors)
+        assert got.text == want.text, (name, got.text, want.text)
+        assert got.finish == want.finish, (name, got.finish, want.finish)
+        if got.usage is not None:  # every reader that asked for usage got the whole answer's
+            assert got.usage == want.usage, (name, got.usage, want.usage)
+        if got.seqs:  # numbered events: each once, in order
+            assert got.seqs == list(range(got.seqs[0], got.seqs[0] + len(got.seqs))), (name, got.seqs)
+    resumed = answers["fanout/resumed"]
+    assert resumed.seqs[0] == 0 and len(resumed.seqs) > 4  # its first visit and its resume, joined
+    for name in ("chat-sse", "completions-sse", "ws-chat", "responses-sse", "responses-ws", "responses-bg"):
+        assert answers[name].usage is not None, name
+
+
+def test_two_engines_one_killed_mid_stream_every_client_gets_the_uninterrupted_answer(ipc_dir: Path) -> None:
+    addresses = [f"ipc://{ipc_dir / f'migrate-{k}.sock'}" for k in "ab"]
+    engines = [start_engine(a, *ENGINE_ARGS, name=f"engine-migrate-{k}") for a, k in zip(addresses, "ab")]
+    gateway: Proc | None = None
+    try:
+        gateway, url = start_gateway(",".join(addresses), *GATEWAY_ARGS, name="gateway-migrate")
+        wait_until(lambda: all(e["healthy"] for e in httpx.get(url + "/health").json()["engines"]), timeout=20,
+                   what="both engines")
+        answers = asyncio.run(every_path(url, lambda: os.kill(engines[0].popen.pid, signal.SIGKILL)))
+        check(answers, control(url))
+        continued = metric(url, "tokenfan_migrations_total", {"outcome": "continued"})
+        assert continued >= 3, gateway.log()[-3000:]  # about half the generations ran on the killed engine
+        for outcome in ("refused", "timeout", "failed"):
+            assert metric(url, "tokenfan_migrations_total", {"outcome": outcome}) == 0
+        assert metric(url, "tokenfan_migration_gap_seconds_count") == continued
+        assert "continued on engine" in gateway.log()
+    finally:
+        stop_all([p for p in (gateway, *engines) if p is not None])
+
+
+def test_serve_engine_killed_mid_stream_every_client_continues_after_the_restart(ipc_dir: Path) -> None:
+    port = free_port()
+    proc = spawn(["-m", "tokenfan.cli", "serve", *ENGINE_ARGS, *GATEWAY_ARGS, "--port", str(port),
+                  "--log-level", "warning", "--engine-address", f"ipc://{ipc_dir / 'migrate-serve.sock'}"],
+                 "serve-migrate")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, 30)
+
+        def kill() -> None:
+            children = Path(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children").read_text().split()
+            os.kill(int(children[0]), signal.SIGKILL)
+
+        answers = asyncio.run(every_path(url, kill))
+        check(answers, control(url))
+        total = sum(metric(url, "tokenfan_migrations_total", {"outcome": o})
+                    for o in ("continued", "refused", "timeout", "failed"))
+        assert metric(url, "tokenfan_migrations_total", {"outcome": "continued"}) == total >= 11
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("limit", ["0"])
+def test_with_migration_off_the_clients_are_told(ipc_dir: Path, limit: str) -> None:
+    """``--migration-limit 0``: today's explicit ``engine_unavailable``, on a POST SSE stream."""
+    address = f"ipc://{ipc_dir / 'migrate-off.sock'}"
+    engine = start_engine(address, *ENGINE_ARGS, name="engine-migrate-off")
+    gateway: Proc | None = None
+    try:
+        gateway, url = start_gateway(address, *GATEWAY_ARGS, "--migration-limit", limit, name="gateway-migrate-off")
+
+        async def one() -> list[str]:
+            run = Run(url)
+            async with httpx.AsyncClient(timeout=30) as c:
+                job = asyncio.ensure_future(run.sse(c, "x", "/v1/completions", completions_body(1, stream=True)))
+                await asyncio.wait_for(run.started.acquire(), 30)
+                os.kill(engine.popen.pid, signal.SIGKILL)
+                answer = await asyncio.wait_for(job, 30)
+            return [json.loads(e)["error"]["code"] for e in answer.errors]
+
+        assert asyncio.run(one()) == ["engine_unavailable"]
+        assert metric(url, "tokenfan_migrations_total", {"outcome": "refused"}) == 1
+    finally:
+        stop_all([p for p in (gateway, engine) if p is not None])

@@ -13,9 +13,8 @@ import importlib.util
 import re
 from pathlib import Path
 
-from tokenfan import settings
-from tokenfan import cli
 from tests.procs import ROOT
+from tokenfan import cli, settings
 from tokenfan_bench import clientcost, matrix
 
 README = ROOT / "README.md"

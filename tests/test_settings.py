@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from engine_worker.config import EngineConfig, engine_argv, engine_config
-from tokenfan import cli
 from gateway.config import GatewayConfig, gateway_config
 from tests.procs import ROOT
+from tokenfan import cli
 from tokenfan.settings import (
     ADVANCED,
     BOOL,

@@ -44,6 +44,7 @@ class Prepared:
     payload: object = None  # backend-specific (token ids, prompt text...)
     openai: bool = False  # served by vLLM's OpenAI layer: steps carry whole chunks (``Step.chunk``)
     held: str = ""  # a continuation: text of the resumed tokens the client does not have yet (sent first)
+    echo: str = ""  # a continuation: text its detokenizer repeats once (see VllmBackend._continuation)
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,8 +87,10 @@ class _Join:
     by a new token) ends the request where an uninterrupted run would have, found by vLLM's own
     ``check_stop_strings``. Past the longest stop string it only passes steps on."""
 
-    def __init__(self, sink: StepSink, held: str, stops: list[str], done: asyncio.Future[None]) -> None:
+    def __init__(self, sink: StepSink, held: str, stops: list[str], done: asyncio.Future[None],
+                 echo: str = "") -> None:
         self.sink = sink
+        self.echo = echo  # text the primed detokenizer may repeat before its first new text
         self.pending = held  # not sent yet
         self.joined = held  # held text + the new text so far, while the join is in reach
         self.new = 0  # new characters so far
@@ -101,6 +103,9 @@ class _Join:
                  chunk: bytes = b"", token_ids: Sequence[int] = ()) -> None:
         if self.stopped:
             return
+        if self.echo and text:
+            text = text.removeprefix(self.echo)
+            self.echo = ""
         out, self.pending = self.pending + text, ""
         if self.stops and self.new < self.reach:
             from vllm.v1.engine.detokenizer import check_stop_strings
@@ -276,8 +281,15 @@ class VllmBackend:
         decoded = self._tokenizer.decode(resume, skip_special_tokens=True)
         # An unfinished character (trailing U+FFFD) is not held: the detokenizer emits it when it completes.
         held = decoded.rstrip("\ufffd")[submit.resume_chars:]
+        echo = ""
+        if decoded.endswith("\ufffd"):
+            # tokenizers' DecodeStream primed with a prompt that ends inside a character (0.23: vLLM primes it
+            # with the whole prompt) returns the whole text from the prompt's start with the first complete
+            # character: that prefix is cut off again (_Join).
+            echo = self._tokenizer.decode(ids + list(resume), skip_special_tokens=True).rstrip("\ufffd")
         params = self.sampling_params(msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume)))
-        return Prepared(submit=submit, prompt_tokens=len(ids), payload=(ids + list(resume), params), held=held)
+        return Prepared(submit=submit, prompt_tokens=len(ids), payload=(ids + list(resume), params),
+                        held=held, echo=echo)
 
     def sampling_params(self, sampling: Sampling) -> SamplingParams:
         """vLLM sampling parameters (streamed as deltas); raises :class:`RequestRejected` if invalid."""
@@ -335,7 +347,7 @@ class VllmBackend:
                 outputs.ready.set()
             done = asyncio.get_running_loop().create_future()
             if prepared.submit.resume:
-                sink = _Join(sink, prepared.held, list(params.stop or ()), done)
+                sink = _Join(sink, prepared.held, list(params.stop or ()), done, prepared.echo)
             live = _Live(collector, sink, done)
             outputs.live[rid] = live
             try:

@@ -1,0 +1,163 @@
+"""Migration on vLLM (the tiny random-weight Llama): a continuation decodes exactly what an uninterrupted
+stream decodes, and two real engines behind one gateway lose no answer when one is killed.
+
+- The join, at the engine protocol: a control request's deltas (text and token ids) are recorded over a raw
+  ZeroMQ socket; then, from every delta boundary, a continuation (``Submit.resume``) must produce exactly the
+  rest: text, finish reason and usage. Random weights write byte-fallback tokens, so characters split across
+  tokens occur; a stop string makes vLLM hold text back (the continuation sends it first), and a stop string
+  that completes across the join must end the answer where the control run's did.
+- Two engines (the session's and a private one) behind one gateway; the private one is killed with SIGKILL
+  mid-stream; every client's answer equals the control run's on the session's gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from engine_worker import protocol as p
+from tests.e2e.helpers import metric, wait_until
+from tests.e2e.test_migration import GATEWAY_ARGS, Answer, Run
+from tests.procs import Proc, start_engine, start_gateway, stop_all
+
+pytestmark = pytest.mark.vllm
+
+
+async def run_submits(address: str, submits: list[p.Submit]) -> dict[str, list[p.Delta]]:
+    """Send the submits on one DEALER; every request's deltas until its last (errors fail the test)."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    out: dict[str, list[p.Delta]] = {s.request_id: [] for s in submits}
+    open_ = set(out)
+    try:
+        for s in submits:
+            await sock.send_multipart(p.encode(s))
+        while open_:
+            msg = p.decode(await asyncio.wait_for(sock.recv_multipart(), 60))
+            if isinstance(msg, p.Error):
+                raise AssertionError(f"{msg.request_id}: {msg.code} {msg.message}")
+            if isinstance(msg, p.DeltaBatch):
+                for d in msg.deltas:
+                    out[d.request_id].append(d)
+                    if d.finish_reason is not None:
+                        open_.discard(d.request_id)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    return out
+
+
+def submit(rid: str, stop: list[str], messages: bool) -> p.Submit:
+    sampling = p.Sampling(max_tokens=48, temperature=0.0, stop=stop)
+    if messages:
+        return p.Submit(request_id=rid, endpoint="chat.completions", sampling=sampling,
+                        messages=[p.ChatMessage("user", "Write about rivers, é ü 字 🌊.")])
+    return p.Submit(request_id=rid, endpoint="completions", sampling=sampling, prompt="Rivers 字 🌊 run to")
+
+
+def test_a_continuation_from_any_delta_decodes_exactly_the_rest(vllm_engine: tuple[str, Proc]) -> None:
+    address, _ = vllm_engine
+    cases: list[tuple[bool, list[str]]] = [(False, []), (True, [])]
+    base = asyncio.run(run_submits(address, [submit(f"base{k}", stop, m) for k, (m, stop) in enumerate(cases)]))
+    # A stop string from the middle of each answer: the control stops there, text is held back before it.
+    for k, (messages, _) in enumerate(list(cases)):
+        text = "".join(d.text for d in base[f"base{k}"])
+        if len(text) > 12:
+            cases.append((messages, [text[len(text) // 2:len(text) // 2 + 3]]))
+    controls = asyncio.run(run_submits(address, [submit(f"c{k}", stop, m) for k, (m, stop) in enumerate(cases)]))
+    continuations: list[p.Submit] = []
+    expected: dict[str, tuple[str, str | None, p.Usage | None]] = {}
+    split_chars = 0
+    for k, (messages, stop) in enumerate(cases):
+        deltas = controls[f"c{k}"]
+        whole = "".join(d.text for d in deltas)
+        ids: list[int] = []
+        text = ""
+        for d in deltas[:-1]:  # from after each delta but the last
+            ids += d.token_ids
+            text += d.text
+            split_chars += d.token_count > 0 and not d.text  # a token whose character is not complete yet
+            rid = f"k{k}-{len(ids)}-{uuid.uuid4().hex[:6]}"
+            continuations.append(msgspec.structs.replace(submit(rid, stop, messages), resume=list(ids),
+                                                         resume_chars=len(text)))
+            expected[rid] = (whole[len(text):], deltas[-1].finish_reason, deltas[-1].usage)
+    got = asyncio.run(run_submits(address, continuations))
+    for rid, (rest, finish, usage) in expected.items():
+        deltas = got[rid]
+        assert "".join(d.text for d in deltas) == rest, rid
+        assert (deltas[-1].finish_reason, deltas[-1].usage) == (finish, usage), rid
+    assert len(expected) > 40
+    print(f"{len(expected)} continuations; {split_chars} control deltas ended inside a character")
+
+
+def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrupted_answer(
+        vllm_engine: tuple[str, Proc], vllm_gateway_url: str, tiny_model: Path, ipc_dir: Path) -> None:
+    shared, _ = vllm_engine
+    private = f"ipc://{ipc_dir / 'vllm-migrate.sock'}"
+    engine = start_engine(private, "--engine", "vllm", "--model", str(tiny_model), "--max-model-len", "512",
+                          name="engine-vllm-migrate")
+    gateway: Proc | None = None
+    try:
+        gateway, url = start_gateway(f"{private},{shared}", *GATEWAY_ARGS, name="gateway-vllm-migrate", timeout=300)
+        wait_until(lambda: all(e["healthy"] for e in httpx.get(url + "/health").json()["engines"]), timeout=300,
+                   what="both engines")
+
+        def chat(i: int, **extra: Any) -> dict[str, Any]:
+            return {"messages": [{"role": "user", "content": f"river {i}"}], "max_tokens": 160, "temperature": 0,
+                    **extra}
+
+        def completions(i: int, **extra: Any) -> dict[str, Any]:
+            return {"prompt": f"river {i}", "max_tokens": 160, "temperature": 0, **extra}
+
+        async def clients() -> dict[str, Answer]:
+            run = Run(url)
+            async with httpx.AsyncClient(timeout=120) as c:
+                jobs = [run.sse(c, f"chat-{i}", "/v1/chat/completions",
+                                chat(i, stream=True, stream_options={"include_usage": True})) for i in range(3)]
+                jobs += [run.sse(c, f"completions-{i}", "/v1/completions", completions(i, stream=True))
+                         for i in range(3)]
+                jobs += [run.mux(f"ws-{i}", "completions", completions(10 + i)) for i in range(2)]
+                all_ = asyncio.gather(*jobs)
+                for _ in jobs:
+                    await asyncio.wait_for(run.started.acquire(), 120)
+                os.kill(engine.popen.pid, signal.SIGKILL)
+                await asyncio.wait_for(all_, 180)
+            return run.answers
+
+        answers = asyncio.run(clients())
+        expected: dict[str, Answer] = {}
+        for name in answers:
+            kind, i = name.rsplit("-", 1)
+            path, body = (("/v1/chat/completions", chat(int(i))) if kind == "chat" else
+                          ("/v1/completions", completions(int(i) + (10 if kind == "ws" else 0))))
+            obj = httpx.post(vllm_gateway_url + path, json=body, timeout=120).json()
+            choice = obj["choices"][0]
+            expected[name] = Answer(choice["message"]["content"] if "message" in choice else choice["text"],
+                                    choice["finish_reason"], {k: obj["usage"][k] for k in
+                                                              ("prompt_tokens", "completion_tokens")})
+        check_vllm(answers, expected)
+        assert metric(url, "tokenfan_migrations_total", {"outcome": "continued"}) >= 2
+    finally:
+        stop_all([x for x in (gateway, engine) if x is not None])
+
+
+def check_vllm(answers: dict[str, Answer], expected: dict[str, Answer]) -> None:
+    for name, got in answers.items():
+        want = expected[name]
+        assert not got.errors, (name, got.errors)
+        assert (got.text, got.finish) == (want.text, want.finish), name
+        if got.usage is not None:
+            assert got.usage == want.usage, name
+
+

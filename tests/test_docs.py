@@ -16,7 +16,8 @@ from pathlib import Path
 from engine_worker import settings
 from gateway import cli
 from tests.procs import ROOT
-from tokenfan_bench import clientcost, matrix
+from tokenfan_bench.cpu import client_cost
+from tokenfan_bench.report import matrix
 
 README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").glob("*.md"))
@@ -97,7 +98,7 @@ def accepted_flags() -> frozenset[str]:
     assert spec and spec.loader
     asgi_servers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(asgi_servers)
-    parsers = [*cli.parsers().values(), settings.parser(), clientcost.parser(), matrix.parser(),
+    parsers = [*cli.parsers().values(), settings.parser(), client_cost.parser(), matrix.parser(),
                asgi_servers.parser()]
     return frozenset().union(*map(flags_of, parsers))
 

@@ -46,7 +46,7 @@ from typing import Any, Self
 import httpx
 import psutil
 
-from tokenfan_bench.procs import free_port
+from tokenfan_bench.servers.processes import free_port
 
 KINDS = ("tokenfan", "vllm")
 DEFAULT_CONCURRENCY = (8, 64, 256)

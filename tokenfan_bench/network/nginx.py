@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 
 VARIANTS = ("nginx", "nginx-buffering")
-CONF = Path(__file__).resolve().parent.parent / "deploy" / "nginx" / "tokenfan.conf"
+CONF = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "tokenfan.conf"
 
 _MAIN = """daemon off;
 master_process off;

@@ -30,7 +30,7 @@ FOREIGN_FLAGS = {
                "--random-seed", "--workers-max", "--record-processors", "--no-gpu-telemetry", "--ui",
                "--extra-inputs", "--use-server-token-count"},
     "vllm bench serve": {"--dataset-name", "--random-input-len", "--random-output-len", "--ignore-eos",
-                         "--max-concurrency"},
+                         "--max-concurrency", "--request-rate", "--burstiness"},
     "vllm serve": {"--disable-log-stats", "--enable-prompt-embeds", "--trust-request-chat-template",
                    "--trust-request-mm-kwargs"},  # the last three: what tokenfan does not offer (api-fields.md)
     "chromium": {"--ignore-certificate-errors"},

@@ -19,5 +19,6 @@ One subpackage per job:
 - :mod:`.servers`: the raw floor server (``raw_floor``) and the processes the bench and the tests start
   (``processes``).
 
-At the top: :mod:`.cli` (``tokenfan bench``), :mod:`.runner` (one measurement), :mod:`.vs_vllm`.
+At the top: :mod:`.cli` (``tokenfan bench``), :mod:`.runner` (one measurement), :mod:`.vs_vllm` (``tokenfan bench
+vs-vllm``) and its equal-rate runs (:mod:`.offered_load`).
 """

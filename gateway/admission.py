@@ -104,18 +104,21 @@ def fair_refusal(holding: int, total: int, clients: int, soft_cap: int, engines_
 class LoopMonitor:
     """How late the event loop runs: the overshoot of a short periodic sleep, over the last ``window`` s.
 
-    ``lag`` is the worst tick of the window (``tokenfan_event_loop_lag_seconds``); ``sustained`` is its
-    median, what admission compares with ``--max-loop-lag``. One stall (a GC pause, a first-call import,
-    the process descheduled on a busy host) raises ``lag`` for a second but not ``sustained``; a loop
-    that is behind on most ticks raises both. A gateway that is behind would only deliver everything
-    later, failure notices included, so it refuses new work instead."""
+    ``lag`` is the worst tick of the window (``tokenfan_event_loop_lag_seconds``). ``sustained``, what
+    admission compares with ``--max-loop-lag``, is the median of the ticks' *busy* overshoot: the part of the
+    lateness the loop's own work explains, at most the CPU its thread used during the tick. Time the process
+    did not run (stopped, descheduled on a busy host, waiting on a page fault) is not work: a stall shows in
+    ``lag`` and never in ``sustained``, however many stalls the window holds (two stalls a tick apart used to
+    fill the median of a three-tick window). A loop behind on most ticks because of its work raises both. A
+    gateway that is behind would only deliver everything later, failure notices included, so it refuses new
+    work instead."""
 
     def __init__(self, interval: float = 0.05, window: float = 1.0) -> None:
         self.interval = interval
         self.window = window
         self.lag = 0.0
         self.sustained = 0.0
-        self._recent: collections.deque[tuple[float, float]] = collections.deque()  # (at, overshoot)
+        self._recent: collections.deque[tuple[float, float, float]] = collections.deque()  # (at, overshoot, busy)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -125,23 +128,25 @@ class LoopMonitor:
         if self._task is not None:
             self._task.cancel()
 
-    def record(self, at: float, overshoot: float) -> None:
-        """Add one tick; keeps the window (never fewer than 3 ticks, so a loop slower than one tick per
+    def record(self, at: float, overshoot: float, cpu: float | None = None) -> None:
+        """Add one tick: ``overshoot`` s late, ``cpu`` s of the loop thread's CPU during it (None: all of the
+        overshoot was work). Keeps the window (never fewer than 3 ticks, so a loop slower than one tick per
         window still has a median)."""
-        self._recent.append((at, overshoot))
+        busy = overshoot if cpu is None else min(overshoot, cpu)
+        self._recent.append((at, overshoot, busy))
         while len(self._recent) > 3 and at - self._recent[0][0] > self.window:
             self._recent.popleft()
-        values = sorted(v for _, v in self._recent)
-        self.lag = values[-1]
-        self.sustained = values[len(values) // 2]
+        self.lag = max(v for _, v, _ in self._recent)
+        worked = sorted(b for _, _, b in self._recent)
+        self.sustained = worked[len(worked) // 2]
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            t = loop.time()
+            t, cpu = loop.time(), time.thread_time()
             await asyncio.sleep(self.interval)
             now = loop.time()
-            self.record(now, max(0.0, now - t - self.interval))
+            self.record(now, max(0.0, now - t - self.interval), time.thread_time() - cpu)
 
 
 class Admission:

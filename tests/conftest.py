@@ -18,17 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.procs import (
-    PARSER_FLAGS,
-    Proc,
-    free_port,
-    npm_ci,
-    spawn,
-    start_engine,
-    start_gateway,
-    stop_all,
-    wait_healthy,
-)
+from tests.procs import PARSER_FLAGS, npm_ci, spawn, start_engine, start_gateway
+from tokenfan_bench.servers.processes import Proc, free_port, stop_all, wait_healthy
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,7 @@
-"""Helpers to run real tokenfan processes (engine workers, gateways) on loopback for tests."""
+"""Helpers to run real tokenfan processes (engine workers, gateways) on loopback for tests.
+
+The process primitives are the bench's (:mod:`tokenfan_bench.servers.processes`); this module adds the tests'
+defaults (logs under ``test-artifacts/``), the engine and gateway command lines, and the Node harnesses."""
 
 from __future__ import annotations
 
@@ -6,17 +9,14 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
+from tokenfan_bench.servers import processes
+from tokenfan_bench.servers.processes import Proc, free_port, stop_all, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 # every test client is 127.0.0.1: a test that is itself a crowd turns the per-client limits off
@@ -31,62 +31,11 @@ PARSER_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--
                 "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Proc:
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-
-    def signal_group(self, sig: int) -> None:
-        """Send ``sig`` to the process group (the process and its children), if the process still runs."""
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def wait(self, timeout: float) -> int:
-        """Wait for the exit; after ``timeout`` s, SIGKILL the group."""
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.signal_group(signal.SIGKILL)
-            self.popen.wait(5)
-        return self.popen.returncode
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
-        self.signal_group(sig)
-        return self.wait(timeout)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def stop_all(procs: Iterable[Proc], timeout: float = 20.0) -> None:
-    """SIGTERM every process at once, then wait for each: they shut down side by side, not one after another."""
-    procs = list(procs)
-    for proc in procs:
-        proc.signal_group(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        proc.wait(max(0.0, deadline - time.monotonic()))
-
-
 def spawn(args: list[str], name: str, env: dict[str, str] | None = None, nice: int = 0) -> Proc:
-    """``python <args>`` in its own session, output in ``test-artifacts/<name>-….log``; ``nice`` > 0 runs it
-    (and its children) at that lower CPU priority."""
-    ARTIFACTS.mkdir(exist_ok=True)
+    """:func:`tokenfan_bench.servers.processes.spawn` with the tests' defaults: the log in
+    ``test-artifacts/<name>-….log``, the repository as the working directory, the model hub offline."""
     log_path = ARTIFACTS / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
-    out = open(log_path, "wb")  # noqa: SIM115 - the process's stdout while it runs
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-    popen = subprocess.Popen([*(["nice", "-n", str(nice)] if nice else []), sys.executable, *args], stdout=out,
-                             stderr=subprocess.STDOUT, env=full_env, cwd=ROOT, start_new_session=True)
-    return Proc(popen, log_path)
+    return processes.spawn(args, log_path, env={"HF_HUB_OFFLINE": "1", **(env or {})}, nice=nice, cwd=ROOT)
 
 
 def start_engine(address: str, *args: str, name: str = "engine", nice: int = 0) -> Proc:
@@ -122,20 +71,6 @@ def engine_and_gateway(address: str, engine_args: Sequence[str] = (), gateway_ar
         yield url
     finally:
         stop_all([gateway, engine])
-
-
-def wait_healthy(url: str, proc: Proc, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.popen.returncode}:\n{proc.log()[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not healthy after {timeout}s:\n{proc.log()[-4000:]}")
 
 
 def node_modules_current(node_dir: Path = NODE_DIR) -> bool:

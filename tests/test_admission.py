@@ -121,3 +121,33 @@ def test_a_loop_slower_than_the_window_keeps_three_ticks() -> None:
     assert len(gw.loop._recent) == 3 and gw.loop.sustained == 2.0
     with pytest.raises(APIError):
         gw.admit("c", None)
+
+
+def test_stalls_without_work_are_not_overload_even_two_ticks_apart() -> None:
+    gw = _gateway()
+    limit = gw.config.max_loop_lag
+    for i in range(20):
+        gw.loop.record(i * 0.05, 0.001, cpu=0.002)
+    gw.loop.record(2.5, 1.5, cpu=0.001)  # stopped 1.5 s: late, but the loop's thread did no work
+    gw.loop.record(4.0, 1.5, cpu=0.001)  # and again, one tick later: the window holds three ticks, two of them stalls
+    assert gw.loop.lag == 1.5 and gw.loop.sustained < limit
+    gw.admit("c", None)
+
+
+def test_ticks_late_because_of_the_loops_own_work_are_overload() -> None:
+    gw = _gateway()
+    limit = gw.config.max_loop_lag
+    for i in range(5):  # every tick late by twice the limit, the thread busy the whole time
+        gw.loop.record(i * 0.2, limit * 2, cpu=limit * 2 + 0.05)
+    assert gw.loop.sustained == limit * 2
+    with pytest.raises(APIError) as info:
+        gw.admit("c", None)
+    assert info.value.code == "overloaded"
+
+
+def test_the_busy_part_of_a_tick_is_at_most_its_cpu_time() -> None:
+    gw = _gateway()
+    limit = gw.config.max_loop_lag
+    for i in range(5):  # late by 4 x the limit, half of it working (a host that gives the loop half a core)
+        gw.loop.record(i * 0.2, limit * 4, cpu=limit * 2)
+    assert gw.loop.sustained == limit * 2 and gw.loop.lag == limit * 4

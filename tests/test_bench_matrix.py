@@ -1,5 +1,5 @@
-"""The report's statistics (tokenfan_bench/matrix.py) and the browser arm's sample conversion
-(tokenfan_bench/browser_arm.py), on hand-made samples."""
+"""The report's statistics (tokenfan_bench/stats/report_estimates.py) and the browser arm's sample conversion
+(tokenfan_bench/clients/browser.py), on hand-made samples."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.core.metrics import DeliveryCollector
-from tokenfan_bench.browser_arm import samples
-from tokenfan_bench.clients import Plan, Worker
-from tokenfan_bench.matrix import (
+from tokenfan_bench.clients.browser import samples
+from tokenfan_bench.clients.workers import Plan, Worker
+from tokenfan_bench.report.plots import _symlog_limits
+from tokenfan_bench.stats.metrics import ArmSamples
+from tokenfan_bench.stats.report_estimates import (
     Sleeps,
     applied_delay,
     contains_zero,
@@ -25,8 +27,6 @@ from tokenfan_bench.matrix import (
     ttft_difference,
     verdict,
 )
-from tokenfan_bench.report_md import _symlog_limits
-from tokenfan_bench.stats import ArmSamples
 
 MS = 1_000_000
 

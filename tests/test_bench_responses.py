@@ -6,9 +6,9 @@ import asyncio
 
 import orjson
 
-from tokenfan_bench.http1 import ResponseHead
-from tokenfan_bench.record import to_samples
-from tokenfan_bench.responses_arms import ResponseRecorder, ResponseSse, on_response_event
+from tokenfan_bench.clients.recorder import to_samples
+from tokenfan_bench.clients.responses import ResponseRecorder, ResponseSse, on_response_event
+from tokenfan_bench.wire.http1 import ResponseHead
 
 
 def events(deltas: list[str], final: str | None = None, terminal: str = "response.incomplete",

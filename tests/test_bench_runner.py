@@ -12,9 +12,9 @@ import pytest
 
 from gateway.core.metrics import Metrics
 from gateway.scaleout.peers import merge_metrics
-from tests.procs import free_port
-from tokenfan_bench.raw_server import RawServer
 from tokenfan_bench.runner import scrape, server_counters
+from tokenfan_bench.servers.processes import free_port
+from tokenfan_bench.servers.raw_floor import RawServer
 
 
 def gateway_metrics(sse: int, ws: int) -> bytes:

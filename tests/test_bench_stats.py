@@ -11,19 +11,9 @@ import numpy as np
 import orjson
 import pytest
 
-from tokenfan_bench.h2wire import PING, SETTINGS, FrameReader, H2Client
-from tokenfan_bench.http1 import HttpError, ResponseParser, request
-from tokenfan_bench.stats import (
-    ArmSamples,
-    arm_metrics,
-    bootstrap_medians,
-    itl_ns,
-    median_difference,
-    paired_differences,
-    saturation_point,
-    summary_ms,
-)
-from tokenfan_bench.wire import (
+from tokenfan_bench.stats.ab_difference import bootstrap_medians, median_difference, paired_differences
+from tokenfan_bench.stats.metrics import ArmSamples, arm_metrics, itl_ns, saturation_point, summary_ms
+from tokenfan_bench.wire.events import (
     OP_CLOSE,
     OP_TEXT,
     SseDecoder,
@@ -34,6 +24,8 @@ from tokenfan_bench.wire import (
     ws_close_payload,
     ws_frame,
 )
+from tokenfan_bench.wire.http1 import HttpError, ResponseParser, request
+from tokenfan_bench.wire.http2 import PING, SETTINGS, FrameReader, H2Client
 
 MS = 1_000_000
 

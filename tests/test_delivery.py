@@ -32,7 +32,7 @@ from gateway.core.sse import decode
 from gateway.core.streams import Event, SlowConsumerPolicy, Stream, Watchdog, follow
 from gateway.errors import APIError
 from tests.test_engine_client import FakeEngine, run, submit, until
-from tokenfan_bench.pass_cost import HttpCycle, WsProto
+from tokenfan_bench.cpu.step_pass_cost import HttpCycle, WsProto
 
 
 class Clock:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from tests.procs import ROOT
 from tokenfan import cli, settings
-from tokenfan_bench import clientcost, matrix
+from tokenfan_bench.cpu import client_cost
+from tokenfan_bench.report import matrix
 
 README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").glob("*.md"))
@@ -28,7 +29,7 @@ FOREIGN_FLAGS = {
                "--random-seed", "--workers-max", "--record-processors", "--no-gpu-telemetry", "--ui",
                "--extra-inputs", "--use-server-token-count"},
     "vllm bench serve": {"--dataset-name", "--random-input-len", "--random-output-len", "--ignore-eos",
-                         "--max-concurrency"},
+                         "--max-concurrency", "--request-rate", "--burstiness"},
     "vllm serve": {"--disable-log-stats", "--enable-prompt-embeds", "--trust-request-chat-template",
                    "--trust-request-mm-kwargs"},  # the last three: what tokenfan does not offer (api-fields.md)
     "chromium": {"--ignore-certificate-errors"},
@@ -96,7 +97,7 @@ def accepted_flags() -> frozenset[str]:
     assert spec and spec.loader
     asgi_servers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(asgi_servers)
-    parsers = [*cli.parsers().values(), settings.parser(), clientcost.parser(), matrix.parser(),
+    parsers = [*cli.parsers().values(), settings.parser(), client_cost.parser(), matrix.parser(),
                asgi_servers.parser()]
     return frozenset().union(*map(flags_of, parsers))
 

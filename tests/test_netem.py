@@ -1,4 +1,4 @@
-"""The shaping proxy's model (tokenfan_bench/netem.py): delay, bandwidth, jitter and stall arithmetic on
+"""The shaping proxy's model (tokenfan_bench/network/shaping_proxy.py): delay, bandwidth, jitter and stall arithmetic on
 an explicit clock, and profile parsing. The proxy itself is tested end to end in tests/e2e/test_bench_net.py."""
 
 from __future__ import annotations
@@ -8,7 +8,16 @@ import random
 
 import pytest
 
-from tokenfan_bench.netem import PROFILES, SEGMENT, Link, PathJitter, Profile, Stalls, parse_profile, segments
+from tokenfan_bench.network.shaping_proxy import (
+    PROFILES,
+    SEGMENT,
+    Link,
+    PathJitter,
+    Profile,
+    Stalls,
+    parse_profile,
+    segments,
+)
 
 NO_JITTER = PathJitter(0.0, seed=0)
 

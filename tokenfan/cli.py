@@ -64,8 +64,8 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     from engine_worker.__main__ import parser as engine_parser
     from engine_worker.models import parser as models_parser
     from tokenfan_bench.cli import parser as bench_parser
-    from tokenfan_bench.cpu import parser as cpu_parser
-    from tokenfan_bench.pass_cost import parser as pass_parser
+    from tokenfan_bench.cpu.gateway_cost import parser as cpu_parser
+    from tokenfan_bench.cpu.step_pass_cost import parser as pass_parser
     from tokenfan_bench.vs_vllm import parser as vs_vllm_parser
 
     return {"tokenfan": top_parser(), "tokenfan engine": engine_parser(), "tokenfan bench": bench_parser(),

@@ -11,7 +11,7 @@ rates need ``--spawn``: the bench starts one synthetic engine + gateway per rate
 stops it afterwards. Without ``--spawn`` a single ``--rates`` value only labels the engine at
 ``--url`` (and paces the raw floor).
 
-Floor: ``--baseline raw`` repeats the (last) run against :mod:`tokenfan_bench.raw_server`.
+Floor: ``--baseline raw`` repeats the (last) run against :mod:`tokenfan_bench.servers.raw_floor`.
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tokenfan_bench import netem, procs, report
-from tokenfan_bench.clients import CLIENTS, TRANSPORTS, Plan
-from tokenfan_bench.paths import VIAS, Paths, open_paths, split_arm
-from tokenfan_bench.responses_arms import RESPONSES_TRANSPORTS
+from tokenfan_bench.clients.responses import RESPONSES_TRANSPORTS
+from tokenfan_bench.clients.workers import CLIENTS, TRANSPORTS, Plan
+from tokenfan_bench.network import shaping_proxy
+from tokenfan_bench.network.paths import VIAS, Paths, open_paths, split_arm
+from tokenfan_bench.report import run_outputs
 from tokenfan_bench.runner import Run, run_clients
-from tokenfan_bench.stats import saturation_point
+from tokenfan_bench.servers import processes
+from tokenfan_bench.stats.metrics import saturation_point
 
 
 def _ints(s: str) -> list[int]:
@@ -64,11 +66,11 @@ def parser() -> argparse.ArgumentParser:
                          "subscriber (implies --separate-streams); TRANSPORT@VIA routes one arm another way "
                          "(e.g. sse,sse@nginx)")
     ap.add_argument("--net", type=_profile, default=None, metavar="PROFILE",
-                    help=f"shape every arm's connections: {', '.join(netem.PROFILES)}, none (count bytes only) or "
-                         "rtt=80ms,jitter=10ms,down=5mbit,up=1mbit,stall=0.5%%/300ms (tokenfan_bench/netem.py)")
+                    help=f"shape every arm's connections: {', '.join(shaping_proxy.PROFILES)}, none (count bytes only) or "
+                         "rtt=80ms,jitter=10ms,down=5mbit,up=1mbit,stall=0.5%%/300ms (tokenfan_bench/network/shaping_proxy.py)")
     ap.add_argument("--via", choices=VIAS, default="direct",
                     help="what sits in front of the gateway for every arm: nothing, nginx with "
-                         "deploy/nginx/tokenfan.conf, or a buffering variant of it (tokenfan_bench/via.py)")
+                         "deploy/nginx/tokenfan.conf, or a buffering variant of it (tokenfan_bench/network/nginx.py)")
     ap.add_argument("--client", choices=CLIENTS, default="fast",
                     help="fast: asyncio protocols + picows + a minimal HTTP/2 client (default); "
                          "python: httpx + websockets")
@@ -105,9 +107,9 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _profile(s: str) -> netem.Profile:
+def _profile(s: str) -> shaping_proxy.Profile:
     try:
-        return netem.parse_profile(s)
+        return shaping_proxy.parse_profile(s)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -120,7 +122,7 @@ class Bench:
         self.paths: Paths | None = None
         self.out: Path = ns.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
         self.out.mkdir(parents=True, exist_ok=True)
-        self.meta = report.meta(argv, ns.seed)
+        self.meta = run_outputs.meta(argv, ns.seed)
 
     def plan(self, url: str, streams: int, arms: tuple[str, ...] | None = None) -> Plan:
         ns = self.ns
@@ -147,7 +149,7 @@ class Bench:
                           routed.start_counting if routed else None, routed.stop_counting if routed else None)
         if routed:
             routed.mark_jitter(run.arms.values())
-        result = report.run_result(run, n_boot=self.ns.bootstrap, seed=self.ns.seed)
+        result = run_outputs.run_result(run, n_boot=self.ns.bootstrap, seed=self.ns.seed)
         wire = routed.wire(result) if routed else None
         if wire is not None:
             result["wire"] = wire
@@ -171,7 +173,7 @@ class Bench:
         if not self.ns.spawn:
             yield self.ns.url
             return
-        with procs.spawn_synthetic(rate or 20.0, self.ns.ttft_ms, self.out / "logs", self.ns.gateway_arg) as s:
+        with processes.spawn_synthetic(rate or 20.0, self.ns.ttft_ms, self.out / "logs", self.ns.gateway_arg) as s:
             yield s.url
 
     def run(self) -> dict[str, Any]:
@@ -195,7 +197,7 @@ class Bench:
         results = {"meta": {**self.meta, "url": ns.url, "spawn": ns.spawn, "tokens_per_s": rates[-1]}, **results}
         if network is not None:
             results["network"] = network
-        report.plot_cdf(run, self.out / "latency_cdf.png", f"delivery latency, N={run.plan.streams}")
+        run_outputs.plot_cdf(run, self.out / "latency_cdf.png", f"delivery latency, N={run.plan.streams}")
         if ns.sweep or len(rates) > 1:
             results["sweep"] = rows
             results["saturation_threshold_ms"] = ns.threshold_ms
@@ -205,16 +207,16 @@ class Bench:
                                         [_p99(x, t) for x in rows if x["tokens_per_s"] == r], ns.threshold_ms)
                     for t in dict.fromkeys(ns.arms)}
                 for r in rates}
-            report.plot_sweep(results, self.out / "p99_vs_concurrency.png")
+            run_outputs.plot_sweep(results, self.out / "p99_vs_concurrency.png")
         if ns.baseline == "raw":
             rate = rates[-1] or _observed_rate(results)
-            with procs.spawn_raw(rate, ns.ttft_ms, self.out / "logs") as raw:
+            with processes.spawn_raw(rate, ns.ttft_ms, self.out / "logs") as raw:
                 raw_run, raw_res = self.measure(raw.url, run.plan.streams, f"raw floor N={run.plan.streams}",
                                                 raw_arms(ns.arms))
-            results["baseline"] = report.baseline_result(results, raw_res, rate)
-            report.plot_cdf(raw_run, self.out / "latency_cdf_raw.png", f"raw floor, N={run.plan.streams}")
-        report.write_json(self.out / "results.json", results)
-        (self.out / "summary.md").write_text(report.summary_md(results))
+            results["baseline"] = run_outputs.baseline_result(results, raw_res, rate)
+            run_outputs.plot_cdf(raw_run, self.out / "latency_cdf_raw.png", f"raw floor, N={run.plan.streams}")
+        run_outputs.write_json(self.out / "results.json", results)
+        (self.out / "summary.md").write_text(run_outputs.summary_md(results))
         return results
 
 
@@ -249,19 +251,19 @@ def main(argv: list[str] | None = None) -> int:
 
         return vs_vllm_main(argv[1:])
     if argv[:1] == ["cpu"]:  # gateway CPU per delivered token, steady state, beside the raw floor
-        from tokenfan_bench.cpu import main as cpu_main
+        from tokenfan_bench.cpu.gateway_cost import main as cpu_main
 
         return cpu_main(argv[1:])
     if argv[:1] == ["pass"]:  # the Python cost of the gateway's one pass per engine step, in-process
-        from tokenfan_bench.pass_cost import main as pass_main
+        from tokenfan_bench.cpu.step_pass_cost import main as pass_main
 
         return pass_main(argv[1:])
     if argv[:1] == ["net"]:  # the /ab page through every network profile, for a person
-        from tokenfan_bench.net_cmd import main as net_main
+        from tokenfan_bench.network.watch_pages import main as net_main
 
         return net_main(argv[1:])
     if argv[:1] == ["report"]:  # the matrix of profiles x arms x levels, as docs/ab-report.md
-        from tokenfan_bench.matrix import main as report_main
+        from tokenfan_bench.report.matrix import main as report_main
 
         return report_main(argv[1:])
     ap = parser()
@@ -274,6 +276,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("the resp-sse and resp-ws arms need --client fast")
     bench = Bench(ns, argv)
     results = bench.run()
-    print(report.summary_md(results))
+    print(run_outputs.summary_md(results))
     print(f"\nwrote {bench.out / 'results.json'}, {bench.out / 'summary.md'} and plots", file=sys.stderr)
     return 0

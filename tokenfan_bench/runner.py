@@ -13,8 +13,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from tokenfan_bench.clients import Plan, worker_main
-from tokenfan_bench.stats import ArmSamples
+from tokenfan_bench.clients.workers import Plan, worker_main
+from tokenfan_bench.stats.metrics import ArmSamples
 
 CPU_SECONDS = "process_cpu_seconds_total"
 CHUNKS_SENT = "tokenfan_chunks_sent_total"

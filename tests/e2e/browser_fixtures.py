@@ -13,7 +13,8 @@ import httpx
 from playwright.sync_api import Page
 
 from tests.e2e.helpers import sample
-from tests.procs import Proc, free_port, spawn
+from tests.procs import spawn
+from tokenfan_bench.servers.processes import Proc, free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -7,7 +7,8 @@ import json
 import httpx
 
 from tests.e2e.helpers import wait_until
-from tests.procs import free_port, spawn, start_engine, wait_healthy
+from tests.procs import spawn, start_engine
+from tokenfan_bench.servers.processes import free_port, wait_healthy
 
 
 def test_request_id_links_the_access_log_and_the_engine_log(ipc_dir) -> None:  # type: ignore[no-untyped-def]

@@ -14,8 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import free_port, spawn, start_engine, start_gateway
+from tests.procs import spawn, start_engine, start_gateway
 from tokenfan_bench.cli import main as bench_main
+from tokenfan_bench.servers.processes import free_port
 
 RUN = ["--streams", "24", "--max-tokens", "40", "--ramp", "0.5", "--no-progress"]
 

@@ -1,4 +1,4 @@
-"""The bench's network paths against real processes: the shaping proxy (tokenfan_bench/netem.py) forwards
+"""The bench's network paths against real processes: the shaping proxy (tokenfan_bench/network/shaping_proxy.py) forwards
 streams byte for byte, plain and TLS; ``tokenfan bench --net … --via …`` puts every arm through the
 profile and real nginx and reports the profile, its measured RTT and the bytes per arm. Structure and
 correctness only: speed is the bench's to measure, never asserted here."""
@@ -16,12 +16,12 @@ import pytest
 from tests.procs import start_engine, start_gateway
 from tests.system import require
 from tokenfan_bench.cli import main as bench_main
-from tokenfan_bench.clients import Plan
-from tokenfan_bench.netem import Shaper, parse_profile
-from tokenfan_bench.paths import open_paths
+from tokenfan_bench.clients.workers import Plan
+from tokenfan_bench.network.nginx import nginx_binary, nginx_in_front
+from tokenfan_bench.network.paths import open_paths
+from tokenfan_bench.network.shaping_proxy import Shaper, parse_profile
 from tokenfan_bench.runner import run_clients
-from tokenfan_bench.stats import delivery_ns
-from tokenfan_bench.via import nginx_binary, nginx_in_front
+from tokenfan_bench.stats.metrics import delivery_ns
 
 # Every dimension of the model at once, with frequent stalls so some fall inside a short stream.
 ROUGH = parse_profile("rtt=30ms,jitter=10ms,down=2mbit,up=1mbit,stall=5%/60ms")

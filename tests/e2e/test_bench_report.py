@@ -11,8 +11,9 @@ import pytest
 
 from tests.system import require
 from tokenfan_bench.cli import main as bench_main
-from tokenfan_bench.matrix import BROWSER, FANOUT, PLACEBO_MS, RESPONSES, VIA
-from tokenfan_bench.report_md import slug
+from tokenfan_bench.report.matrix import BROWSER, FANOUT, RESPONSES, VIA
+from tokenfan_bench.report.plots import slug
+from tokenfan_bench.stats.report_estimates import PLACEBO_MS
 
 
 @pytest.mark.timeout(600)

@@ -34,8 +34,9 @@ from gateway.errors import APIError
 from gateway.scaleout import broker_codec as codec
 from gateway.scaleout.broker import Broker
 from tests.e2e.helpers import chunk_text, event_dict, sse_events, wait_until
-from tests.procs import Proc, free_port, start_engine, start_gateway
+from tests.procs import start_engine, start_gateway
 from tests.system import require
+from tokenfan_bench.servers.processes import Proc, free_port
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -310,9 +310,10 @@ def test_ab_run_reads_each_api_from_a_stream_of_its_own_and_exports_bench_json(
         assert r["text"] == full_stream_text(gateway_url, r["stream_id"])
 
     # The bench's own statistics on the exported records give the page's figures.
-    from tokenfan_bench.browser_arm import samples
-    from tokenfan_bench.report import summary_md
-    from tokenfan_bench.stats import arm_metrics, median_difference
+    from tokenfan_bench.clients.browser import samples
+    from tokenfan_bench.report.run_outputs import summary_md
+    from tokenfan_bench.stats.ab_difference import median_difference
+    from tokenfan_bench.stats.metrics import arm_metrics
 
     offset = result["meta"]["clock"]["offset_ms"]
     bench = {k: samples(records, i, t, offset) for i, (k, t) in enumerate((("A", "sse"), ("B", "ws")))}

@@ -14,7 +14,8 @@ import httpx
 import websockets
 
 from tests.e2e.helpers import sse_events, wait_until
-from tests.procs import free_port, spawn, wait_healthy
+from tests.procs import spawn
+from tokenfan_bench.servers.processes import free_port, wait_healthy
 
 PER_KIND = 25  # x2 kinds per transport = 50 SSE clients and 50 WebSocket clients
 

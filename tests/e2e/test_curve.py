@@ -9,7 +9,8 @@ import time
 
 import httpx
 
-from tests.procs import ROOT, free_port, spawn, start_engine, start_gateway
+from tests.procs import ROOT, spawn, start_engine, start_gateway
+from tokenfan_bench.servers.processes import free_port
 
 
 def test_curve_admits_authorized_gateways_only(tmp_path) -> None:  # type: ignore[no-untyped-def]

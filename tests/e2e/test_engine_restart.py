@@ -23,7 +23,8 @@ import httpx
 import websockets
 
 from tests.e2e.helpers import sse_events, wait_until
-from tests.procs import Proc, free_port, spawn, start_engine, start_gateway, wait_healthy
+from tests.procs import spawn, start_engine, start_gateway
+from tokenfan_bench.servers.processes import Proc, free_port, wait_healthy
 
 PER_TRANSPORT = 10
 LIMIT = 2 * PER_TRANSPORT  # --max-concurrent: exactly the in-flight clients

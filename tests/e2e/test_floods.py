@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from tests.e2e.helpers import chunk_text, metric
-from tests.procs import ROOT, Proc, start_engine, start_gateway
+from tests.procs import ROOT, start_engine, start_gateway
+from tokenfan_bench.servers.processes import Proc
 
 FIRST_TOKEN_S = 2.0
 RSS_GROWTH = 100 << 20

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import ROOT, Proc, free_port, wait_healthy
+from tests.procs import ROOT
+from tokenfan_bench.servers.processes import Proc, free_port, wait_healthy
 
 
 @pytest.mark.timeout(600)

@@ -45,7 +45,8 @@ def test_concurrency_per_key_and_total_and_prompt_tokens(synthetic_engine: str) 
 def test_requests_fail_fast_with_503_when_no_engine_is_attached(ipc_dir) -> None:  # type: ignore[no-untyped-def]
     import time
 
-    from tests.procs import free_port, spawn
+    from tests.procs import spawn
+    from tokenfan_bench.servers.processes import free_port
 
     port = free_port()
     proc = spawn(["-m", "tokenfan.cli", "gateway", "--engine", f"ipc://{ipc_dir / 'nobody.sock'}", "--port",

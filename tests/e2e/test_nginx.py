@@ -24,9 +24,10 @@ import pytest
 from websockets.asyncio.client import connect as ws_connect
 
 from tests.e2e.helpers import chunk_text, fat_gateway, metric, sse_events, wait_until
-from tests.procs import ARTIFACTS, free_port, start_engine, start_gateway
+from tests.procs import ARTIFACTS, start_engine, start_gateway
 from tests.system import require
-from tokenfan_bench.via import main_conf, site_conf
+from tokenfan_bench.network.nginx import main_conf, site_conf
+from tokenfan_bench.servers.processes import free_port
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 

@@ -26,7 +26,8 @@ import pytest
 
 from tests.e2e.helpers import TERMINAL, until_terminal
 from tests.e2e.responses_stub import StubServer
-from tests.procs import ROOT, free_port
+from tests.procs import ROOT
+from tokenfan_bench.servers.processes import free_port
 
 NODE_DIR = ROOT / "tests" / "node"
 def client_for(url: str, api_key: str = "unused") -> openai.OpenAI:

@@ -30,8 +30,9 @@ import pytest
 
 from tests.e2e.helpers import drop_inside_the_call, until_terminal, wait_until
 from tests.e2e.test_broker import RedisServer
-from tests.procs import Proc, free_port, run_node, start_engine, start_gateway
+from tests.procs import run_node, start_engine, start_gateway
 from tests.system import require
+from tokenfan_bench.servers.processes import Proc, free_port
 
 pytestmark = pytest.mark.vllm  # the engine runs vLLM's OpenAI layer (no weights)
 

@@ -20,7 +20,8 @@ import pytest
 import websockets
 
 from tests.e2e.helpers import sse_events
-from tests.procs import Proc, free_port, spawn, wait_healthy
+from tests.procs import spawn
+from tokenfan_bench.servers.processes import Proc, free_port, wait_healthy
 
 pytestmark = pytest.mark.vllm  # imports vLLM's layer (no engine process, no weights)
 

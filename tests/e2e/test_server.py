@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import free_port, spawn, start_gateway, wait_healthy
+from tests.procs import spawn, start_gateway
+from tokenfan_bench.servers.processes import free_port, wait_healthy
 
 HEAD_TIMEOUT, BODY_TIMEOUT = 2.0, 3.0
 

@@ -20,7 +20,8 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
 from tests.e2e.helpers import chunk_text, metric, sse_events
-from tests.procs import Proc, StartGateway, engine_and_gateway, free_port, spawn, start_engine
+from tests.procs import StartGateway, engine_and_gateway, spawn, start_engine
+from tokenfan_bench.servers.processes import Proc, free_port
 
 
 def start_tls_gateway(engine_address: str, certs: Path, *args: str, command: str = "gateway",

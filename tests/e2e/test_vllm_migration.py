@@ -45,8 +45,7 @@ async def run_submits(address: str, submits: list[p.Submit]) -> dict[str, list[p
             await sock.send_multipart(p.encode(s))
         while open_:
             msg = p.decode(await asyncio.wait_for(sock.recv_multipart(), 60))
-            if isinstance(msg, p.Error):
-                raise AssertionError(f"{msg.request_id}: {msg.code} {msg.message}")
+            assert not isinstance(msg, p.Error), f"{msg.request_id}: {msg.code} {msg.message}"
             if isinstance(msg, p.DeltaBatch):
                 for d in msg.deltas:
                     out[d.request_id].append(d)

@@ -12,7 +12,8 @@ import pytest
 import websockets
 
 from tests.e2e.helpers import chunk_text, sse_events
-from tests.procs import Proc, start_gateway
+from tests.procs import start_gateway
+from tokenfan_bench.servers.processes import Proc
 
 
 @pytest.fixture(scope="module")

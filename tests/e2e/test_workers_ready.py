@@ -15,7 +15,8 @@ import pytest
 
 from gateway.scaleout.workers import worker_socket
 from tests.e2e.helpers import wait_until
-from tests.procs import Proc, free_port, spawn, start_engine
+from tests.procs import spawn, start_engine
+from tokenfan_bench.servers.processes import Proc, free_port
 
 REQUESTS = 24
 

@@ -6,13 +6,13 @@
 // API goes first alternates from run to run. Why not one stream read by both, side by side: two APIs
 // reading the same token in one page act on each other (on the bench's lan placebo EventSource read
 // ~0.6 ms later when the WebSocket copy of its token arrived ~1.5 ms before it: tokenfan_bench/
-// browser_arm.py), so a paired per-token difference measures the page as much as the transports. Why one
+// clients/browser.py), so a paired per-token difference measures the page as much as the transports. Why one
 // after the other: streams generated at the same time share engine steps (continuous batching), so their
 // tokens would reach the page together and the two APIs would again read at the same moments. A page in
 // production reads a stream with one API; so does each arm here, like the bench's browser arm
 // (bencharm.js with `separate`; both read streams through readstream.js).
 //
-// Definitions follow `tokenfan bench` (tokenfan_bench/stats.py), so an export from this page and a
+// Definitions follow `tokenfan bench` (tokenfan_bench/stats/metrics.py), so an export from this page and a
 // bench result read the same way:
 // - delivery latency = browser receive time + clock offset − engine emit time, per *live* content
 //   event (emitted after that subscriber connected; earlier ones are a replay and would measure the join
@@ -244,7 +244,7 @@ function scheduleLive() {
   });
 }
 
-// -- metrics (tokenfan_bench/stats.py definitions) ---------------------------------------------
+// -- metrics (tokenfan_bench/stats/metrics.py definitions) ---------------------------------------------
 
 function gaps(times) {
   const out = [];
@@ -402,7 +402,7 @@ function refresh() {
 
 // -- batch, export -----------------------------------------------------------------------------
 
-/** One record per stream, as bencharm.js returns them (tokenfan_bench/browser_arm.py samples() reads them). */
+/** One record per stream, as bencharm.js returns them (tokenfan_bench/clients/browser.py samples() reads them). */
 function records() {
   return page.runs.flatMap((run, i) => run.order.filter((key) => run[key]).map((key) => {
     const r = run[key];
@@ -561,7 +561,7 @@ document.addEventListener("keydown", (e) => {
 
 // -- network profiles -------------------------------------------------------------------------
 // `tokenfan bench net --url GATEWAY` serves this page through one shaping proxy per profile (the bench's own,
-// tokenfan_bench/netem.py) and links here with ?net=NAME&routes=NAME:PORT,…; picking a profile reopens the
+// tokenfan_bench/network/shaping_proxy.py) and links here with ?net=NAME&routes=NAME:PORT,…; picking a profile reopens the
 // page on that profile's port, so every connection of the page (and of the A/B run) takes that path.
 
 function setupProfiles() {

@@ -1,4 +1,4 @@
-// The bench's browser arm (tokenfan_bench/browser_arm.py drives it through Playwright): `streams` slots
+// The bench's browser arm (tokenfan_bench/clients/browser.py drives it through Playwright): `streams` slots
 // each create `rounds` fan-out streams one after another, and every arm (or one, `separate`) subscribes to
 // each stream from this page with the browser's own API: "es" EventSource, "fetch" a streamed fetch of the same
 // events_url, "ws" WebSocket. Per chunk it keeps [seq, emit_ns, sent_ns, receive ms, deltas, content]
@@ -11,7 +11,7 @@
 // `separate`: each stream is read by one arm only (dealt in shuffled blocks: see deal()), as a page reads a
 // stream with one API. Two APIs reading the same token in one browser are not independent: on the
 // bench's calibration, EventSource read 0.6 ms later when the WebSocket copy of its token arrived 1.5 ms
-// before it than when it arrived after it (tokenfan_bench/browser_arm.py has the figures). Every stream
+// before it than when it arrived after it (tokenfan_bench/clients/browser.py has the figures). Every stream
 // of round r has seed r, so every arm's text can be compared for the same seed.
 
 import { authHeaders, createStream, epochMs, samePath } from "./api.js";

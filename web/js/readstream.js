@@ -4,7 +4,7 @@
 // A record keeps one row per chunk, ROW_FIELDS in order: the chunk's `tokenfan` stamps (seq, engine emit
 // and gateway publish times in server-clock ns, deltas coalesced into it), the browser receive time in
 // epoch ms (performance.timeOrigin + performance.now(), taken by the subscription before parsing) and
-// whether it carried content. `tokenfan_bench/browser_arm.py` reads these rows as they are.
+// whether it carried content. `tokenfan_bench/clients/browser.py` reads these rows as they are.
 //
 // A subscription (`Sub`) is EventSourceSubscription, WebSocketSubscription (transports.js) or anything
 // with their shape: new Sub({onChunk, onState, timeoutMs, origin}), subscribe(stream), `done`, `openMs`,

@@ -26,7 +26,7 @@ export function median(values) {
 }
 
 /**
- * {n, mean, p50, p90, p99, "p99.9"}: the `tokenfan bench` summary of one metric (tokenfan_bench/stats.py
+ * {n, mean, p50, p90, p99, "p99.9"}: the `tokenfan bench` summary of one metric (tokenfan_bench/stats/metrics.py
  * summary_ms); every statistic is null when there are no samples.
  */
 export function summarize(values) {
@@ -70,13 +70,13 @@ export function bootstrapMedians(values, clusters = null, { resamples = 1000, se
   return out;
 }
 
-/** Fewer streams than this: resample tokens i.i.d. (as tokenfan_bench/stats.py MIN_CLUSTERS). */
+/** Fewer streams than this: resample tokens i.i.d. (as tokenfan_bench/stats/ab_difference.py MIN_CLUSTERS). */
 export const MIN_CLUSTERS = 20;
 
 /**
  * Difference of medians median(b) − median(a) of two independent samples (e.g. delivery latencies of
  * two arms that read separate streams), with a percentile bootstrap 95% CI, in the shape of `tokenfan
- * bench`'s unpaired `diff_ms` (tokenfan_bench/stats.py difference_boots): each arm is resampled on its
+ * bench`'s unpaired `diff_ms` (tokenfan_bench/stats/ab_difference.py difference_boots): each arm is resampled on its
  * own, by whole streams when it has MIN_CLUSTERS of them (`aStreams`/`bStreams`: the stream of each
  * value), else value by value. Pass null clusters for one value per stream (e.g. TTFT).
  */

@@ -32,7 +32,7 @@ on a millisecond tick, so a difference of 2.1 ms between two arms read as 2 or 3
 phase of the token clock against the tick, a phase that stays put for a whole run (measured: the
 browser calibration read +3.2 ms in two profiles of one report and +2.0-2.4 ms in the others, the
 probe's 1 ms RTT read 1.9 ms). ``select`` handles file descriptors below 1024 only, so a run is limited
-to about 500 proxied connections at once (:data:`MAX_FD`: beyond it new connections are refused). Run as ``python -m tokenfan_bench.netem``
+to about 500 proxied connections at once (:data:`MAX_FD`: beyond it new connections are refused). Run as ``python -m tokenfan_bench.network.shaping_proxy``
 (:func:`main`), controlled over stdin/stdout by :class:`Shaper` in the bench process; it also serves a
 probe target so the bench measures the profile's real RTT and bandwidth through the same code
 (:func:`probe`).
@@ -580,7 +580,7 @@ def _factory(route: Route) -> Callable[[], asyncio.Protocol]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m tokenfan_bench.netem", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tokenfan_bench.network.shaping_proxy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--net", required=True, help="profile name or custom form (see parse_profile)")
     ap.add_argument("--upstream", action="append", required=True, metavar="HOST:PORT")
     ap.add_argument("--compress", action="append", default=[], metavar="I",
@@ -622,7 +622,7 @@ class Shaper:
         for u in upstream_urls:
             s = urlsplit(u)
             hosts.append(f"{s.hostname}:{s.port or (443 if s.scheme == 'https' else 80)}")
-        args = [sys.executable, "-m", "tokenfan_bench.netem", "--net", profile.spec() if profile.name.startswith(
+        args = [sys.executable, "-m", "tokenfan_bench.network.shaping_proxy", "--net", profile.spec() if profile.name.startswith(
             "custom:") else profile.name, "--seed", str(seed)]
         for h in hosts:
             args += ["--upstream", h]

@@ -5,7 +5,7 @@ does as little as possible) or ``--url``, with two arms of the same transport, a
 worker's CPU time during the run (user + system, so the kernel's receive path counts) by the events
 it received. Prints a markdown table; ``--json`` writes the rows.
 
-Run: ``python -m tokenfan_bench.clientcost --clients fast,python --transports sse,ws --streams 200``.
+Run: ``python -m tokenfan_bench.cpu.client_cost --clients fast,python --transports sse,ws --streams 200``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tokenfan_bench import procs
-from tokenfan_bench.clients import Plan
+from tokenfan_bench.clients.workers import Plan
 from tokenfan_bench.runner import run_clients
+from tokenfan_bench.servers import processes
 
 
 def measure(url: str, client: str, transport: str, ns: argparse.Namespace) -> dict[str, Any]:
@@ -36,7 +36,7 @@ def measure(url: str, client: str, transport: str, ns: argparse.Namespace) -> di
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m tokenfan_bench.clientcost", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tokenfan_bench.cpu.client_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="server to use (default: spawn the raw floor server)")
     ap.add_argument("--clients", default="fast,python")
     ap.add_argument("--transports", default="sse,ws")
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in ns.clients.split(","):
             rows += [measure(ns.url, c, t, ns) for t in ns.transports.split(",")]
     else:
-        with procs.spawn_raw(ns.tokens_per_s, 20.0, Path("bench-results/clientcost-logs")) as raw:
+        with processes.spawn_raw(ns.tokens_per_s, 20.0, Path("bench-results/clientcost-logs")) as raw:
             for c in ns.clients.split(","):
                 rows += [measure(raw.url, c, t, ns) for t in ns.transports.split(",")]
     print(f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {ns.streams} streams x 2 subscribers x "

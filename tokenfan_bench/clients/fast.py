@@ -1,10 +1,10 @@
 """The fast bench client (``--client fast``): asyncio protocols that spend a few µs of CPU per event.
 
 - HTTP/1.1 (``POST /v1/streams`` and SSE): :class:`H1Connection`, an ``asyncio.Protocol`` over the
-  pure :class:`~tokenfan_bench.http1.ResponseParser` and :class:`~tokenfan_bench.wire.SseDecoder`,
+  pure :class:`~tokenfan_bench.wire.http1.ResponseParser` and :class:`~tokenfan_bench.wire.events.SseDecoder`,
   reused through :class:`H1Pool` (keep-alive, like httpx's pool).
 - WebSocket: picows (Cython framing), :class:`WsSubscriber`.
-- HTTP/2: :mod:`tokenfan_bench.h2client`.
+- HTTP/2: :mod:`tokenfan_bench.clients.fast_h2`.
 
 Sockets come from aiofastnet when it is installed (picows' own transport layer; plain and TLS),
 else from the event loop.
@@ -28,10 +28,10 @@ from urllib.parse import urlsplit
 
 import picows
 
-from tokenfan_bench.h2wire import H2Error
-from tokenfan_bench.http1 import HttpError, ResponseHead, ResponseParser, request
-from tokenfan_bench.record import Recorder, on_sse_event, on_ws_message
-from tokenfan_bench.wire import SseDecoder
+from tokenfan_bench.clients.recorder import Recorder, on_sse_event, on_ws_message
+from tokenfan_bench.wire.events import SseDecoder
+from tokenfan_bench.wire.http1 import HttpError, ResponseHead, ResponseParser, request
+from tokenfan_bench.wire.http2 import H2Error
 
 try:
     import aiofastnet
@@ -400,7 +400,7 @@ def target_of(url: str) -> tuple[str, str, int, str]:
 
 
 class FastBackend:
-    """H1Pool per origin, picows, and :mod:`tokenfan_bench.h2client` for the HTTP/2 arms."""
+    """H1Pool per origin, picows, and :mod:`tokenfan_bench.clients.fast_h2` for the HTTP/2 arms."""
 
     name = "fast"
     errors = FAST_ERRORS
@@ -423,7 +423,7 @@ class FastBackend:
         return pool, target
 
     def _h2pool(self, url: str) -> tuple[Any, str]:
-        from tokenfan_bench.h2client import H2Pool
+        from tokenfan_bench.clients.fast_h2 import H2Pool
 
         scheme, host, port, target = target_of(url)
         pool = self.h2pools.get((scheme, host, port))

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 
 VARIANTS = ("nginx", "nginx-buffering")
-CONF = Path(__file__).resolve().parent.parent / "deploy" / "nginx" / "tokenfan.conf"
+CONF = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "tokenfan.conf"
 
 _MAIN = """daemon off;
 master_process off;
@@ -93,7 +93,7 @@ def nginx_binary() -> str:
 def nginx_in_front(gateway_url: str, variant: str = "nginx", keep_dir: Path | None = None) -> Iterator[str]:
     """nginx on a free port proxying to ``gateway_url`` (http); yields its ``https://127.0.0.1:PORT`` URL."""
     from gateway.http.certs import generate
-    from tokenfan_bench.procs import free_port
+    from tokenfan_bench.servers.processes import free_port
 
     u = urlsplit(gateway_url)
     if u.scheme != "http":

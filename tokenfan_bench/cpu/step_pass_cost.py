@@ -41,8 +41,8 @@ from gateway.core.framing import Framing
 from gateway.core.generation import Generation, Renderer
 from gateway.core.metrics import HotCounter, TransportMetrics
 from gateway.core.streams import Event, SlowConsumerPolicy, Stream, Watchdog, follow
-from tokenfan_bench import report
-from tokenfan_bench.stats import summary_plain
+from tokenfan_bench.report import run_outputs
+from tokenfan_bench.stats.metrics import summary_plain
 
 MODES = {"a": "POST SSE", "b": "fan-out SSE", "c": "/v1/ws", "d": "Responses SSE"}
 
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(f"unknown mode(s) {bad}; choose from {sorted(MODES)}")
     out = ns.out or Path("bench-results") / time.strftime("pass-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"meta": report.meta(["pass", *argv], 0), "modes": {}}
+    results: dict[str, Any] = {"meta": run_outputs.meta(["pass", *argv], 0), "modes": {}}
     for mode in modes:
         generations = ns.streams if mode == "b" else ns.generations
         results["modes"][mode] = asyncio.run(run_mode(mode, generations, ns.readers, ns.steps, ns.repeats))

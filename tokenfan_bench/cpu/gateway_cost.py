@@ -1,9 +1,9 @@
 """``tokenfan bench cpu``: the gateway's CPU per delivered token in steady state, beside the raw floor.
 
-For each mode (:mod:`tokenfan_bench.cpuload`: ``a`` POST SSE, ``b`` fan-out with ``--readers`` SSE
+For each mode (:mod:`tokenfan_bench.cpu.load_client`: ``a`` POST SSE, ``b`` fan-out with ``--readers`` SSE
 readers per stream, ``c`` ``/v1/ws`` with ``--per-connection`` generations per socket, ``d`` Responses
 SSE), against a spawned synthetic engine + gateway and then against the raw floor server
-(:mod:`tokenfan_bench.raw_server`, the same client and load):
+(:mod:`tokenfan_bench.servers.raw_floor`, the same client and load):
 
 1. **Steady state.** All generations are opened (spread over ``--ramp`` s) with enough tokens to outlast
    the run; once every reader has its first event and ``--warmup`` s have passed, ``--repeats`` windows
@@ -45,9 +45,10 @@ from typing import Any
 import numpy as np
 import psutil
 
-from tokenfan_bench import procs, report
-from tokenfan_bench.cpuload import MODE_NAMES, MODES, Load
-from tokenfan_bench.stats import summary_plain
+from tokenfan_bench.cpu.load_client import MODE_NAMES, MODES, Load
+from tokenfan_bench.report import run_outputs
+from tokenfan_bench.servers import processes
+from tokenfan_bench.stats.metrics import summary_plain
 
 SUMMARY_KEYS = ("server_us_per_event", "engine_us_per_event", "client_us_per_event", "events_per_s")
 
@@ -178,13 +179,13 @@ class Server:
 @contextlib.contextmanager
 def spawned(kind: str, ns: argparse.Namespace, out: Path, workers: int = 1) -> Iterator[Server]:
     if kind == "raw":
-        with procs.spawn_raw(ns.tokens_per_s, ns.ttft_ms, out / "logs", ns.steps) as raw:
+        with processes.spawn_raw(ns.tokens_per_s, ns.ttft_ms, out / "logs", ns.steps) as raw:
             yield Server("raw", raw.url, ProcCpu(raw.server_pid), None)
         return
     gw_args = ["--max-tokens-cap", str(10 * steady_tokens(ns)), "--ws-max-in-flight", str(max(32, ns.per_connection)),
                *ns.gateway_arg,
                *(["--workers", str(workers)] if workers > 1 else [])]
-    with procs.spawn_synthetic(ns.tokens_per_s, ns.ttft_ms, out / "logs", gw_args,
+    with processes.spawn_synthetic(ns.tokens_per_s, ns.ttft_ms, out / "logs", gw_args,
                                engine_args=["--max-model-len", "1000000", "--synthetic-steps", ns.steps]) as s:
         yield Server("gateway", s.url, ProcCpu(s.server_pid), ProcCpu(s.procs[0].pid, tree=False))
 
@@ -315,7 +316,7 @@ async def capacity(srv: Server, ns: argparse.Namespace) -> dict[str, Any]:
 def run(ns: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     out: Path = ns.out
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"meta": {**report.meta(["cpu", *argv], ns.seed), "settings": _settings(ns)},
+    results: dict[str, Any] = {"meta": {**run_outputs.meta(["cpu", *argv], ns.seed), "settings": _settings(ns)},
                                "gateway": {}, "raw": {}}
     runner = _runner()
     if ns.modes:
@@ -333,7 +334,7 @@ def run(ns: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             print("capacity, raw floor", file=sys.stderr)
             results["capacity"]["raw"] = runner(capacity(srv, ns))
     results["meta"]["load_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    report.write_json(out / "results.json", results)
+    run_outputs.write_json(out / "results.json", results)
     (out / "summary.md").write_text(summary_md(results))
     return results
 

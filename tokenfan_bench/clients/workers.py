@@ -1,9 +1,9 @@
 """Subscriber worker processes: create fan-out streams, subscribe every arm to them, and record every
 chunk with its receive time (``time.time_ns()``).
 
-Two clients (``Plan.client``): ``fast`` (:mod:`.fastclient`: asyncio protocols, picows, a minimal
-HTTP/2 client; a few µs of CPU per event) and ``python`` (:mod:`.pyclient`: httpx and websockets,
-~190 µs per event). Both record through :mod:`.record`.
+Two clients (``Plan.client``): ``fast`` (:mod:`.fast`: asyncio protocols, picows, a minimal
+HTTP/2 client; a few µs of CPU per event) and ``python`` (:mod:`.httpx_websockets`: httpx and websockets,
+~190 µs per event). Both record through :mod:`.recorder`.
 
 A run is split over worker processes (:func:`worker_main`); each owns a share of the concurrency
 slots and returns its raw samples and the CPU time it used during the run, which the parent adds up.
@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 import orjson
 
-from tokenfan_bench.record import Recorder, to_samples
-from tokenfan_bench.responses_arms import RESPONSES_TRANSPORTS, ResponseRecorder, ResponsesClient
-from tokenfan_bench.stats import ArmSamples
+from tokenfan_bench.clients.recorder import Recorder, to_samples
+from tokenfan_bench.clients.responses import RESPONSES_TRANSPORTS, ResponseRecorder, ResponsesClient
+from tokenfan_bench.stats.metrics import ArmSamples
 
 TRANSPORTS = ("sse", "ws", "sse-h2", "ws-h2", *RESPONSES_TRANSPORTS)  # resp-*: one response each (unpaired)
 CLIENTS = ("fast", "python")
@@ -109,11 +109,11 @@ class Backend(Protocol):
 
 def make_backend(plan: Plan, slots: int) -> Backend:
     if plan.client == "python":
-        from tokenfan_bench.pyclient import PythonBackend
+        from tokenfan_bench.clients.httpx_websockets import PythonBackend
 
         backend: Backend = PythonBackend(slots, plan.timeout, plan.cafile)
     else:
-        from tokenfan_bench.fastclient import FastBackend
+        from tokenfan_bench.clients.fast import FastBackend
 
         backend = FastBackend(plan.cafile, plan.h2_streams_per_connection)
     missing = [t for t in plan.transports if t not in backend.transports and t not in RESPONSES_TRANSPORTS]
@@ -193,7 +193,7 @@ class Worker:
 
         The gateway registers a stream's subscribers in arrival order and writes every event to them in
         that order (rotated by ``seq`` within a transport: with three SSE subscribers the rotation has
-        period 3, which the even/odd pairing of :func:`tokenfan_bench.stats.order_balanced_differences`
+        period 3, which the even/odd pairing of :func:`tokenfan_bench.stats.metrics.order_balanced_differences`
         does not cancel). A random order per stream only balances who is written first on average; over
         ten streams one order can dominate and an A/A pair then reads a few tens of µs apart. Reversing
         every other permutation puts each pair of arms in each order equally often, exactly."""
@@ -206,7 +206,7 @@ class Worker:
         return list(order)
 
     async def _respond(self, arm: str, transport: str) -> None:
-        """An arm's own response (``resp-sse``/``resp-ws``, :mod:`.responses_arms`); for a plain
+        """An arm's own response (``resp-sse``/``resp-ws``, :mod:`.responses`); for a plain
         transport, its own fan-out stream."""
         if transport not in RESPONSES_TRANSPORTS:
             await self._watch((arm,))

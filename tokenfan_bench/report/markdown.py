@@ -1,23 +1,24 @@
-"""The markdown report of ``tokenfan bench report`` (:mod:`tokenfan_bench.matrix`) and its plots
+"""The markdown report of ``tokenfan bench report`` (:mod:`tokenfan_bench.report.matrix`) and its plots
 (matplotlib, Agg): pure formatting of the matrix's results dictionary."""
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tokenfan_bench.matrix import PLACEBO_MS, RESOLUTION_MS, contains_zero, recovered, verdict
+from tokenfan_bench.report.plots import slug, write_plots
 from tokenfan_bench.runner import Run
-from tokenfan_bench.stats import delivery_ns
-
-
-def slug(name: str) -> str:
-    """A profile name as a file name (custom profiles carry '=', ',' and '%')."""
-    return re.sub(r"[^A-Za-z0-9_-]+", "_", name).strip("_")
+from tokenfan_bench.stats.report_estimates import (
+    PLACEBO_MS,
+    RESOLUTION_MS,
+    calibration_difference,
+    contains_zero,
+    recovered,
+    verdict,
+)
 
 
 def _f(x: Any, nd: int = 1) -> str:
@@ -58,18 +59,13 @@ def _aa(r: dict[str, Any]) -> str:
     return f"{_ci(d, 3)} {'✓ contains 0' if contains_zero(d) else '✗ excludes 0'}"
 
 
-def _cal_diff(r: dict[str, Any]) -> dict[str, Any]:
-    """The calibration's difference: the browser's is the difference-in-differences against its placebo."""
-    return r.get("did_ms") or r["diffs_ms"]["B-A"]
-
-
 def _cal_recovered(r: dict[str, Any]) -> bool:
     """Whether a calibration read the delay its gateway applied in that run (``expected_ms``)."""
-    return recovered(_cal_diff(r), r["expected_ms"])
+    return recovered(calibration_difference(r), r["expected_ms"])
 
 
 def _cal(r: dict[str, Any]) -> str:
-    d = _cal_diff(r)
+    d = calibration_difference(r)
     per_pair = ", ".join(f"{x:+.2f}" for x in d.get("per_pair_ms", []))
     pairs = f" (mean of {d['pairs']} run pairs: {per_pair})" if d.get("pairs", 1) > 1 else ""
     applied = r["applied"]
@@ -133,13 +129,23 @@ def cpu_verdict(server: dict[str, tuple[float, float, float]], a: str, b: str) -
 
 
 def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots: Path) -> None:
+    """The report's markdown at ``out`` and its plots in ``plots``, from the matrix's results."""
     plots.mkdir(parents=True, exist_ok=True)
+    rel = os.path.relpath(plots, out.parent)
+    s = results["settings"]
+    level0 = str(s["levels"].strip("[]").split(",")[0]).strip()
+    lines = [*_method(results), *_profiles(results), *_answer(results, level0, rel), *_per_profile(results, level0, rel),
+             *_via_section(results), *_cpu_and_bytes(results, rel)]
+    out.write_text("\n".join(lines) + "\n")
+    write_plots(results, runs, plots)
+
+
+def _method(results: dict[str, Any]) -> list[str]:
+    """The title, where and how the report was made, and the method."""
     s = results["settings"]
     m = results["meta"]
-    rel = os.path.relpath(plots, out.parent)
     inject, margin = float(s["inject_ms"]), float(s["equivalence_ms"])
-    level0 = str(s["levels"].strip("[]").split(",")[0]).strip()
-    lines = [
+    return [
         "# SSE or WebSocket under real conditions: the A/B report", "",
         (f"Made on this machine by `tokenfan {' '.join(m['command'][1:])}` at {m['time']} in "
         f"{m['matrix_s']:.0f} s: {m['machine']['cpu_model']} × {m['machine']['cpus']} (shared), Python "
@@ -149,7 +155,7 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
         (f"- Synthetic engines at {float(s['rate']):g} tokens/s per stream, {float(s['ttft_ms']):g} ms TTFT, "
         f"{s['max_tokens']} tokens per stream; concurrency levels {s['levels']}. The engine is the same for "
         "every arm, so every difference is the path's and the transport's."),
-        ("- Every arm goes through the same userspace shaping proxy (`tokenfan_bench/netem.py`: per-connection "
+        ("- Every arm goes through the same userspace shaping proxy (`tokenfan_bench/network/shaping_proxy.py`: per-connection "
         "bandwidth and stalls, a one-RTT handshake, a path jitter shared by the run), one route per arm so "
         "bytes are counted per arm. TCP slow start and loss recovery are not modelled. The proxy's timers "
         "fire within tens of µs (`select(2)`; on uvloop they fired on millisecond ticks, which turned a 2.1 ms "
@@ -214,8 +220,11 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
         "process); a transport wins when its range of runs lies below the other's."),
         "",
     ]
-    # profiles
-    lines += ["## Profiles (model and measured through the proxy)", "",
+
+
+def _profiles(results: dict[str, Any]) -> list[str]:
+    """Each network profile's model beside what was measured through the proxy."""
+    lines = ["## Profiles (model and measured through the proxy)", "",
               "| profile | model | measured RTT p50 (min–max) ms | down Mbit/s | up Mbit/s |", "| --- | --- | --- | --- | --- |"]
     for name, p in results["profiles"].items():
         prof = p["network"]["profile"]
@@ -223,9 +232,13 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
         lines.append(f"| {name} | {prof['describe']} | {_f(me.get('rtt_ms'))} ({_f(me.get('rtt_min_ms'))}–"
                      f"{_f(me.get('rtt_max_ms'))}) | {_f(me.get('down_mbit'))} | {_f(me.get('up_mbit'), 2)} |")
     lines.append("")
-    # summary verdicts
-    cpu_table, server_cpu = cpu_rows(results.get("cpu", {}))
-    lines += ["## The answer per profile", "",
+    return lines
+
+
+def _answer(results: dict[str, Any], level0: str, rel: str) -> list[str]:
+    """The answer table: per profile, the winner of every comparison or *no difference resolved*."""
+    _, server_cpu = cpu_rows(results.get("cpu", {}))
+    lines = ["## The answer per profile", "",
               (f"At {level0} concurrent streams. Each cell: the winner (lower is better) or *no difference resolved*; "
               "the intervals are in the per-profile tables below. CPU: server µs per delivered token, the range "
               "of repeated single-transport runs in that profile."), "",
@@ -252,7 +265,13 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
     lines += [f"![TTFT p50 per profile and transport]({rel}/ttft.png)", "",
               f"![inter-token gap p50 and p99]({rel}/gaps.png)", "",
               f"![delivery differences with intervals]({rel}/diffs.png)", ""]
-    # per profile
+    return lines
+
+
+def _per_profile(results: dict[str, Any], level0: str, rel: str) -> list[str]:
+    """Per profile: every arm table, the A/A and the calibrations."""
+    inject = float(results["settings"]["inject_ms"])
+    lines: list[str] = []
     for name, p in results["profiles"].items():
         lines += [f"## {name}: {p['network']['profile']['describe']}", ""]
         for n, r in p["levels"].items():
@@ -270,35 +289,46 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
                   + (f"; browser {_cal(p['browser_calibration'])}"
                      if p.get("browser_calibration") else "") + ".", "",
                   f"![delivery latency CDF, {name}]({rel}/cdf_{slug(name)}.png)", ""]
-    # via
-    if results.get("via"):
-        lines += ["## Through nginx: the tested config and a buffering one", "",
-                  ("One plain-HTTP gateway; per stream six subscribers: `sse` and `ws` each straight to the gateway, "
-                   "through nginx with `deploy/nginx/tokenfan.conf` (TLS + HTTP/2 to the client) and through the same "
-                   "file with `proxy_buffering on` and the gateway's `X-Accel-Buffering: no` ignored. The first table "
-                   "is paired against A (`sse` straight); the second compares each proxied arm with the straight arm "
-                   "of its own transport. The nginx paths add TLS (the straight ones are plain HTTP): a new "
-                   "connection pays the TLS handshake (one more RTT), which WebSocket subscribers, opening one "
-                   "connection each, show in TTFT; SSE subscribers reuse keep-alive connections. A buffering proxy "
-                   "holds SSE events until it flushes (here: the stream's end), so none arrives live; *buffers* = "
-                   "the arm's median gap is under a quarter of the straight arm's (tokens arrive in bursts); "
-                   f"*no damage* = the equivalence test of the method: Δ delivery's 95% interval inside ±{margin:g} ms."),
-                  ""]
-        for name, v in results["via"].items():
-            r = v["run"]
-            lines += [f"### via, {name}", "", *arm_table(r), "",
-                      ("| arm | path | Δ TTFT vs straight ms [95% CI] | Δ delivery vs straight ms [95% CI] | "
-                      "gap p50 ms (straight) | verdict |"), "| --- | --- | --- | --- | --- | --- |"]
-            for k, d in v["vs_straight"].items():
-                verdict_text = ("**damage: buffers**, tokens arrive in bursts" if d["buffers"]
-                                else f"no damage: within ±{margin:g} ms" if d.get("no_damage")
-                                else f"streams, but not shown within ±{margin:g} ms")
-                lines.append(f"| {k} | {d['transport']} via {d['via']} | {_ci(d['ttft_ms'])} | "
-                             f"{_ci(d['delivery_ms'], 3) if d['delivery_ms']['n'] else 'no live token'} | "
-                             f"{_f(d['gap_p50_ms'])} ({_f(d['straight_gap_p50_ms'])}) | {verdict_text} |")
-            lines.append("")
-    # cpu and bytes
-    lines += ["## CPU and bytes on the wire", "", *cpu_table, ""]
+    return lines
+
+
+def _via_section(results: dict[str, Any]) -> list[str]:
+    """The nginx run: the tested config and a buffering one against the straight path (empty without it)."""
+    if not results.get("via"):
+        return []
+    margin = float(results["settings"]["equivalence_ms"])
+    lines = ["## Through nginx: the tested config and a buffering one", "",
+              ("One plain-HTTP gateway; per stream six subscribers: `sse` and `ws` each straight to the gateway, "
+               "through nginx with `deploy/nginx/tokenfan.conf` (TLS + HTTP/2 to the client) and through the same "
+               "file with `proxy_buffering on` and the gateway's `X-Accel-Buffering: no` ignored. The first table "
+               "is paired against A (`sse` straight); the second compares each proxied arm with the straight arm "
+               "of its own transport. The nginx paths add TLS (the straight ones are plain HTTP): a new "
+               "connection pays the TLS handshake (one more RTT), which WebSocket subscribers, opening one "
+               "connection each, show in TTFT; SSE subscribers reuse keep-alive connections. A buffering proxy "
+               "holds SSE events until it flushes (here: the stream's end), so none arrives live; *buffers* = "
+               "the arm's median gap is under a quarter of the straight arm's (tokens arrive in bursts); "
+               f"*no damage* = the equivalence test of the method: Δ delivery's 95% interval inside ±{margin:g} ms."),
+              ""]
+    for name, v in results["via"].items():
+        r = v["run"]
+        lines += [f"### via, {name}", "", *arm_table(r), "",
+                  ("| arm | path | Δ TTFT vs straight ms [95% CI] | Δ delivery vs straight ms [95% CI] | "
+                  "gap p50 ms (straight) | verdict |"), "| --- | --- | --- | --- | --- | --- |"]
+        for k, d in v["vs_straight"].items():
+            verdict_text = ("**damage: buffers**, tokens arrive in bursts" if d["buffers"]
+                            else f"no damage: within ±{margin:g} ms" if d.get("no_damage")
+                            else f"streams, but not shown within ±{margin:g} ms")
+            lines.append(f"| {k} | {d['transport']} via {d['via']} | {_ci(d['ttft_ms'])} | "
+                         f"{_ci(d['delivery_ms'], 3) if d['delivery_ms']['n'] else 'no live token'} | "
+                         f"{_f(d['gap_p50_ms'])} ({_f(d['straight_gap_p50_ms'])}) | {verdict_text} |")
+        lines.append("")
+    return lines
+
+
+def _cpu_and_bytes(results: dict[str, Any], rel: str) -> list[str]:
+    """CPU per token and bytes on the wire per profile and transport, and the plaintext bytes."""
+    cpu_table, _ = cpu_rows(results.get("cpu", {}))
+    lines = ["## CPU and bytes on the wire", "", *cpu_table, ""]
     plain = _plain_bytes(results)
     if plain:
         lines += [("Plaintext (the via run's straight arms, HTTP/1.1 without TLS), and what a compressing transport "
@@ -309,8 +339,7 @@ def write_report(results: dict[str, Any], runs: dict[str, Run], out: Path, plots
             lines.append(f"| {t} | {_f(raw)} | {_f(dfl)} | {_f(dfl / raw if raw else None, 2)} |")
         lines.append("")
     lines += [f"![CPU and bytes per token]({rel}/cpu_bytes.png)", ""]
-    out.write_text("\n".join(lines) + "\n")
-    _plots(results, runs, plots)
+    return lines
 
 
 def _plain_bytes(results: dict[str, Any]) -> dict[str, tuple[float, float]]:
@@ -320,162 +349,3 @@ def _plain_bytes(results: dict[str, Any]) -> dict[str, tuple[float, float]]:
             if k != "post" and not w["tls"] and w["down_bytes_per_token"]:
                 out.setdefault(w["transport"], (w["down_bytes_per_token"], w["deflated_down_bytes_per_token"]))
     return out
-
-
-# -- plots ------------------------------------------------------------------------------------------
-
-
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _series(results: dict[str, Any], level0: str) -> dict[str, dict[str, dict[str, Any]]]:
-    """profile -> transport label -> that arm's metrics (first arm of each transport)."""
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    for name, p in results["profiles"].items():
-        d: dict[str, dict[str, Any]] = {}
-        for r in (p["levels"][level0], p["responses"], p.get("browser")):
-            if r is None:
-                continue
-            for k, a in r["arms"].items():
-                d.setdefault(a["transport"], {**a, "gap_p99": r["gap_p99_ms"][k]})
-        out[name] = d
-    return out
-
-
-def _plots(results: dict[str, Any], runs: dict[str, Run], plots: Path) -> None:
-    plt = _plt()
-    level0 = str(results["settings"]["levels"].strip("[]").split(",")[0]).strip()
-    series = _series(results, level0)
-    profiles = list(series)
-    transports = list(dict.fromkeys(t for d in series.values() for t in d))
-    width = 0.8 / max(1, len(transports))
-    x = np.arange(len(profiles))
-
-    fig, ax = plt.subplots(figsize=(10, 4.8))
-    for i, t in enumerate(transports):
-        ax.bar(x + i * width, [series[p].get(t, {}).get("ttft_ms", {}).get("p50") or 0 for p in profiles], width,
-               label=t)
-    ax.set_xticks(x + 0.4 - width / 2, profiles)
-    ax.set_yscale("log")
-    ax.set_ylabel("TTFT p50 (ms, log)")
-    ax.set_title(f"Time to first token by profile and transport ({level0} streams)")
-    ax.legend(ncol=4, fontsize=8)
-    ax.grid(True, axis="y", which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(plots / "ttft.png", dpi=100)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    for ax, key, title in ((axes[0], "p50", "inter-token gap p50 (ms)"), (axes[1], "p99", "inter-token gap p99 (ms)")):
-        for i, t in enumerate(transports):
-            vals = [(series[p].get(t, {}).get("itl_ms", {}).get("p50") if key == "p50"
-                     else series[p].get(t, {}).get("gap_p99")) or 0 for p in profiles]
-            ax.bar(x + i * width, vals, width, label=t)
-        ax.set_xticks(x + 0.4 - width / 2, profiles, fontsize=8)
-        ax.set_title(title)
-        ax.grid(True, axis="y", alpha=0.3)
-    axes[1].legend(ncol=2, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(plots / "gaps.png", dpi=100)
-    plt.close(fig)
-
-    _plot_diffs(results, level0, plots / "diffs.png")
-    for name in profiles:
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        for tag in (f"{name} fan-out N={level0}", f"{name} browser"):
-            run = runs.get(tag)
-            if run is None:
-                continue
-            for k, sarm in run.arms.items():
-                if k == "B":  # the A/A twin
-                    continue
-                v = np.sort(delivery_ns(sarm)) / 1e6
-                if v.size:
-                    ax.plot(v, np.arange(1, v.size + 1) / v.size, label=f"{sarm.transport} (n={v.size})")
-        ax.set_xscale("log")
-        ax.set_xlabel("delivery latency (ms): receive − engine emit")
-        ax.set_ylabel("fraction of tokens")
-        ax.set_title(f"{name}: delivery latency CDF ({level0} streams; browser {results['settings']['browser_streams']})")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(plots / f"cdf_{slug(name)}.png", dpi=100)
-        plt.close(fig)
-
-    cpu = results.get("cpu", {})
-    if cpu:
-        fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
-        names = list(dict.fromkeys(t for per in cpu.values() for t in per.get("runs", {})))
-        xs = np.arange(len(names))
-        w = 0.8 / max(1, len(cpu))
-        for ax, getter, title in (
-                (axes[0], lambda r: r["server"].get("cpu_us_per_token"), "server CPU µs / delivered token"),
-                (axes[1], lambda r: r["client"].get("cpu_us_per_event"), "client CPU µs / received event"),
-                (axes[2], lambda r: (r.get("wire") or {}).get("A", {}).get("down_bytes_per_token"),
-                 "down bytes / token (TLS)")):
-            for j, (profile, per) in enumerate(cpu.items()):
-                means, lo, hi = [], [], []
-                for t in names:
-                    vals = [v for v in (getter(r) for r in per.get("runs", {}).get(t, [])) if v is not None] or [0.0]
-                    means.append(float(np.mean(vals)))
-                    lo.append(means[-1] - min(vals))
-                    hi.append(max(vals) - means[-1])
-                ax.bar(xs + j * w, means, w, yerr=[lo, hi], capsize=2, label=profile)
-            ax.set_xticks(xs + 0.4 - w / 2, names, fontsize=8)
-            ax.set_title(title, fontsize=10)
-            ax.grid(True, axis="y", alpha=0.3)
-        axes[0].legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(plots / "cpu_bytes.png", dpi=100)
-        plt.close(fig)
-
-
-def _symlog_limits(lo: float, hi: float, linthresh: float, pad: float = 1.6) -> tuple[float, float]:
-    """Axis limits of a symlog axis that hold ``[lo, hi]`` with room for the markers: ``pad`` times the
-    value beyond the linear range, a linear margin inside it."""
-    def out(x: float) -> float:
-        return x * pad if abs(x) > linthresh else x + np.sign(x or 1) * linthresh * (pad - 1)
-
-    return (min(out(lo), -linthresh), max(out(hi), linthresh))
-
-
-def _plot_diffs(results: dict[str, Any], level0: str, path: Path) -> None:
-    """Forest plot: per profile, the delivery differences vs A with their intervals."""
-    plt = _plt()
-    rows: list[tuple[str, dict[str, Any]]] = []
-    for name, p in results["profiles"].items():
-        r = p["levels"][level0]
-        rows += [(f"{name}: sse A/A", r["diffs_ms"]["B-A"]), (f"{name}: ws − sse", r["diffs_ms"]["C-A"]),
-                 (f"{name}: sse-h2 − sse", r["diffs_ms"]["D-A"]),
-                 (f"{name}: calibration", p["calibration"]["diffs_ms"]["B-A"])]
-        if p.get("browser"):
-            rows += [(f"{name}: browser A/A", p["browser"]["diffs_ms"]["B-A"]),
-                     (f"{name}: browser ws − es", p["browser"]["diffs_ms"]["D-A"]),
-                     (f"{name}: browser calibration", _cal_diff(p["browser_calibration"]))]
-    fig, ax = plt.subplots(figsize=(8, 0.28 * len(rows) + 1.2))
-    ends = [float(results["settings"]["inject_ms"]), 0.0]
-    for i, (label, d) in enumerate(rows):
-        lo, hi = d["ci95"]
-        if d.get("median") is None or not all(np.isfinite([d["median"], lo, hi])):
-            ax.text(0, i, "not measured", fontsize=6, va="center", ha="center", color="grey")
-            continue
-        ends += [lo, hi, d["median"]]
-        ax.errorbar([d["median"]], [i], xerr=[[d["median"] - lo], [hi - d["median"]]], fmt="o", capsize=3,
-                    color="C3" if "calibration" in label else "C0")
-    ax.axvline(0, color="grey", linewidth=1)
-    ax.axvline(float(results["settings"]["inject_ms"]), color="C3", linewidth=1, linestyle="--")
-    ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xscale("symlog", linthresh=0.1)
-    ax.set_xlim(*_symlog_limits(min(ends), max(ends), 0.1))
-    ax.set_xlabel("median delivery difference (ms), 95% CI (browser: unpaired, one arm per stream)")
-    ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -18,8 +18,8 @@ import orjson
 import websockets
 from websockets.asyncio.client import connect as ws_connect
 
-from tokenfan_bench.record import Recorder, on_sse_event, on_ws_message
-from tokenfan_bench.wire import SseDecoder
+from tokenfan_bench.clients.recorder import Recorder, on_sse_event, on_ws_message
+from tokenfan_bench.wire.events import SseDecoder
 
 PY_ERRORS: tuple[type[Exception], ...] = (httpx.HTTPError, websockets.exceptions.WebSocketException, OSError,
                                               orjson.JSONDecodeError, KeyError, TypeError)
@@ -71,7 +71,7 @@ class PythonBackend:
     transports = ("sse", "ws", "sse-h2")
 
     def __init__(self, slots: int, timeout: float, cafile: str | None) -> None:
-        from tokenfan_bench.fastclient import client_ssl_context
+        from tokenfan_bench.clients.fast import client_ssl_context
 
         ssl_ctx = client_ssl_context(cafile) if cafile else None
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=4 * slots + 8)

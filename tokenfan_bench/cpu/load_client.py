@@ -6,7 +6,7 @@ occurrences of its mode's event marker in the raw bytes (``data: {`` for chat ch
 ``response.output_text.delta`` event line for the Responses API, one chunk message per WebSocket frame),
 carrying the marker's length - 1 bytes over from one read to the next so a marker split by a read is
 counted once. Only the capacity readers also take each event's ``emit_ns`` (one regular expression per
-read) to compute delivery latency, as :mod:`tokenfan_bench.stats` defines it.
+read) to compute delivery latency, as :mod:`tokenfan_bench.stats.metrics` defines it.
 
 Modes (the issue's names):
 
@@ -15,7 +15,7 @@ Modes (the issue's names):
 - ``c`` ``/v1/ws``: ``generations`` requests multiplexed on each WebSocket connection.
 - ``d`` Responses SSE: ``POST /v1/responses`` with ``stream: true``, one connection each.
 
-The same client talks to the gateway and to :mod:`tokenfan_bench.raw_server` (the floor).
+The same client talks to the gateway and to :mod:`tokenfan_bench.servers.raw_floor` (the floor).
 """
 
 from __future__ import annotations

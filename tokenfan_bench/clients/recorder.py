@@ -1,5 +1,5 @@
 """What one subscriber saw: :class:`Recorder` (one row per received chunk, with its receive time) and
-its conversion to :class:`~tokenfan_bench.stats.ArmSamples`.
+its conversion to :class:`~tokenfan_bench.stats.metrics.ArmSamples`.
 
 Both clients (``--client python`` and ``fast``) record through :func:`on_sse_event` and
 :func:`on_ws_message`, so they agree on what counts as a chunk, a normal end and an error.
@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenfan_bench.stats import ArmSamples
-from tokenfan_bench.wire import ChunkSample, SseEvent, chunk_sample, decode_ws, sample_sse
+from tokenfan_bench.stats.metrics import ArmSamples
+from tokenfan_bench.wire.events import ChunkSample, SseEvent, chunk_sample, decode_ws, sample_sse
 
 
 class Recorder:

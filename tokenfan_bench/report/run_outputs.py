@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from tokenfan_bench.runner import Run
-from tokenfan_bench.stats import arm_metrics, delivery_ns, median_difference
+from tokenfan_bench.stats.ab_difference import median_difference
+from tokenfan_bench.stats.metrics import arm_metrics, delivery_ns
 
 METRIC_ROWS = (("ttft_ms", "TTFT ms"), ("itl_ms", "ITL ms"), ("e2e_ms", "E2E ms"),
                ("delivery_ms", "delivery ms"), ("engine_to_gateway_ms", "  engine→gateway ms"),
@@ -148,7 +149,7 @@ def summary_md(results: dict[str, Any]) -> str:
            "", arm_table(results), "", diff_line(results), "", server_line(results), ""]
     if "baseline" in results:
         b = results["baseline"]
-        out += ["## Raw floor", "", (f"Same clients against `tokenfan_bench/raw_server.py` at {b['tokens_per_s']:g} "
+        out += ["## Raw floor", "", (f"Same clients against `tokenfan_bench/servers/raw_floor.py` at {b['tokens_per_s']:g} "
                  "tokens/s per stream."), "", arm_table(b["run"]), "", server_line(b["run"]), "",
                 f"Gateway deliveries/s = {b['deliveries_per_s_ratio']:.2f} × raw"
                 + (f"; deliveries per CPU-second = {b['deliveries_per_cpu_s_ratio']:.3f} × raw "
@@ -160,7 +161,7 @@ def summary_md(results: dict[str, Any]) -> str:
             out.append(f"- {rate} tokens/s: saturation (p99 delivery > {results['saturation_threshold_ms']:g} ms) at "
                        + ", ".join(f"{t} = {n if n is not None else 'not reached'}" for t, n in sat.items()))
         out.append("")
-    out.append("Definitions: see `tokenfan_bench/stats.py` (TTFT, ITL, E2E as in `vllm bench serve`; delivery = "
+    out.append("Definitions: see `tokenfan_bench/stats/metrics.py` (TTFT, ITL, E2E as in `vllm bench serve`; delivery = "
                "client receive − engine emit, live events only).")
     return "\n".join(out)
 

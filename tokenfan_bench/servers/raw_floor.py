@@ -5,7 +5,7 @@ It speaks just enough of the gateway's API for the bench clients, on one port:
 (WebSocket upgrade on the same port), ``DELETE /v1/streams/{id}``, ``/health`` and ``/metrics`` (``process_cpu_seconds_total``),
 and paces every stream like the synthetic engine (TTFT, then one token every ``1/tokens_per_s``; with
 ``--steps shared`` on one step clock, as ``--synthetic-steps shared``).
-For ``tokenfan bench cpu`` (:mod:`tokenfan_bench.cpu`) also the per-request paths, minimally:
+For ``tokenfan bench cpu`` (:mod:`tokenfan_bench.cpu.gateway_cost`) also the per-request paths, minimally:
 ``POST /v1/chat/completions`` and ``POST /v1/responses`` with ``stream: true`` (the chunks, resp. the
 ``response.created`` / ``response.output_text.delta`` / ``response.completed`` events, nothing else) and
 ``/v1/ws`` (``request`` messages multiplexed on one socket; ``chunk`` and ``done`` messages back).
@@ -16,7 +16,7 @@ WebSocket text frame), and the same bytes go to every subscriber with ``transpor
 loop (a ``/v1/ws`` socket gets one write per tick for all its generations): no engine, no ZeroMQ, no ASGI, no task and no await per connection or per stream, no
 per-subscriber state but the socket. What is left is the cost of the sockets.
 
-Run: ``python -m tokenfan_bench.raw_server --port P --tokens-per-s 20 --ttft-ms 20``.
+Run: ``python -m tokenfan_bench.servers.raw_floor --port P --tokens-per-s 20 --ttft-ms 20``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from tokenfan_bench.wire import (
+from tokenfan_bench.wire.events import (
     OP_CLOSE,
     OP_PING,
     OP_PONG,
@@ -392,7 +392,7 @@ class RawConnection(asyncio.Protocol):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tokenfan_bench.raw_server", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tokenfan_bench.servers.raw_floor", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True, help="HTTP port (SSE and WebSocket)")
     ap.add_argument("--tokens-per-s", type=float, default=20.0)

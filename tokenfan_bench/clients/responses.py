@@ -1,7 +1,7 @@
 """The Responses API arms, ``resp-sse`` and ``resp-ws``: each subscriber runs its own response.
 
 - ``resp-sse``: ``POST /v1/responses?tokenfan_timing=1`` with ``stream: true`` on a keep-alive
-  HTTP/1.1 connection (:class:`~tokenfan_bench.fastclient.H1Pool`), read as SSE.
+  HTTP/1.1 connection (:class:`~tokenfan_bench.clients.fast.H1Pool`), read as SSE.
 - ``resp-ws``: WebSocket mode on ``ws://…/v1/responses?tokenfan_timing=1`` (picows): one
   ``response.create`` message per response; the connection is kept for the slot's next response,
   as the mode intends (and as the SSE arm reuses its HTTP connection).
@@ -16,8 +16,8 @@ same instant, so every event counts as live.
 A subscriber succeeds when its ``sequence_number``s are contiguous from 0, the deltas joined equal
 the ``response.output_text.done`` text (every token arrived, in order), and the response ends with
 ``response.completed`` or ``response.incomplete`` (``max_output_tokens``). Timestamping is the fast
-client's (:mod:`tokenfan_bench.fastclient`): stamped first thing per read, parsed in a
-:class:`~tokenfan_bench.fastclient.ReadBatch`.
+client's (:mod:`tokenfan_bench.clients.fast`): stamped first thing per read, parsed in a
+:class:`~tokenfan_bench.clients.fast.ReadBatch`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import msgspec
 import orjson
 import picows
 
-from tokenfan_bench.fastclient import (
+from tokenfan_bench.clients.fast import (
     PARSE_ERRORS,
     BatchedWsListener,
     H1Pool,
@@ -39,9 +39,9 @@ from tokenfan_bench.fastclient import (
     client_ssl_context,
     target_of,
 )
-from tokenfan_bench.http1 import ResponseHead, request
-from tokenfan_bench.record import Recorder
-from tokenfan_bench.wire import ChunkSample, SseDecoder
+from tokenfan_bench.clients.recorder import Recorder
+from tokenfan_bench.wire.events import ChunkSample, SseDecoder
+from tokenfan_bench.wire.http1 import ResponseHead, request
 
 RESPONSES_TRANSPORTS = ("resp-sse", "resp-ws")
 DELTA = "response.output_text.delta"

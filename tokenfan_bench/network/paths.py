@@ -1,10 +1,10 @@
 """Where each arm's bytes travel: straight to the gateway, through nginx (``--via``, or per arm
-``--arms sse,sse@nginx``) and through the shaping proxy (``--net``, :mod:`tokenfan_bench.netem`).
+``--arms sse,sse@nginx``) and through the shaping proxy (``--net``, :mod:`tokenfan_bench.network.shaping_proxy`).
 
 Every arm gets its own route through the shaping proxy (same profile, same path jitter), so the bytes
 on the wire are counted per arm; stream creation (``POST /v1/streams``) has a route of its own, and the
 server's ``/metrics`` is read directly (never shaped). With ``--net`` the profile's RTT and bandwidth
-are measured once through the proxy (:func:`tokenfan_bench.netem.probe`) and reported beside it.
+are measured once through the proxy (:func:`tokenfan_bench.network.shaping_proxy.probe`) and reported beside it.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from tokenfan_bench.netem import Profile, Shaper
-from tokenfan_bench.stats import ArmSamples
-from tokenfan_bench.via import VARIANTS, nginx_in_front
+from tokenfan_bench.network.nginx import VARIANTS, nginx_in_front
+from tokenfan_bench.network.shaping_proxy import Profile, Shaper
+from tokenfan_bench.stats.metrics import ArmSamples
 
 VIAS = ("direct", *VARIANTS)
 

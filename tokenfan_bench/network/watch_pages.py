@@ -1,6 +1,6 @@
 """``tokenfan bench net``: a gateway's pages through every network profile, for a person to watch.
 
-One shaping proxy (:mod:`tokenfan_bench.netem`) per profile in front of ``--url``; each profile's RTT
+One shaping proxy (:mod:`tokenfan_bench.network.shaping_proxy`) per profile in front of ``--url``; each profile's RTT
 and bandwidth are measured through it, and the ``/ab`` link printed for each carries the whole list
 (``?net=NAME&routes=NAME:PORT,…``), so the page's "Network" menu switches between them. Runs until
 interrupted (Ctrl-C).
@@ -13,7 +13,7 @@ import contextlib
 import sys
 import time
 
-from tokenfan_bench.netem import PROFILES, Shaper, parse_profile
+from tokenfan_bench.network.shaping_proxy import PROFILES, Shaper, parse_profile
 
 
 def parser() -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ shaped path: the bench reads the page clock between two readings of its own and 
 :data:`CLOCK_PINGS` round trips (offset ± half of it, reported). Paired differences do not depend on it.
 
 Chromium's CPU is the whole browser process tree's (``psutil``) over the run, per received event.
-The result has the shape of a socket run (:func:`tokenfan_bench.report.run_result`), transports
+The result has the shape of a socket run (:func:`tokenfan_bench.report.run_outputs.run_result`), transports
 named ``browser-es``, ``browser-fetch``, ``browser-ws``.
 """
 
@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 import psutil
 
-from tokenfan_bench.clients import Plan
-from tokenfan_bench.report import run_result
+from tokenfan_bench.clients.workers import Plan
+from tokenfan_bench.report.run_outputs import run_result
 from tokenfan_bench.runner import Run, scrape
-from tokenfan_bench.stats import ArmSamples
+from tokenfan_bench.stats.metrics import ArmSamples
 
 BROWSER_ARMS = ("es", "fetch", "ws")
 CHROMIUM = Path("/usr/bin/chromium")
@@ -108,7 +108,7 @@ def run_browser(url: str, arms: tuple[str, ...], *, streams: int, rounds: int, m
     ``ws_origins[i]`` (the gateway must allow those origins). ``separate``: each stream read by one arm
     (module docstring). ``browser``: a Chromium from :func:`chromium` to run in (a fresh context);
     default: launch one. ``mark_jitter``: the run's shaping path
-    (:meth:`tokenfan_bench.paths.Paths.mark_jitter`), so unpaired differences drop its known jitter."""
+    (:meth:`tokenfan_bench.network.paths.Paths.mark_jitter`), so unpaired differences drop its known jitter."""
     bad = [a for a in arms if a not in BROWSER_ARMS]
     if bad or len(arms) < 2:
         raise ValueError(f"browser arms: 2 or more of {', '.join(BROWSER_ARMS)}; got {arms}")

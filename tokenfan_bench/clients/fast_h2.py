@@ -1,9 +1,9 @@
 """The fast client's HTTP/2 arms: SSE over HTTP/2 (``sse-h2``) and WebSocket over HTTP/2 (``ws-h2``,
-RFC 8441 extended CONNECT), on :class:`~tokenfan_bench.h2wire.H2Client`.
+RFC 8441 extended CONNECT), on :class:`~tokenfan_bench.wire.http2.H2Client`.
 
 ``https``/``wss`` targets negotiate ``h2`` by ALPN; ``http``/``ws`` targets speak HTTP/2 with prior
 knowledge (h2c). Receive times follow the fast client's discipline (one stamp per read, parsing
-deferred through the :class:`~tokenfan_bench.fastclient.ReadBatch`): every frame in one read, of any
+deferred through the :class:`~tokenfan_bench.clients.fast.ReadBatch`): every frame in one read, of any
 stream, carries that read's stamp. :class:`H2Pool` puts up to ``streams_per_connection``
 subscribers on one connection (default 1: one connection per subscriber, like the HTTP/1.1 arms).
 """
@@ -16,8 +16,11 @@ import ssl
 import time
 from typing import Any
 
-from tokenfan_bench.fastclient import PARSE_ERRORS, ReadBatch, Sink, SseSubscription, connect
-from tokenfan_bench.h2wire import (
+from tokenfan_bench.clients.fast import PARSE_ERRORS, ReadBatch, Sink, SseSubscription, connect
+from tokenfan_bench.clients.recorder import Recorder, on_ws_message
+from tokenfan_bench.wire.events import OP_CLOSE, OP_PING, OP_PONG, OP_TEXT, WsDecoder, ws_frame
+from tokenfan_bench.wire.http1 import ResponseHead
+from tokenfan_bench.wire.http2 import (
     ENABLE_CONNECT_PROTOCOL,
     EV_DATA,
     EV_GOAWAY,
@@ -28,9 +31,6 @@ from tokenfan_bench.h2wire import (
     H2Client,
     H2Error,
 )
-from tokenfan_bench.http1 import ResponseHead
-from tokenfan_bench.record import Recorder, on_ws_message
-from tokenfan_bench.wire import OP_CLOSE, OP_PING, OP_PONG, OP_TEXT, WsDecoder, ws_frame
 
 time_ns = time.time_ns
 

@@ -79,7 +79,7 @@ class IntervalMerger:
             self._texts.append(step.text)
             self._ids.extend(step.token_ids)
             step = Step(text="".join(self._texts), token_count=held, finish_reason=step.finish_reason,
-                        token_ids=self._ids)
+                        token_ids=self._ids or ())
             self._texts = []
             self._ids = []
             self._tokens = 0

@@ -31,7 +31,8 @@ def test_poisson_arrivals_are_seeded_and_offer_the_rate_exactly() -> None:
 @pytest.mark.parametrize(("arrivals", "rate", "n"), [("poisson", 50.0, 40), ("fixed", 20.0, 12)])
 def test_the_schedule_is_the_one_vllms_client_sends(monkeypatch: pytest.MonkeyPatch, arrivals: str, rate: float,
                                                     n: int) -> None:
-    serve = pytest.importorskip("vllm.benchmarks.serve")
+    from vllm.benchmarks import serve  # (imported here: vLLM's import costs seconds)
+
     clock = [1000.0]
     sent: list[float] = []
 

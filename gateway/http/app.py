@@ -1,7 +1,7 @@
 """The Starlette application: routes, middleware and the lifespan that owns the :class:`Gateway`.
 
 Route modules: :mod:`gateway.api.routes_openai` (chat/completions/models), :mod:`gateway.api.ws_mux`
-(``/v1/ws``), :mod:`gateway.api.fanout` (``/v1/streams``), :mod:`gateway.http.service` (health, metrics,
+(``/v1/ws``), :mod:`gateway.api.fanout` (``/v1/streams``), :mod:`gateway.api.ui_chat` (``/api/chat``), :mod:`gateway.http.service` (health, metrics,
 time, pages). Every streamed token goes through :mod:`gateway.core.delivery`.
 """
 
@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
-from gateway.api import fanout, responses_ws_route, routes_openai, routes_responses, ws_mux
+from gateway.api import fanout, responses_ws_route, routes_openai, routes_responses, ui_chat, ws_mux
 from gateway.config import GatewayConfig
 from gateway.core.engine_pool import EnginePool
 from gateway.errors import APIError, EngineError
@@ -111,6 +111,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
         Route("/v1/responses/{id}", routes_responses.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{id}/cancel", routes_responses.cancel_response, methods=["POST"]),
         WebSocketRoute("/v1/responses", responses_ws_route.responses_ws_endpoint),
+        *ui_chat.routes(),  # the AI SDK's useChat: POST /api/chat, GET / DELETE /api/chat/{id}/stream
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics, methods=["GET"]),
         Route("/v1/time", service.server_time, methods=["GET"]),

@@ -355,3 +355,47 @@ def test_read_ui_message_stream_in_node_assembles_the_answer(gateway_url: str, u
     assert chunks[:3] == ["start", "start-step", "text-start"] and chunks[-3:] == ["text-end", "finish-step", "finish"]
     assert out["snapshots"] > 3
     assert run_node(ui_node_dir / "read_stream.mjs", gateway_url, "node-chat", "{}", "-") == {"resumed": False}
+
+
+# -- vLLM's tiny model (random weights; the session's parser gateway) -------------------------------------
+
+TINY = {"max_tokens": 24, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
+FORCED_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome|Oslo)"\}\}</tool_call>'
+
+
+@pytest.mark.vllm
+def test_tiny_model_text_streams_and_equals_chat_completions(browser: Browser, parser_gateway: str,
+                                                             bundle: Path) -> None:
+    question = "Write a line about rivers."
+    control = httpx.post(parser_gateway + "/v1/chat/completions", timeout=120, json={
+        **TINY, "messages": [{"role": "user", "content": question}]}).json()["choices"][0]["message"]["content"]
+    page = open_chat(browser, parser_gateway, bundle, "tiny-chat", settings=TINY)
+    send(page, question)
+    state = wait_settled(page)
+    assert state["status"] == "ready", state["error"]
+    assert control and answer(state) == control  # greedy: the same text as chat completions
+    page.context.close()
+
+
+@pytest.mark.vllm
+def test_tiny_model_tool_loop_runs_the_tool_and_sends_the_next_turn(browser: Browser, parser_gateway: str,
+                                                                     bundle: Path) -> None:
+    """The call is forced by a ``structured_outputs`` regex (random weights); the next turn is free text."""
+    settings = {**TINY, "max_tokens": 120, "tools": [WEATHER_TOOL], "tool_choice": "auto",
+                "structured_outputs": {"regex": FORCED_CALL}, "after_tool": {**TINY, "tools": [WEATHER_TOOL]}}
+    page = open_chat(browser, parser_gateway, bundle, "tiny-tool-chat", settings=settings)
+    send(page, "What is the weather in Paris?")
+    page.wait_for_function("window.toolCalls.length === 1 && window.chatState.status !== 'submitted' && "
+                           "window.chatState.messages[window.chatState.messages.length - 1].parts"
+                           ".filter((p) => p.type === 'step-start').length === 2 && "
+                           "(window.chatState.status === 'ready' || window.chatState.status === 'error')")
+    state = chat_state(page)
+    assert state["status"] == "ready", state["error"]
+    [call] = page.evaluate("window.toolCalls")
+    assert call["name"] == "get_weather" and call["input"]["city"] in ("Paris", "Rome", "Oslo")
+    assistant = state["messages"][-1]
+    tool = next(p for p in assistant["parts"] if p["type"] == "tool-get_weather")
+    assert tool["state"] == "output-available" and tool["output"] == {"city": call["input"]["city"], "celsius": 18}
+    second = assistant["parts"][[p["type"] for p in assistant["parts"]].index("step-start", 1) + 1:]
+    assert second and all(p["type"] == "text" for p in second), second  # the model's answer after the tool
+    page.context.close()

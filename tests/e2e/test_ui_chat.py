@@ -187,6 +187,7 @@ def control_text(browser: Browser, base: str, bundle: Path, question: str, setti
 
 
 @pytest.mark.vllm
+@pytest.mark.browser
 def test_usechat_streams_text_into_the_message_list(browser: Browser, scripted: str, bundle: Path) -> None:
     page = open_chat(browser, scripted, bundle, "hello-chat")
     send(page, "Please say hello.")
@@ -204,6 +205,7 @@ def test_usechat_streams_text_into_the_message_list(browser: Browser, scripted: 
 
 
 @pytest.mark.vllm
+@pytest.mark.browser
 def test_reasoning_parts_appear_before_the_answer(browser: Browser, scripted: str, bundle: Path) -> None:
     page = open_chat(browser, scripted, bundle, "think-chat", settings={"max_tokens": 400})
     send(page, "Please think it over.")
@@ -217,6 +219,7 @@ def test_reasoning_parts_appear_before_the_answer(browser: Browser, scripted: st
 
 
 @pytest.mark.vllm
+@pytest.mark.browser
 def test_client_side_tool_loop_completes_with_the_final_answer(browser: Browser, scripted: str,
                                                                bundle: Path) -> None:
     page = open_chat(browser, scripted, bundle, "tool-chat", settings={**NO_THINK, "tools": [WEATHER_TOOL]})
@@ -238,6 +241,7 @@ def test_client_side_tool_loop_completes_with_the_final_answer(browser: Browser,
 
 
 @pytest.mark.vllm
+@pytest.mark.browser
 def test_a_reload_mid_answer_resumes_it_and_the_text_equals_an_uninterrupted_run(
         browser: Browser, scripted: str, bundle: Path) -> None:
     question = "Please tell a long story."
@@ -259,6 +263,7 @@ def test_a_reload_mid_answer_resumes_it_and_the_text_equals_an_uninterrupted_run
 
 
 @pytest.mark.vllm
+@pytest.mark.browser
 def test_stop_and_the_cancel_endpoint_abort_the_generation_in_the_engine(
         browser: Browser, scripted: str, bundle: Path) -> None:
     page = open_chat(browser, scripted, bundle, "stop-chat", resume=True)
@@ -280,6 +285,7 @@ def test_stop_and_the_cancel_endpoint_abort_the_generation_in_the_engine(
 # -- synthetic engines: a failing engine, two replicas sharing Redis ------------------------------------
 
 
+@pytest.mark.browser
 def test_an_engine_failure_mid_answer_is_the_sdks_error_state(
         browser: Browser, bundle: Path, ipc_dir: Path) -> None:
     address = f"ipc://{ipc_dir / 'ui-chat-failing.sock'}"
@@ -301,6 +307,7 @@ def test_an_engine_failure_mid_answer_is_the_sdks_error_state(
         engine.stop()
 
 
+@pytest.mark.browser
 def test_a_reload_resumes_on_another_replica_through_redis(
         browser: Browser, bundle: Path, ipc_dir: Path, tmp_path: Path) -> None:
     require("redis-server")
@@ -364,6 +371,7 @@ FORCED_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Par
 
 
 @pytest.mark.vllm
+@pytest.mark.browser
 def test_tiny_model_text_streams_and_equals_chat_completions(browser: Browser, parser_gateway: str,
                                                              bundle: Path) -> None:
     question = "Write a line about rivers."
@@ -378,6 +386,7 @@ def test_tiny_model_text_streams_and_equals_chat_completions(browser: Browser, p
 
 
 @pytest.mark.vllm
+@pytest.mark.browser
 def test_tiny_model_tool_loop_runs_the_tool_and_sends_the_next_turn(browser: Browser, parser_gateway: str,
                                                                      bundle: Path) -> None:
     """The call is forced by a ``structured_outputs`` regex (random weights); the next turn is free text."""

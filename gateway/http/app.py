@@ -1,7 +1,8 @@
 """The Starlette application: routes, middleware and the lifespan that owns the :class:`Gateway`.
 
 Route modules: :mod:`gateway.api.openai.routes` (chat/completions/models), :mod:`gateway.api.openai.ws_mux`
-(``/v1/ws``), :mod:`gateway.api.openai.fanout` (``/v1/streams``), :mod:`gateway.http.service` (health, metrics,
+(``/v1/ws``), :mod:`gateway.api.openai.fanout` (``/v1/streams``), :mod:`gateway.api.responses` (``/v1/responses``),
+:mod:`gateway.api.ui_chat` (``/api/chat``), :mod:`gateway.http.service` (health, metrics,
 time, pages). Every streamed token goes through :mod:`gateway.core.delivery`.
 """
 
@@ -21,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
+from gateway.api import ui_chat
 from gateway.api.openai import fanout, ws_mux
 from gateway.api.openai import routes as routes_openai
 from gateway.api.responses import routes as routes_responses
@@ -116,6 +118,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
         Route("/v1/responses/{id}", routes_responses.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{id}/cancel", routes_responses.cancel_response, methods=["POST"]),
         WebSocketRoute("/v1/responses", responses_ws_route.responses_ws_endpoint),
+        *ui_chat.mount(),  # the AI SDK's useChat: POST /api/chat, GET / DELETE /api/chat/{id}/stream
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics, methods=["GET"]),
         Route("/v1/time", service.server_time, methods=["GET"]),

@@ -47,6 +47,7 @@ from gateway.errors import APIError, EngineError
 from gateway.state import Gateway
 
 ENDPOINT = "responses"
+RESPONSE_ID_PREFIX = "resp_"  # gateway.api.responses_api.new_response_id
 
 
 def retained_transcript(hub: StreamHub, response_id: str) -> list[Message] | None:
@@ -63,7 +64,9 @@ async def history(gw: Gateway, previous_response_id: str | None) -> list[Message
     transcript = retained_transcript(gw.hub, previous_response_id)
     if transcript is not None:
         return list(transcript)
-    if gw.broker is not None and (data := await gw.broker.transcript(previous_response_id)) is not None:
+    # Only response ids: the broker's store also holds other APIs' entries (gateway.api.ui_chat.chats).
+    if gw.broker is not None and previous_response_id.startswith(RESPONSE_ID_PREFIX) \
+            and (data := await gw.broker.transcript(previous_response_id)) is not None:
         return decode_transcript(data)
     raise previous_response_not_found(previous_response_id)
 

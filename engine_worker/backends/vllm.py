@@ -5,9 +5,11 @@ passed through, and CPU-only settings are environment variables that GPU builds 
 
 Deliberate choices:
 
-* Tokenization happens once, in :meth:`VllmBackend.prepare` (chat template applied by the model's
-  tokenizer, or ``--chat-template``); vLLM receives token ids, so prompt length is known before the
-  request is accepted and over-long prompts are rejected like vLLM's OpenAI server does.
+* Tokenization happens once, in :meth:`VllmBackend.prepare`; vLLM receives token ids, so prompt length
+  is known before the request is accepted and over-long prompts are rejected like vLLM's OpenAI server
+  does. Chat messages are rendered by vLLM's own chat layer (``OnlineRenderer.render_chat``, the model's
+  template or ``--chat-template``), so content parts, roles and template kwargs give the prompt ``vllm
+  serve`` gives; a prompt is tokenized with special tokens, as vLLM's completions do.
 * dtype ``auto`` on CPU: bfloat16 when the CPU has AMX or AVX512-BF16 and the ``tokenfan_cpu_amx`` vLLM
   plugin is active (it requests AMX permission inside vLLM's worker; without it bfloat16 dies with SIGILL
   on the first forward pass), else float32. bfloat16 halves weight and KV-cache memory; on a 2-vCPU AMX
@@ -204,29 +206,33 @@ class VllmBackend:
             prepared = await self._openai.prepare(submit, vllm_openai.decode_body(submit.body))
             if prepared is not None:
                 return prepared
-        sampling = submit.sampling
-        if submit.messages is not None and self._chat_stop:
-            sampling = msgspec.structs.replace(sampling, stop=[*sampling.stop, *self._chat_stop])
-        params = self.sampling_params(sampling)
         if submit.messages is not None:
             param = "messages"
-            text = self._render_chat(submit)
-            # The template already wrote the BOS token: do not add a second one.
-            ids = self._tokenizer.encode(text, add_special_tokens=False)
+            if not submit.messages:
+                raise RequestRejected("messages must not be empty", param="messages")
+            ids = await self._require_openai().render_plain_chat(submit)
         else:
             param = "prompt"
             ids = self._tokenizer.encode(submit.prompt or "", add_special_tokens=True)
         if not ids:
             raise RequestRejected("the prompt is empty", param=param)
-        max_tokens = submit.sampling.max_tokens
-        if len(ids) + max_tokens > self._info.max_model_len:
+        sampling = msgspec.structs.replace(submit.sampling, max_tokens=self._max_tokens(len(ids), param, submit))
+        if submit.messages is not None and self._chat_stop:
+            sampling = msgspec.structs.replace(sampling, stop=[*sampling.stop, *self._chat_stop])
+        return Prepared(submit=submit, prompt_tokens=len(ids), payload=(ids, self.sampling_params(sampling)))
+
+    def _max_tokens(self, prompt_tokens: int, param: str, submit: Submit) -> int:
+        """The request's output budget as vllm serve sets it (``get_max_tokens``): at most what the context
+        leaves after the prompt; a prompt that fills the context is refused (``context_length_exceeded``)."""
+        from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+
+        max_len = self._info.max_model_len
+        if prompt_tokens >= max_len:
             raise RequestRejected(
-                f"This model's maximum context length is {self._info.max_model_len} tokens. However, you "
-                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {param}, {max_tokens} in the "
-                f"completion). Please reduce the length of the {param} or completion.",
-                code="context_length_exceeded", param=param,
-            )
-        return Prepared(submit=submit, prompt_tokens=len(ids), payload=(ids, params))
+                f"This model's maximum context length is {max_len} tokens. However, your {param} has "
+                f"{prompt_tokens} tokens, which leaves no room for the completion. Please reduce the length of "
+                f"the {param}.", code="context_length_exceeded", param=param)
+        return get_max_tokens(max_len, submit.sampling.max_tokens, prompt_tokens, {})
 
     def sampling_params(self, sampling: Sampling) -> SamplingParams:
         """vLLM sampling parameters (streamed as deltas); raises :class:`RequestRejected` if invalid."""
@@ -252,19 +258,6 @@ class VllmBackend:
             raise RequestRejected(f"invalid sampling parameters: {exc.args[0]}", param=exc.parameter) from exc
         except ValueError as exc:
             raise RequestRejected(f"invalid sampling parameters: {exc}") from exc
-
-    def _render_chat(self, submit: Submit) -> str:
-        from jinja2 import TemplateError
-
-        messages = [{"role": m.role, "content": m.content} for m in submit.messages or []]
-        if not messages:
-            raise RequestRejected("messages must not be empty", param="messages")
-        try:
-            return self._tokenizer.apply_chat_template(
-                messages, chat_template=self._chat_template, add_generation_prompt=True, tokenize=False,
-            )
-        except TemplateError as exc:  # includes the template's own raise_exception(...)
-            raise RequestRejected(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
     async def stream(self, prepared: Prepared, sink: StepSink) -> None:
         """Run one request; cancelling it leaves the abort to :meth:`abort` (the server calls it)."""
@@ -338,6 +331,11 @@ class VllmBackend:
     async def abort(self, request_id: str) -> None:
         if self._engine is not None:
             await self._engine.abort(request_id)  # unknown or finished ids are ignored
+
+    def _require_openai(self) -> vllm_openai.OpenAILayer:
+        if self._openai is None:
+            raise RuntimeError("VllmBackend.start() has not been called (or shutdown() has)")
+        return self._openai
 
     def _require_engine(self) -> AsyncLLM:
         if self._engine is None:

@@ -163,10 +163,12 @@ _TEXT_PARTS = frozenset({"text"})
 
 
 def _messages(messages: list[InMessage]) -> list[p.ChatMessage]:
-    """The plain path's messages (:func:`is_plain` admits only system, user and assistant turns with text)."""
+    """The plain path's messages (:func:`is_plain` admits only system, user and assistant turns with text);
+    text parts stay unjoined and ``null`` content is no parts, as vLLM's chat layer takes them (the engine
+    renders with it)."""
     if not messages:
         raise invalid("messages", "messages must be a non-empty array.")
-    return [p.ChatMessage(m.role, text_content(f"messages[{i}].content", m.content or "", _TEXT_PARTS))
+    return [p.ChatMessage(m.role, text_content(f"messages[{i}].content", [] if m.content is None else m.content, _TEXT_PARTS))
             for i, m in enumerate(messages)]
 
 

@@ -29,6 +29,15 @@ def test_text_parts_reach_the_engine_unjoined_and_null_content_is_no_parts() -> 
     assert p.decode(p.encode(sub)) == sub
 
 
+@pytest.mark.parametrize("prompt", [None, ""])
+def test_a_missing_or_empty_prompt_is_refused_as_vllm_refuses_it(prompt: str | None) -> None:
+    with pytest.raises(APIError) as info:
+        parse("completions", {"prompt": prompt, "max_tokens": 2})
+    assert (info.value.status, info.value.param) == (400, "prompt")
+    assert info.value.message == "Either prompt or prompt_embeds must be provided and non-empty."
+    assert parse("completions", {"prompt": [""]}).submit_fields["prompt"] == ""  # type: ignore[attr-defined]
+
+
 def test_chat_request_maps_every_sampling_field() -> None:
     req = parse("chat.completions", {
         "model": "m", "messages": [{"role": "system", "content": [{"type": "text", "text": "be brief"}]},

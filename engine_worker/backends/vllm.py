@@ -103,6 +103,7 @@ class VllmBackend:
         self._tokenizer: Any = None
         self._chat_template: str | None = None
         self._chat_stop: list[str] = []
+        self._defaults: dict[str, Any] = {}  # the model's generation-config sampling defaults (vLLM's names)
         self._waiting: set[str] = set()
         self._running: set[str] = set()
         self._placement = CpuPlacement("auto")
@@ -152,6 +153,9 @@ class VllmBackend:
         with _engine_affinity(self._placement.engine_cpus if on_cpu else None):
             self._engine = AsyncLLM.from_engine_args(args)
         self._tokenizer = self._engine.get_tokenizer()
+        self._defaults = self._engine.model_config.get_diff_sampling_param()
+        if self._defaults:
+            log.info("sampling defaults from the model's generation config (as vllm serve): %s", self._defaults)
         max_len = self._engine.model_config.max_model_len
         self._info = BackendInfo(kind="vllm", model=self._info.model, max_model_len=max_len)
         self._openai = vllm_openai.OpenAILayer(self._config, self._engine, self._info.model, str(model_dir),
@@ -202,8 +206,10 @@ class VllmBackend:
         log.info("serving hints from %s: %s", hints_path, hints.get("note", ""))
 
     async def prepare(self, submit: Submit) -> Prepared:
+        body: dict[str, Any] | None = None
         if submit.body and self._openai is not None:
-            prepared = await self._openai.prepare(submit, vllm_openai.decode_body(submit.body))
+            body = vllm_openai.decode_body(submit.body)
+            prepared = await self._openai.prepare(submit, body)
             if prepared is not None:
                 return prepared
         if submit.messages is not None:
@@ -216,10 +222,11 @@ class VllmBackend:
             ids = self._tokenizer.encode(submit.prompt or "", add_special_tokens=True)
         if not ids:
             raise RequestRejected("the prompt is empty", param=param)
-        sampling = msgspec.structs.replace(submit.sampling, max_tokens=self._max_tokens(len(ids), param, submit))
+        sampling, extra = generation_defaults(submit.sampling, body, self._defaults)
+        sampling = msgspec.structs.replace(sampling, max_tokens=self._max_tokens(len(ids), param, submit))
         if submit.messages is not None and self._chat_stop:
             sampling = msgspec.structs.replace(sampling, stop=[*sampling.stop, *self._chat_stop])
-        return Prepared(submit=submit, prompt_tokens=len(ids), payload=(ids, self.sampling_params(sampling)))
+        return Prepared(submit=submit, prompt_tokens=len(ids), payload=(ids, self.sampling_params(sampling, extra)))
 
     def _max_tokens(self, prompt_tokens: int, param: str, submit: Submit) -> int:
         """The request's output budget as vllm serve sets it (``get_max_tokens``): at most what the context
@@ -234,8 +241,9 @@ class VllmBackend:
                 f"the {param}.", code="context_length_exceeded", param=param)
         return get_max_tokens(max_len, submit.sampling.max_tokens, prompt_tokens, {})
 
-    def sampling_params(self, sampling: Sampling) -> SamplingParams:
-        """vLLM sampling parameters (streamed as deltas); raises :class:`RequestRejected` if invalid."""
+    def sampling_params(self, sampling: Sampling, extra: dict[str, float] | None = None) -> SamplingParams:
+        """vLLM sampling parameters (streamed as deltas; ``extra``: the model's ``repetition_penalty`` /
+        ``min_p`` defaults); raises :class:`RequestRejected` if invalid."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import RequestOutputKind
@@ -253,6 +261,8 @@ class VllmBackend:
                 frequency_penalty=sampling.frequency_penalty,
                 ignore_eos=sampling.ignore_eos,
                 output_kind=RequestOutputKind.DELTA,
+                repetition_penalty=(extra or {}).get("repetition_penalty", 1.0),
+                min_p=(extra or {}).get("min_p", 0.0),
             )
         except VLLMValidationError as exc:
             raise RequestRejected(f"invalid sampling parameters: {exc.args[0]}", param=exc.parameter) from exc
@@ -341,6 +351,26 @@ class VllmBackend:
         if self._engine is None:
             raise RuntimeError("VllmBackend.start() has not been called (or shutdown() has)")
         return self._engine
+
+
+# Plain-path fields that take the model's generation-config default when the body does not set them, as in
+# vllm serve (``model_config.get_diff_sampling_param()`` -> ``ChatCompletionRequest.to_sampling_params``).
+_DEFAULTED = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty")
+_EXTRA_DEFAULTS = ("repetition_penalty", "min_p")  # not plain-path fields: only ever the model's default
+
+
+def generation_defaults(sampling: Sampling, body: dict[str, Any] | None,
+                        defaults: dict[str, Any]) -> tuple[Sampling, dict[str, float]]:
+    """``sampling`` with the model's generation-config defaults (``defaults``, vLLM's names) for the fields
+    the client's ``body`` leaves unset (absent or null), and the defaults of fields the plain path has no
+    slot for. Without a body (an internal request) or defaults, ``sampling`` as it is."""
+    if not defaults or body is None:
+        return sampling, {}
+    unset = {name: defaults[name] for name in _DEFAULTED if name in defaults and body.get(name) is None}
+    if "top_k" in unset:
+        unset["top_k"] = -1 if unset["top_k"] in (0, None) else int(unset["top_k"])
+    extra = {name: float(defaults[name]) for name in _EXTRA_DEFAULTS if name in defaults}
+    return (msgspec.structs.replace(sampling, **unset) if unset else sampling), extra
 
 
 def _engine_input(ids: list[int]) -> Any:

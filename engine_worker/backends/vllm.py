@@ -229,17 +229,25 @@ class VllmBackend:
         return Prepared(submit=submit, prompt_tokens=len(ids), payload=(ids, self.sampling_params(sampling, extra)))
 
     def _max_tokens(self, prompt_tokens: int, param: str, submit: Submit) -> int:
-        """The request's output budget as vllm serve sets it (``get_max_tokens``): at most what the context
-        leaves after the prompt; a prompt that fills the context is refused (``context_length_exceeded``)."""
+        """The request's output budget as vllm serve sets it: a budget above the context length is refused
+        (vLLM's ``TokenizeParams``), a prompt that fills the context too (``context_length_exceeded``), else
+        the budget is lowered to what the context leaves after the prompt (``get_max_tokens``)."""
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+        from vllm.exceptions import VLLMValidationError
+        from vllm.renderers.params import TokenizeParams
 
-        max_len = self._info.max_model_len
+        max_len, budget = self._info.max_model_len, submit.sampling.max_tokens
+        try:
+            TokenizeParams(max_total_tokens=max_len, max_output_tokens=budget, max_total_tokens_param="max_model_len",
+                           max_output_tokens_param="max_tokens")
+        except VLLMValidationError as exc:
+            raise RequestRejected(str(exc.args[0]), param=exc.parameter) from None
         if prompt_tokens >= max_len:
             raise RequestRejected(
                 f"This model's maximum context length is {max_len} tokens. However, your {param} has "
                 f"{prompt_tokens} tokens, which leaves no room for the completion. Please reduce the length of "
                 f"the {param}.", code="context_length_exceeded", param=param)
-        return get_max_tokens(max_len, submit.sampling.max_tokens, prompt_tokens, {})
+        return get_max_tokens(max_len, budget, prompt_tokens, {})
 
     def sampling_params(self, sampling: Sampling, extra: dict[str, float] | None = None) -> SamplingParams:
         """vLLM sampling parameters (streamed as deltas; ``extra``: the model's ``repetition_penalty`` /

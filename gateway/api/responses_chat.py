@@ -5,8 +5,8 @@ template, turns ``response_format`` into structured outputs and runs the configu
 parsers. A Responses request is therefore translated here into the chat body ``vllm serve``'s own
 ``/v1/responses`` builds internally (``vllm/entrypoints/openai/responses/utils.py``):
 
-- ``input`` items -> chat messages: messages (``developer`` as ``system``, text parts joined),
-  ``function_call`` -> an assistant message's ``tool_calls`` (merged into the assistant message just
+- ``input`` items -> chat messages: messages (``developer`` as ``system``, text parts as chat text parts,
+  which vLLM's chat layer joins), ``function_call`` -> an assistant message's ``tool_calls`` (merged into the assistant message just
   before it, as vLLM does), ``function_call_output`` -> a ``tool`` message, ``reasoning`` -> the assistant
   message's ``reasoning``;
 - function ``tools`` -> chat tools (``{"type": "function", "function": {name, description, parameters,

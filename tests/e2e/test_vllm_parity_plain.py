@@ -76,9 +76,9 @@ assert all(set(stop) - _SPECIAL_CHARS for stop in _STOPS["chat"])
 def stops(endpoint: str) -> st.SearchStrategy[str | list[str]]:
     words = st.sampled_from(_STOPS[endpoint])
     return st.one_of(words, st.lists(words, min_size=1, max_size=3))
-# One body in five starts with a long text (about 300 to 650 tokens) and asks for up to 4000 tokens (below
-# tokenfan's --max-tokens-cap): both servers lower the budget to what the context leaves, or refuse a prompt
-# longer than the context.
+# One body in five starts with a long text (about 300 to 650 tokens) and asks for 20 tokens, the context
+# length or more (both servers refuse a budget above the context length, lower one within it to what the
+# prompt leaves, and refuse a prompt longer than the context).
 _FILLER = "The weather in Paris. "
 long_text = st.integers(60, 130).map(lambda n: _FILLER * n)
 
@@ -89,7 +89,7 @@ def sampling(draw: st.DrawFn, chat: bool, long: bool) -> dict[str, Any]:
     chance, not by design)."""
     body: dict[str, Any] = {}
     budget_field = draw(st.sampled_from(["max_tokens", "max_completion_tokens"])) if chat else "max_tokens"
-    body[budget_field] = draw(st.sampled_from([20, 4000]) if long else st.integers(1, 24))
+    body[budget_field] = draw(st.sampled_from([20, MAX_MODEL_LEN, 4000]) if long else st.integers(1, 24))
     temperature = draw(st.sampled_from([0, 0, 0.7, 1.0, 1.5]))
     body["temperature"] = temperature
     if temperature > 0:
@@ -232,12 +232,12 @@ def test_text_parts_give_vllm_serves_prompt_and_answer(plain_servers: dict[str, 
             (reference["text"], reference["finish"], reference["usage"])
 
 
-def test_the_documented_differences_of_the_plain_path_hold(plain_servers: dict[str, dict[str, str]]) -> None:
-    """docs/api-fields.md lists where tokenfan differs on purpose; the one the plain path owns, checked here: a
-    budget above ``--max-tokens-cap`` is a 400 (vllm serve lowers it to the context). And one that is not a
-    difference: an empty ``messages`` is a 400 on both."""
-    capped = _both(plain_servers["completion"], "completion", {"prompt": "The", "max_tokens": 4097, "ignore_eos": True,
-                                                                "temperature": 0, "stop": "e"})
-    assert (capped["tokenfan"]["status"], capped["vllm"]["status"]) == (400, 200)
+def test_budgets_past_the_context_and_empty_messages_answer_as_vllm_serve(
+        plain_servers: dict[str, dict[str, str]]) -> None:
+    """Edges the generated bodies reach rarely: a budget above the context length is a 400 on both (below it,
+    both lower it to what the prompt leaves); an empty ``messages`` is a 400 on both."""
+    for endpoint, body in (("completion", {"prompt": "The"}), ("chat", {"messages": [{"role": "user", "content": "The"}]})):
+        over = _both(plain_servers[endpoint], endpoint, {**body, "max_tokens": MAX_MODEL_LEN + 1, "temperature": 0})
+        assert over["tokenfan"]["status"] == over["vllm"]["status"] == 400
     empty = _both(plain_servers["chat"], "chat", {"messages": [], "max_tokens": 1, "temperature": 0})
     assert empty["tokenfan"]["status"] == empty["vllm"]["status"] == 400

@@ -18,7 +18,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 3  # 3: ChatMessage.content may be a list of text parts; Delta.token_ids, Submit.resume
 MAGIC = b"tokenfan/%d" % PROTOCOL_VERSION
 
 Endpoint = Literal["chat.completions", "completions"]
@@ -30,8 +30,19 @@ class WireError(ValueError):
 
 
 class ChatMessage(msgspec.Struct, array_like=True, frozen=True):
+    """One plain chat message. ``content`` is the string the client sent, or the texts of its text parts
+    in order (``null`` content: no parts). The engine renders it with vLLM's chat layer, which joins parts
+    as the chat template's content format requires (a newline between parts for string templates), so
+    the parts travel unjoined."""
+
     role: str
-    content: str
+    content: str | list[str]
+
+    @property
+    def text(self) -> str:
+        """The content as a chat template taking string content sees it: parts joined by a newline, as
+        vLLM's chat layer joins them (for a model-free engine; the vLLM engine renders with vLLM itself)."""
+        return self.content if isinstance(self.content, str) else "\n".join(self.content)
 
 
 class Sampling(msgspec.Struct, array_like=True, frozen=True):

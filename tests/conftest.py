@@ -65,8 +65,11 @@ ONE_THREAD = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 def _start_vllm_engine(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
     address = f"ipc://{ipc_dir / 'vllm.sock'}"
+    # float32 and the name "tiny", as the differential pair: test_vllm_parity_plain compares this engine's
+    # plain chat path with vllm serve (dtype auto would be bfloat16 on an AMX CPU)
     return start_engine(address, "--engine", "vllm", "--model", str(model), "--max-model-len", "512",
-                        name="engine-vllm", nice=BOOT_NICE), address
+                        "--dtype", "float32", "--served-model-name", "tiny", name="engine-vllm",
+                        nice=BOOT_NICE), address
 
 
 def _start_parser_gateway(model: Path, ipc_dir: Path) -> tuple[Proc, str]:

@@ -15,6 +15,29 @@ def parse(endpoint: str, body: dict) -> object:
     return parse_request(endpoint, orjson.dumps(body), Limits(default_max_tokens=32, max_tokens_cap=100))  # type: ignore[arg-type]
 
 
+def test_text_parts_reach_the_engine_unjoined_and_null_content_is_no_parts() -> None:
+    """vLLM's chat layer joins text parts as the template's content format wants (a newline for string
+    templates): the gateway must not join them itself (it joined them with nothing: 35 prompt tokens on the
+    tiny model where vllm serve counts 36)."""
+    req = parse("chat.completions", {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": " about rivers."}]},
+        {"role": "assistant", "content": None}, {"role": "user", "content": []}]})
+    sub = req.to_submit("r", "t")  # type: ignore[attr-defined]
+    assert sub.messages == [p.ChatMessage("user", ["Tell me", " about rivers."]), p.ChatMessage("assistant", []),
+                            p.ChatMessage("user", [])]
+    assert [m.text for m in sub.messages] == ["Tell me\n about rivers.", "", ""]
+    assert p.decode(p.encode(sub)) == sub
+
+
+@pytest.mark.parametrize("prompt", [None, ""])
+def test_a_missing_or_empty_prompt_is_refused_as_vllm_refuses_it(prompt: str | None) -> None:
+    with pytest.raises(APIError) as info:
+        parse("completions", {"prompt": prompt, "max_tokens": 2})
+    assert (info.value.status, info.value.param) == (400, "prompt")
+    assert info.value.message == "Either prompt or prompt_embeds must be provided and non-empty."
+    assert parse("completions", {"prompt": [""]}).submit_fields["prompt"] == ""  # type: ignore[attr-defined]
+
+
 def test_chat_request_maps_every_sampling_field() -> None:
     req = parse("chat.completions", {
         "model": "m", "messages": [{"role": "system", "content": [{"type": "text", "text": "be brief"}]},
@@ -23,7 +46,7 @@ def test_chat_request_maps_every_sampling_field() -> None:
         "top_p": 0.9, "top_k": 0, "seed": 3, "stop": "\n", "presence_penalty": 1, "frequency_penalty": -1,
         "ignore_eos": True})
     sub = req.to_submit("r", "t")  # type: ignore[attr-defined]
-    assert sub.messages == [p.ChatMessage("system", "be brief"), p.ChatMessage("user", "hi")]
+    assert sub.messages == [p.ChatMessage("system", ["be brief"]), p.ChatMessage("user", "hi")]
     assert sub.sampling == p.Sampling(max_tokens=7, temperature=0.5, top_p=0.9, top_k=-1, seed=3, stop=["\n"],
                                       presence_penalty=1, frequency_penalty=-1, ignore_eos=True)
     assert req.include_usage and req.stream  # type: ignore[attr-defined]

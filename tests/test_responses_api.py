@@ -107,8 +107,9 @@ def test_a_responses_request_submits_exactly_what_the_equivalent_chat_request_su
         "model": "m", "max_tokens": 33, "temperature": 0.2, "top_p": 0.5, "stream": True,
         "stream_options": {"include_usage": True},
         "messages": [{"role": "system", "content": "sys"}, {"role": "system", "content": "dev"},
-                     {"role": "user", "content": "ab"}, {"role": "assistant", "content": "c"},
-                     {"role": "user", "content": "d"}]}
+                     {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                     {"role": "assistant", "content": [{"type": "text", "text": "c"}]},
+                     {"role": "user", "content": "d"}]}  # text parts unjoined: vLLM's chat layer joins them
     ours, chat = responses.chat.to_submit("r", "t"), parse_request("chat.completions", chat_body, LIMITS).to_submit("r", "t")
     assert json.loads(ours.body) == json.loads(chat.body) == chat_body  # the engine streams: events are built per step
     assert msgspec.structs.replace(ours, body=b"") == msgspec.structs.replace(chat, body=b"")

@@ -102,14 +102,14 @@ def test_function_call_and_output_items_become_an_assistant_tool_call_and_a_tool
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
             {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Lyon"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
-        {"role": "tool", "tool_call_id": "call_2", "content": "12 C"}]
+        {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "12 C"}]}]
 
 
 def test_an_assistant_message_and_the_calls_after_it_are_one_chat_message() -> None:
     body = chat_body(input=[{"role": "user", "content": "hi"},
                             {"role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
                             {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}])
-    assert body["messages"][1] == {"role": "assistant", "content": "Let me look.", "tool_calls": [
+    assert body["messages"][1] == {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}], "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
 
 

@@ -76,7 +76,7 @@ def test_the_sdks_response_create_parses_into_a_request() -> None:
     assert (msg.request.previous_response_id, msg.request.store) == ("resp_0", False)
     req = build_request(msg.request, Limits(), [{"role": "user", "content": "before"}])
     assert req.chat.submit_fields["messages"] == [p.ChatMessage("system", "x"), p.ChatMessage("user", "before"),
-                                                  p.ChatMessage("user", "hi")]
+                                                  p.ChatMessage("user", ["hi"])]
     assert req.max_tokens == 5
 
 

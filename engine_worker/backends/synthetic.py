@@ -149,7 +149,7 @@ class SyntheticBackend:
             if submit.messages is None and submit.prompt is None:  # forwarded whole: only ignored fields added
                 submit = _plain_submit(submit, body)
         if submit.messages is not None:
-            text = "".join(f"<{m.role}>{m.content}\n" for m in submit.messages)
+            text = "".join(f"<{m.role}>{m.text}\n" for m in submit.messages)
         else:
             text = submit.prompt or ""
         prompt_tokens = count_tokens(text)
@@ -305,9 +305,10 @@ def _plain_submit(submit: Submit, body: dict[str, Any]) -> Submit:
     return msgspec.structs.replace(submit, sampling=sampling, prompt=prompt[0] if isinstance(prompt, list) else prompt)
 
 
-def _text(content: Any) -> str:
+def _text(content: Any) -> str | list[str]:
+    """A forwarded message's content as :class:`ChatMessage` takes it: a string, or its text parts' texts."""
     if isinstance(content, list):
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+        return [str(part.get("text", "")) for part in content if isinstance(part, dict)]
     return content if isinstance(content, str) else ""
 
 

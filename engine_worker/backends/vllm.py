@@ -5,9 +5,11 @@ passed through, and CPU-only settings are environment variables that GPU builds 
 
 Deliberate choices:
 
-* Tokenization happens once, in :meth:`VllmBackend.prepare` (chat template applied by the model's
-  tokenizer, or ``--chat-template``); vLLM receives token ids, so prompt length is known before the
-  request is accepted and over-long prompts are rejected like vLLM's OpenAI server does.
+* Tokenization happens once, in :meth:`VllmBackend.prepare`; vLLM receives token ids, so prompt length
+  is known before the request is accepted and over-long prompts are rejected like vLLM's OpenAI server
+  does. Chat messages are rendered by vLLM's own chat layer (``OnlineRenderer.render_chat``, the model's
+  template or ``--chat-template``), so content parts, roles and template kwargs give the prompt ``vllm
+  serve`` gives; a prompt is tokenized with special tokens, as vLLM's completions do.
 * dtype ``auto`` on CPU: bfloat16 when the CPU has AMX or AVX512-BF16 and the ``tokenfan_cpu_amx`` vLLM
   plugin is active (it requests AMX permission inside vLLM's worker; without it bfloat16 dies with SIGILL
   on the first forward pass), else float32. bfloat16 halves weight and KV-cache memory; on a 2-vCPU AMX
@@ -141,6 +143,7 @@ class VllmBackend:
         self._tokenizer: Any = None
         self._chat_template: str | None = None
         self._chat_stop: list[str] = []
+        self._defaults: dict[str, Any] = {}  # the model's generation-config sampling defaults (vLLM's names)
         self._waiting: set[str] = set()
         self._running: set[str] = set()
         self._placement = CpuPlacement("auto")
@@ -190,6 +193,9 @@ class VllmBackend:
         with _engine_affinity(self._placement.engine_cpus if on_cpu else None):
             self._engine = AsyncLLM.from_engine_args(args)
         self._tokenizer = self._engine.get_tokenizer()
+        self._defaults = self._engine.model_config.get_diff_sampling_param()
+        if self._defaults:
+            log.info("sampling defaults from the model's generation config (as vllm serve): %s", self._defaults)
         max_len = self._engine.model_config.max_model_len
         self._info = BackendInfo(kind="vllm", model=self._info.model, max_model_len=max_len)
         self._openai = vllm_openai.OpenAILayer(self._config, self._engine, self._info.model, str(model_dir),
@@ -240,37 +246,31 @@ class VllmBackend:
         log.info("serving hints from %s: %s", hints_path, hints.get("note", ""))
 
     async def prepare(self, submit: Submit) -> Prepared:
+        body: dict[str, Any] | None = None
         if submit.body and self._openai is not None:
-            prepared = await self._openai.prepare(submit, vllm_openai.decode_body(submit.body))
+            body = vllm_openai.decode_body(submit.body)
+            prepared = await self._openai.prepare(submit, body)
             if prepared is not None:
                 return prepared
-        sampling = submit.sampling
-        if submit.messages is not None and self._chat_stop:
-            sampling = msgspec.structs.replace(sampling, stop=[*sampling.stop, *self._chat_stop])
-        params = self.sampling_params(sampling)
         if submit.messages is not None:
             param = "messages"
-            text = self._render_chat(submit)
-            # The template already wrote the BOS token: do not add a second one.
-            ids = self._tokenizer.encode(text, add_special_tokens=False)
+            if not submit.messages:
+                raise RequestRejected("messages must not be empty", param="messages")
+            ids = await self._require_openai().render_plain_chat(submit)
         else:
             param = "prompt"
             ids = self._tokenizer.encode(submit.prompt or "", add_special_tokens=True)
         if not ids:
             raise RequestRejected("the prompt is empty", param=param)
-        max_tokens = submit.sampling.max_tokens
-        if len(ids) + max_tokens > self._info.max_model_len:
-            raise RequestRejected(
-                f"This model's maximum context length is {self._info.max_model_len} tokens. However, you "
-                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {param}, {max_tokens} in the "
-                f"completion). Please reduce the length of the {param} or completion.",
-                code="context_length_exceeded", param=param,
-            )
+        sampling, extra = generation_defaults(submit.sampling, body, self._defaults)
+        sampling = msgspec.structs.replace(sampling, max_tokens=self._max_tokens(len(ids), param, submit))
+        if submit.messages is not None and self._chat_stop:
+            sampling = msgspec.structs.replace(sampling, stop=[*sampling.stop, *self._chat_stop])
         if submit.resume:
-            return self._continuation(submit, sampling, ids)
-        return Prepared(submit=submit, prompt_tokens=len(ids), payload=(ids, params))
+            return self._continuation(submit, sampling, extra, ids)
+        return Prepared(submit=submit, prompt_tokens=len(ids), payload=(ids, self.sampling_params(sampling, extra)))
 
-    def _continuation(self, submit: Submit, sampling: Sampling, ids: list[int]) -> Prepared:
+    def _continuation(self, submit: Submit, sampling: Sampling, extra: dict[str, float], ids: list[int]) -> Prepared:
         """The rest of a request whose engine was lost: its prompt plus the output tokens delivered, the rest
         of its budget. The text of those tokens the client lacks (vLLM holds back the last characters while
         a stop string may still match) goes first (:class:`_Join`)."""
@@ -287,12 +287,35 @@ class VllmBackend:
             # with the whole prompt) returns the whole text from the prompt's start with the first complete
             # character: that prefix is cut off again (_Join).
             echo = self._tokenizer.decode(ids + list(resume), skip_special_tokens=True).rstrip("\ufffd")
-        params = self.sampling_params(msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume)))
+        params = self.sampling_params(msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume)),
+                                      extra)
         return Prepared(submit=submit, prompt_tokens=len(ids), payload=(ids + list(resume), params),
                         held=held, echo=echo)
 
-    def sampling_params(self, sampling: Sampling) -> SamplingParams:
-        """vLLM sampling parameters (streamed as deltas); raises :class:`RequestRejected` if invalid."""
+    def _max_tokens(self, prompt_tokens: int, param: str, submit: Submit) -> int:
+        """The request's output budget as vllm serve sets it: a budget above the context length is refused
+        (vLLM's ``TokenizeParams``), a prompt that fills the context too (``context_length_exceeded``), else
+        the budget is lowered to what the context leaves after the prompt (``get_max_tokens``)."""
+        from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+        from vllm.exceptions import VLLMValidationError
+        from vllm.renderers.params import TokenizeParams
+
+        max_len, budget = self._info.max_model_len, submit.sampling.max_tokens
+        try:
+            TokenizeParams(max_total_tokens=max_len, max_output_tokens=budget, max_total_tokens_param="max_model_len",
+                           max_output_tokens_param="max_tokens")
+        except VLLMValidationError as exc:
+            raise RequestRejected(str(exc.args[0]), param=exc.parameter) from None
+        if prompt_tokens >= max_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {max_len} tokens. However, your {param} has "
+                f"{prompt_tokens} tokens, which leaves no room for the completion. Please reduce the length of "
+                f"the {param}.", code="context_length_exceeded", param=param)
+        return get_max_tokens(max_len, budget, prompt_tokens, {})
+
+    def sampling_params(self, sampling: Sampling, extra: dict[str, float] | None = None) -> SamplingParams:
+        """vLLM sampling parameters (streamed as deltas; ``extra``: the model's ``repetition_penalty`` /
+        ``min_p`` defaults); raises :class:`RequestRejected` if invalid."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import RequestOutputKind
@@ -310,24 +333,13 @@ class VllmBackend:
                 frequency_penalty=sampling.frequency_penalty,
                 ignore_eos=sampling.ignore_eos,
                 output_kind=RequestOutputKind.DELTA,
+                repetition_penalty=(extra or {}).get("repetition_penalty", 1.0),
+                min_p=(extra or {}).get("min_p", 0.0),
             )
         except VLLMValidationError as exc:
             raise RequestRejected(f"invalid sampling parameters: {exc.args[0]}", param=exc.parameter) from exc
         except ValueError as exc:
             raise RequestRejected(f"invalid sampling parameters: {exc}") from exc
-
-    def _render_chat(self, submit: Submit) -> str:
-        from jinja2 import TemplateError
-
-        messages = [{"role": m.role, "content": m.content} for m in submit.messages or []]
-        if not messages:
-            raise RequestRejected("messages must not be empty", param="messages")
-        try:
-            return self._tokenizer.apply_chat_template(
-                messages, chat_template=self._chat_template, add_generation_prompt=True, tokenize=False,
-            )
-        except TemplateError as exc:  # includes the template's own raise_exception(...)
-            raise RequestRejected(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
     async def stream(self, prepared: Prepared, sink: StepSink) -> None:
         """Run one request; cancelling it leaves the abort to :meth:`abort` (the server calls it)."""
@@ -408,10 +420,35 @@ class VllmBackend:
         if self._engine is not None:
             await self._engine.abort(request_id)  # unknown or finished ids are ignored
 
+    def _require_openai(self) -> vllm_openai.OpenAILayer:
+        if self._openai is None:
+            raise RuntimeError("VllmBackend.start() has not been called (or shutdown() has)")
+        return self._openai
+
     def _require_engine(self) -> AsyncLLM:
         if self._engine is None:
             raise RuntimeError("VllmBackend.start() has not been called (or shutdown() has)")
         return self._engine
+
+
+# Plain-path fields that take the model's generation-config default when the body does not set them, as in
+# vllm serve (``model_config.get_diff_sampling_param()`` -> ``ChatCompletionRequest.to_sampling_params``).
+_DEFAULTED = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty")
+_EXTRA_DEFAULTS = ("repetition_penalty", "min_p")  # not plain-path fields: only ever the model's default
+
+
+def generation_defaults(sampling: Sampling, body: dict[str, Any] | None,
+                        defaults: dict[str, Any]) -> tuple[Sampling, dict[str, float]]:
+    """``sampling`` with the model's generation-config defaults (``defaults``, vLLM's names) for the fields
+    the client's ``body`` leaves unset (absent or null), and the defaults of fields the plain path has no
+    slot for. Without a body (an internal request) or defaults, ``sampling`` as it is."""
+    if not defaults or body is None:
+        return sampling, {}
+    unset = {name: defaults[name] for name in _DEFAULTED if name in defaults and body.get(name) is None}
+    if "top_k" in unset:
+        unset["top_k"] = -1 if unset["top_k"] in (0, None) else int(unset["top_k"])
+    extra = {name: float(defaults[name]) for name in _EXTRA_DEFAULTS if name in defaults}
+    return (msgspec.structs.replace(sampling, **unset) if unset else sampling), extra
 
 
 def _engine_input(ids: list[int]) -> Any:

@@ -28,7 +28,7 @@ import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 
@@ -139,6 +139,7 @@ class OpenAILayer:
             reasoning_parser=reasoning,
         )
         self.completion = OpenAIServingCompletion(observed, models, online_renderer=renderer, request_logger=None)
+        self.renderer = renderer
         self.parsers = bool(config.tool_call_parser or reasoning)
         self.model_name = model_name
 
@@ -171,6 +172,35 @@ class OpenAILayer:
         if not run.accepted.done():  # refused before reaching the engine
             raise _rejection(_outcome(task))
         return Started(run=run, task=task, stream=bool(request.stream), prompt_tokens=run.accepted.result())
+
+    async def render_plain_chat(self, submit: Submit) -> list[int]:
+        """The prompt token ids of a plain chat request, rendered exactly as ``vllm serve`` renders its
+        messages: vLLM's request model and ``OnlineRenderer.render_chat`` (content parts parsed and joined as
+        the template's content format requires, template kwargs, tokenization and the context-length check).
+
+        Raises :class:`RequestRejected` with vllm serve's message (context length: ``context_length_exceeded``)."""
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.exceptions import VLLMValidationError
+
+        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                     else [{"type": "text", "text": t} for t in m.content]} for m in submit.messages or ()]
+        try:
+            request = ChatCompletionRequest.model_validate(
+                {"model": self.model_name, "messages": messages, "max_tokens": submit.sampling.max_tokens})
+            rendered = await self.renderer.render_chat(request)
+        except ValidationError as exc:
+            raise _validation_rejection(exc) from None
+        except VLLMValidationError as exc:
+            if exc.parameter in ("input_tokens", "input_text"):
+                raise RequestRejected(str(exc.args[0]), code="context_length_exceeded", param="messages") from None
+            raise _rejection(_error_response(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - as vllm serve's handlers answer it (a template error: 400)
+            raise _rejection(_error_response(exc)) from None
+        if not isinstance(rendered, tuple):  # an ErrorResponse
+            raise _rejection(rendered)
+        _conversation, (engine_input, *_) = rendered
+        return list(cast("dict[str, Any]", engine_input)["prompt_token_ids"])  # a decoder-only prompt
 
     def _validate(self, submit: Submit, body: dict[str, Any]) -> Any:
         from pydantic import ValidationError

@@ -174,9 +174,14 @@ def stop_strings(stop: str | list[str] | None, limits: Limits) -> list[str]:
     return strings
 
 
-def text_content(param: str, content: Any, kinds: frozenset[str]) -> str:
-    """A message's content (a string, or a list of text parts of the types in ``kinds``) as one string;
-    a part of another type is refused (400 ``unsupported_parameter`` naming it)."""
+def text_content(param: str, content: Any, kinds: frozenset[str]) -> str | list[str]:
+    """A message's content: a string as is, or the texts of its parts (each of a type in ``kinds``), in
+    order and unjoined. A part of another type is refused (400
+    ``unsupported_parameter`` naming it).
+
+    The parts are not joined here: vLLM's chat layer joins them as the chat template's content format
+    requires (``vllm/renderers/chat_utils.py``: a newline between parts for templates that take string
+    content, the parts themselves for templates that iterate over them), and the engine renders with it."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -189,4 +194,4 @@ def text_content(param: str, content: Any, kinds: frozenset[str]) -> str:
         if not isinstance(part.get("text"), str):
             raise invalid(f"{param}[{j}].text", f"{param}[{j}].text must be a string.")
         texts.append(part["text"])
-    return "".join(texts)
+    return texts

@@ -163,18 +163,21 @@ _TEXT_PARTS = frozenset({"text"})
 
 
 def _messages(messages: list[InMessage]) -> list[p.ChatMessage]:
-    """The plain path's messages (:func:`is_plain` admits only system, user and assistant turns with text)."""
+    """The plain path's messages (:func:`is_plain` admits only system, user and assistant turns with text);
+    text parts stay unjoined and ``null`` content is no parts, as vLLM's chat layer takes them (the engine
+    renders with it)."""
     if not messages:
         raise invalid("messages", "messages must be a non-empty array.")
-    return [p.ChatMessage(m.role, text_content(f"messages[{i}].content", m.content or "", _TEXT_PARTS))
-            for i, m in enumerate(messages)]
+    return [p.ChatMessage(m.role, text_content(f"messages[{i}].content", [] if m.content is None else m.content,
+                                               _TEXT_PARTS)) for i, m in enumerate(messages)]
 
 
 def _prompt(req: CompletionRequest) -> str:
-    """The plain path's prompt (:func:`is_plain` admits a string or a list of one string)."""
+    """The plain path's prompt (:func:`is_plain` admits a string or a list of one string). A missing or empty
+    string is refused as vLLM's ``CompletionRequest`` refuses it (a list holding ``""`` is not, as there)."""
     prompt = req.prompt
-    if prompt is None:
-        raise invalid("prompt", "prompt is required.")
+    if prompt is None or prompt == "":
+        raise invalid("prompt", "Either prompt or prompt_embeds must be provided and non-empty.")
     return prompt[0] if isinstance(prompt, list) else prompt
 
 

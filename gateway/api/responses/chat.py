@@ -5,8 +5,8 @@ template, turns ``response_format`` into structured outputs and runs the configu
 parsers. A Responses request is therefore translated here into the chat body ``vllm serve``'s own
 ``/v1/responses`` builds internally (``vllm/entrypoints/openai/responses/utils.py``):
 
-- ``input`` items -> chat messages: messages (``developer`` as ``system``, text parts joined),
-  ``function_call`` -> an assistant message's ``tool_calls`` (merged into the assistant message just
+- ``input`` items -> chat messages: messages (``developer`` as ``system``, text parts as chat text parts,
+  which vLLM's chat layer joins), ``function_call`` -> an assistant message's ``tool_calls`` (merged into the assistant message just
   before it, as vLLM does), ``function_call_output`` -> a ``tool`` message, ``reasoning`` -> the assistant
   message's ``reasoning``;
 - function ``tools`` -> chat tools (``{"type": "function", "function": {name, description, parameters,
@@ -104,7 +104,13 @@ def _message(i: int, item: dict[str, Any]) -> Message:
     role = item.get("role")
     if role not in _ROLES:
         raise invalid(f"input[{i}].role", f"input[{i}].role must be one of {sorted(_ROLES)}, got {role!r}.")
-    return {"role": _ROLES[role], "content": text_content(f"input[{i}].content", item.get("content"), _TEXT_PARTS)}
+    return {"role": _ROLES[role], "content": _chat_content(text_content(f"input[{i}].content", item.get("content"),
+                                                                        _TEXT_PARTS))}
+
+
+def _chat_content(content: str | list[str]) -> str | list[dict[str, str]]:
+    """Text parts as chat text parts (vLLM's chat layer joins them as the template wants)."""
+    return content if isinstance(content, str) else [{"type": "text", "text": t} for t in content]
 
 
 def _string(item: dict[str, Any], i: int, key: str) -> str:
@@ -121,7 +127,7 @@ def _function_call(i: int, item: dict[str, Any]) -> dict[str, Any]:
 
 def _function_call_output(i: int, item: dict[str, Any]) -> Message:
     output = text_content(f"input[{i}].output", item.get("output"), _TEXT_PARTS)
-    return {"role": "tool", "tool_call_id": _string(item, i, "call_id"), "content": output}
+    return {"role": "tool", "tool_call_id": _string(item, i, "call_id"), "content": _chat_content(output)}
 
 
 def _reasoning_text(i: int, item: dict[str, Any]) -> str:
@@ -221,6 +227,8 @@ def transcript_chars(transcript: list[Message]) -> int:
     n = 0
     for m in transcript:
         n += sum(len(m[k]) for k in ("content", "reasoning") if isinstance(m.get(k), str))
+        if isinstance(m.get("content"), list):
+            n += sum(len(part.get("text") or "") for part in m["content"] if isinstance(part, dict))
         for call in m.get("tool_calls") or ():
             n += len(call["function"]["name"]) + len(call["function"]["arguments"])
     return n

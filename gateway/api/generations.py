@@ -76,4 +76,6 @@ async def start_generation(
             raise gw.refused(err) from None
     handle, builder = await open_request(gw, parsed, scope)
     return await delivery.start(gw.delivery, handle, source(handle, builder), endpoint=endpoint or parsed.endpoint,
-                                model=builder.model, listed=listed, detached=detached, stream_id=stream_id)
+                                model=builder.model, listed=listed, detached=detached, stream_id=stream_id,
+                                options={"include_usage": builder.include_usage, "created": builder.created,
+                                         "openai": handle.openai})

@@ -30,6 +30,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import msgspec
+
 from gateway.core import sse
 from gateway.core.conn import HttpConn, WsConn
 from gateway.core.framing import Ending, Framing
@@ -68,14 +70,18 @@ class Delivery:
 
 
 async def start(d: Delivery, handle: RequestHandle, renderer: Renderer, *, endpoint: str, model: str,
-                listed: bool, detached: bool | None = None, stream_id: str | None = None) -> Stream:
+                listed: bool, detached: bool | None = None, stream_id: str | None = None,
+                options: dict[str, Any] | None = None) -> Stream:
     """The stream of an accepted request, its generation attached and its pump running.
 
     ``renderer``: the API's payloads of this generation. ``listed``: findable by id and retained after it
     ends; ``detached`` (default: ``listed``): the generation outlives its readers. Raises what the
-    publisher's announcement raises (the request is then closed)."""
+    publisher's announcement raises (the request is then closed). ``options``: what the API needs to render
+    the rest of a listed stream if another gateway adopts it (:mod:`gateway.api.adoption`)."""
     stream = d.hub.create(endpoint, model, stream_id=stream_id or handle.request_id, listed=listed)
     stream.detached = listed if detached is None else detached
+    if listed:
+        stream.request, stream.options = msgspec.msgpack.encode(handle.submit), options or {}
     publisher = d.publisher if listed else None
     if publisher is not None:
         try:

@@ -77,8 +77,8 @@ class RequestHandle:
     engine can never mix in)."""
 
     __slots__ = ("_client", "_queue", "accepted", "closed", "done", "engine_rid", "generation", "lost_at",
-                 "migrations", "on_close", "openai", "output_chars", "output_ids", "request_id", "send_seq",
-                 "submit", "trace_id")
+                 "migrations", "on_close", "openai", "output_chars", "output_ids", "rejoined", "request_id",
+                 "send_seq", "submit", "trace_id")
 
     def __init__(self, client: EngineClient, submit: p.Submit, send_seq: int = 0) -> None:
         self._client = client
@@ -91,6 +91,7 @@ class RequestHandle:
         self.output_chars = 0
         self.migrations = 0
         self.lost_at = 0.0  # monotonic time its engine was lost (0: not migrating)
+        self.rejoined = False  # continued on another engine: its next payload is marked (Event.migrated)
         self.closed = False
         self._queue: asyncio.Queue[p.Delta | Failure] = asyncio.Queue()
         self.accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -345,6 +346,7 @@ class EngineClient:
         if self.on_continued is not None:
             self.on_continued(handle, now, True)
         handle.lost_at = 0.0
+        handle.rejoined = True
 
     def _send_handle(self, handle: RequestHandle, submit: p.Submit) -> bool:
         self._handles[handle.engine_rid] = handle

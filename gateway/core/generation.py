@@ -41,7 +41,8 @@ class ChunkEvent:
     JSON; the dict is parsed only if asked for), the engine emit time of the delta behind it, and its
     accounting. ``seq``: the log position a payload that numbers itself names (the stream checks it)."""
 
-    __slots__ = ("emit_ns", "finish_reason", "payload", "seq", "template", "text", "tokens", "usage")
+    __slots__ = ("emit_ns", "finish_reason", "ids", "migrated", "payload", "seq", "template", "text", "tokens",
+                 "usage")
 
     def __init__(self, chunk: dict[str, Any] | None, emit_ns: int, text: str, tokens: int,
                  finish_reason: str | None = None, usage: p.Usage | None = None, *,
@@ -54,6 +55,8 @@ class ChunkEvent:
         self.tokens = tokens
         self.finish_reason = finish_reason
         self.usage = usage
+        self.ids: list[int] | tuple[()] = ()  # output token ids of the deltas behind it (what an adopter resumes)
+        self.migrated = False  # the first payload after the generation moved to another engine
 
     @property
     def chunk(self) -> dict[str, Any] | None:
@@ -86,7 +89,7 @@ class Generation:
     ``ended`` resolves when the generation is over: with None after its last delta, with the error it
     failed with. A cancel (:meth:`cancel`) appends the renderer's closing payloads and ends the stream."""
 
-    __slots__ = ("ended", "handle", "publisher", "renderer", "stream", "tokens")
+    __slots__ = ("_ids", "ended", "handle", "publisher", "renderer", "stream", "tokens")
 
     def __init__(self, stream: Stream, handle: RequestHandle, renderer: Renderer, tokens: HotCounter,
                  publisher: Publisher | None = None) -> None:
@@ -96,6 +99,7 @@ class Generation:
         self.tokens = tokens
         self.publisher = publisher
         self.ended: asyncio.Future[APIError | None] = asyncio.get_running_loop().create_future()
+        self._ids: list[int] = []  # token ids of deltas that rendered no payload yet
 
     def start(self) -> None:
         """Append the opening payloads and take the request's deltas from now on."""
@@ -107,7 +111,17 @@ class Generation:
         """One engine step's delta: its payloads appended and written; the end after the last one."""
         if self.ended.done():
             return
-        for ev in self.renderer.step(d):
+        events = self.renderer.step(d)
+        if d.token_ids or self._ids:
+            if not events:
+                self._ids += d.token_ids
+            else:
+                events[-1].ids = self._ids + d.token_ids if self._ids else d.token_ids
+                self._ids = []
+        if events and self.handle.rejoined:
+            self.handle.rejoined = False
+            events[0].migrated = True
+        for ev in events:
             self._publish(ev, step)
         if d.finish_reason is not None:
             self.stream.finish("done")

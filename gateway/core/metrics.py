@@ -22,6 +22,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    Histogram,
     ProcessCollector,
     generate_latest,
 )
@@ -204,6 +205,15 @@ class Metrics:
         for reason in REFUSAL_REASONS:
             self.refusals.labels(reason)
         self.retained = Gauge("tokenfan_retained_stream_bytes", "Bytes held by retained fan-out streams", registry=r)
+        self.adoptions = Counter("tokenfan_adoptions_total", "Listed streams whose owner gateway was lost, as this "
+                                 "gateway saw them: adopted (continued here), elsewhere (another replica claimed "
+                                 "it), refused (cannot be continued exactly), failed (no engine took it)",
+                                 ["outcome"], registry=r)
+        for outcome in ("adopted", "elsewhere", "refused", "failed"):
+            self.adoptions.labels(outcome)
+        self.adoption_gap = Histogram("tokenfan_adoption_gap_seconds", "The lost owner's last event to this "
+                                      "gateway's first of a stream it adopted (wall clocks of both gateways)",
+                                      buckets=_LAT_BUCKETS, registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -69,11 +69,13 @@ class Event:
     asks for it (a merge, the broker), so a retained log holds each token's text once.
     """
 
-    __slots__ = ("_payload", "_sent_ns", "_timing", "emit_ns", "finish_reason", "frames", "seq", "template", "text")
+    __slots__ = ("_payload", "_sent_ns", "_timing", "emit_ns", "finish_reason", "frames", "ids", "migrated", "seq",
+                 "template", "text")
 
     def __init__(self, seq: int, payload: dict[str, Any] | None, timing: dict[str, Any] | None, text: str,
                  finish_reason: str | None, frames: dict[str, Any] | None = None, *,
-                 template: Template | None = None, emit_ns: int = 0, sent_ns: int = 0) -> None:
+                 template: Template | None = None, emit_ns: int = 0, sent_ns: int = 0,
+                 ids: list[int] | tuple[()] = (), migrated: bool = False) -> None:
         if payload is None and template is None:
             raise ValueError("an event needs its payload or its template")
         self.seq = seq
@@ -85,6 +87,8 @@ class Event:
         self.text = text
         self.finish_reason = finish_reason
         self.frames: dict[str, Any] = {} if frames is None else frames
+        self.ids = ids  # output token ids of the deltas behind it: what a gateway that adopts the stream resumes
+        self.migrated = migrated  # the first event after its generation moved to another engine (timing: a gap)
 
     def __repr__(self) -> str:
         return f"Event(seq={self.seq}, text={self.text!r}, finish_reason={self.finish_reason!r})"
@@ -101,6 +105,8 @@ class Event:
         """tokenfan's ``{seq, emit_ns, sent_ns}`` object (or the one the event came with)."""
         if self._timing is None:
             self._timing = {"seq": self.seq, "emit_ns": self.emit_ns, "sent_ns": self._sent_ns}
+            if self.migrated:  # the gap before it is a migration's, not the transport's (the bench skips it)
+                self._timing["migrated"] = True
         return self._timing
 
     @property
@@ -122,11 +128,12 @@ class Event:
         return 3 * len(self.text) + 512
 
 
-def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str | None) -> Event:
+def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str | None,
+                 ids: list[int] | tuple[()] = ()) -> Event:
     """An event from a chunk that may carry its ``tokenfan`` object (as the broker stores it)."""
     payload = dict(chunk)
     timing = payload.pop("tokenfan", None) or {"seq": seq, "emit_ns": p.now_ns(), "sent_ns": p.now_ns()}
-    return Event(seq, payload, timing, text, finish_reason)
+    return Event(seq, payload, timing, text, finish_reason, ids=ids, migrated=bool(timing.get("migrated")))
 
 
 class MergeRules(Protocol):
@@ -242,6 +249,10 @@ class Stream:
     # aborted only when its last reader is cut as too slow, or on an explicit cancel.
     detached: bool = True
     meta: dict[str, Any] = field(default_factory=dict)  # per-API extras (e.g. a response's transcript)
+    # What another gateway needs to continue a listed stream whose owner is gone (gateway.api.adoption): the
+    # engine request (msgpack of engine_worker.protocol.Submit) and the API's renderer options (JSON-able).
+    request: bytes = b""
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # dicts as insertion-ordered sets: the rotation in _wake needs a stable order
@@ -265,7 +276,8 @@ class Stream:
         shared = self.listed and len(w["sse"]) + len(w["ws"]) > 1  # frames built once for several readers
         return self.append(Event(seq, ev.payload, None, ev.text, ev.finish_reason, {} if shared else NO_CACHE,
                                  template=ev.template, emit_ns=ev.emit_ns,
-                                 sent_ns=step.wall_ns if step is not None else p.now_ns()), step)
+                                 sent_ns=step.wall_ns if step is not None else p.now_ns(), ids=ev.ids,
+                                 migrated=ev.migrated), step)
 
     def append(self, event: Event, step: Step | None = None) -> Event:
         """Add an already built event (its ``seq`` must be the next one) and write it to the readers."""

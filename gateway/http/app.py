@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
 from gateway.api import ui_chat
+from gateway.api.adoption import Adopter
 from gateway.api.openai import fanout, ws_mux
 from gateway.api.openai import routes as routes_openai
 from gateway.api.responses import routes as routes_responses
@@ -80,6 +81,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
                            local_cancel=gw.cancel_local_stream, timings=config.broker)
             await redis.start()
             gw.broker = gw.publisher = redis
+            redis.mirrors.adopt = Adopter(gw, redis)
         if config.workers > 1:
             from gateway.scaleout.peers import Peers
 

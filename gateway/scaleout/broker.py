@@ -86,7 +86,7 @@ class Broker(Mirroring):
         self.transcripts = RedisTranscripts(self._redis)
         link = RedisLink(self._redis, self._blocking, t, self.cancels, lambda: hub.retention.finished_ttl)
         self.mirrors = Mirrors(hub, link, idle_timeout=idle_timeout, recheck=t.lease_interval,
-                               on_owner_lost=link.record_owner_lost)
+                               on_owner_lost=link.record_owner_lost, lease_check=t.lease_ttl)
         # owner side: (stream id, fields, seconds to expire the key after this entry or None)
         self._pending: list[tuple[str, codec.Fields, int | None]] = []
         self._dirty: set[str] = set()  # own streams Redis may be behind on: repaired from the log
@@ -142,7 +142,7 @@ class Broker(Mirroring):
         """Announce a new stream before its id is handed out; APIError 503 if Redis does not take it."""
         key = codec.stream_key(stream.id)
         pipe = self._redis.pipeline(transaction=False)
-        pipe.xadd(key, codec.encode_header(stream.endpoint, stream.model, self.gateway_id))
+        pipe.xadd(key, codec.encode_header_of(stream, self.gateway_id))
         pipe.expire(key, KNOWN_TTL_S)  # bounded even if this owner dies mid-stream
         pipe.set(codec.known_key(stream.id), b"1", ex=KNOWN_TTL_S)
         try:
@@ -150,6 +150,21 @@ class Broker(Mirroring):
         except REDIS_ERRORS as exc:
             log.warning("broker: announcing stream %s failed: %s", stream.id, exc)
             raise broker_unavailable(exc) from exc
+
+    async def claim(self, stream_id: str, owner: str) -> bool:
+        """Take over a stream whose owner ``owner`` is gone: True for exactly one gateway (the one whose
+        ``SET NX`` of the stream's adoption key for that owner succeeds)."""
+        try:
+            return bool(await self._redis.set(codec.adopt_key(stream_id, owner), self.gateway_id.encode(), nx=True,
+                                              ex=KNOWN_TTL_S))
+        except REDIS_ERRORS as exc:
+            log.warning("broker: claiming stream %s failed: %s", stream_id, exc)
+            return False
+
+    def adopted(self, stream: Stream) -> None:
+        """This gateway owns ``stream`` from now on: its header again, naming this gateway (other replicas'
+        mirrors then check this gateway's lease), then its events as they come."""
+        self._queue(stream.id, codec.encode_header_of(stream, self.gateway_id), None)
 
     def published(self, stream: Stream, event: Event) -> None:
         """Queue one event of a local stream for the next pipeline."""
@@ -271,7 +286,7 @@ class Broker(Mirroring):
         n = 0
         start = last.seq + 1 if isinstance(last, codec.EventEntry) else 0
         if last_fields is None:  # the key is gone (a Redis restart without persistence): write it anew
-            pipe.xadd(key, codec.encode_header(stream.endpoint, stream.model, self.gateway_id))
+            pipe.xadd(key, codec.encode_header_of(stream, self.gateway_id))
             pipe.set(codec.known_key(stream_id), b"1", ex=KNOWN_TTL_S)
             start, n = 0, 2
         for ev in stream.events[start:]:

@@ -60,6 +60,11 @@ def ack_key(nonce: str) -> str:
     return f"tokenfan:ack:{nonce}"
 
 
+def adopt_key(stream_id: str, owner: str) -> str:
+    """Set (NX) by the one gateway that adopts ``stream_id`` from its lost owner ``owner``."""
+    return f"tokenfan:adopt:{stream_id}:{owner}"
+
+
 def transcript_key(response_id: str) -> str:
     return f"tokenfan:t:{response_id}"
 
@@ -75,6 +80,8 @@ class Header:
     owner: str  # gateway id of the replica running the generation ("" if unknown)
     detached: bool = True  # the generation outlives its readers (fan-out streams, background responses)
     held: int = 0  # records (events, and the end) the owner held when it wrote this header
+    request: bytes = b""  # the engine request (msgpack Submit) a gateway that adopts the stream continues
+    options: dict[str, Any] | None = None  # the API's renderer options, for that gateway
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +90,7 @@ class EventEntry:
     chunk: dict[str, Any]
     text: str
     finish_reason: str | None
+    ids: tuple[int, ...] | list[int] = ()  # the output token ids of the deltas behind it
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,14 +103,29 @@ class EndEntry:
 Entry = Header | EventEntry | EndEntry
 
 
-def encode_header(endpoint: str, model: str, owner: str, *, detached: bool = True, held: int = 0) -> Fields:
-    return {b"created": model.encode(), b"endpoint": endpoint.encode(), b"owner": owner.encode(),
-            b"detached": b"1" if detached else b"0", b"held": b"%d" % held}
+def encode_header(endpoint: str, model: str, owner: str, *, detached: bool = True, held: int = 0,
+                  request: bytes = b"", options: dict[str, Any] | None = None) -> Fields:
+    """A stream's header: written when it is created, and again by a gateway that adopts it (its new owner)."""
+    fields = {b"created": model.encode(), b"endpoint": endpoint.encode(), b"owner": owner.encode(),
+              b"detached": b"1" if detached else b"0", b"held": b"%d" % held}
+    if request:
+        fields[b"request"] = request
+        fields[b"options"] = orjson.dumps(options or {})
+    return fields
 
 
-def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str | None) -> Fields:
-    return {b"seq": b"%d" % seq, b"data": orjson.dumps(chunk), b"text": text.encode(),
-            b"fin": (finish_reason or "").encode()}
+def encode_header_of(stream: Stream, owner: str) -> Fields:
+    return encode_header(stream.endpoint, stream.model, owner, detached=stream.detached, request=stream.request,
+                         options=stream.options)
+
+
+def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str | None,
+                 ids: tuple[int, ...] | list[int] = ()) -> Fields:
+    fields = {b"seq": b"%d" % seq, b"data": orjson.dumps(chunk), b"text": text.encode(),
+              b"fin": (finish_reason or "").encode()}
+    if ids:
+        fields[b"ids"] = orjson.dumps(ids)
+    return fields
 
 
 def encode_end(state: EndState, events: int | None, error: APIError | None) -> Fields:
@@ -112,7 +135,7 @@ def encode_end(state: EndState, events: int | None, error: APIError | None) -> F
 
 
 def encode_event_of(ev: Event) -> Fields:
-    return encode_event(ev.seq, ev.chunk, ev.text, ev.finish_reason)
+    return encode_event(ev.seq, ev.chunk, ev.text, ev.finish_reason, ev.ids)
 
 
 def encode_end_of(stream: Stream) -> Fields:
@@ -134,7 +157,8 @@ def decode(fields: Fields) -> Entry:
         if b"created" in fields:
             return Header(fields.get(b"endpoint", b"").decode(), fields[b"created"].decode(),
                           fields.get(b"owner", b"").decode(), fields.get(b"detached", b"1") != b"0",
-                          int(fields.get(b"held") or 0))
+                          int(fields.get(b"held") or 0), fields.get(b"request", b""),
+                          orjson.loads(fields[b"options"]) if fields.get(b"options") else None)
     except (KeyError, ValueError, TypeError) as exc:  # UnicodeDecodeError and orjson's error are ValueErrors
         raise CodecError(f"malformed broker entry ({exc!r}): {sorted(fields)}") from exc
     raise CodecError(f"unknown broker entry with fields {sorted(fields)}")
@@ -147,7 +171,10 @@ def _decode_event(fields: Fields) -> EventEntry:
     chunk = orjson.loads(fields[b"data"])
     if not isinstance(chunk, dict):
         raise TypeError("data is not a JSON object")
-    return EventEntry(seq, chunk, fields[b"text"].decode(), fields.get(b"fin", b"").decode() or None)
+    ids = orjson.loads(fields[b"ids"]) if fields.get(b"ids") else ()
+    if not isinstance(ids, tuple | list) or not all(isinstance(i, int) for i in ids):
+        raise TypeError("ids is not a list of token ids")
+    return EventEntry(seq, chunk, fields[b"text"].decode(), fields.get(b"fin", b"").decode() or None, ids)
 
 
 def _decode_end(fields: Fields) -> EndEntry:
@@ -173,7 +200,8 @@ def pack(fields: Fields) -> bytes:
 
 def pack_event(ev: Event) -> bytes:
     """``pack(encode_event_of(ev))`` in one ``orjson.dumps``: the peer link's per-event path."""
-    return orjson.dumps({"seq": str(ev.seq), "data": ev.chunk, "text": ev.text, "fin": ev.finish_reason or ""})
+    return orjson.dumps({"seq": str(ev.seq), "data": ev.chunk, "text": ev.text, "fin": ev.finish_reason or "",
+                         "ids": ev.ids})
 
 
 def decode_line(line: bytes) -> Entry:
@@ -181,10 +209,10 @@ def decode_line(line: bytes) -> Entry:
     try:
         obj = orjson.loads(line)
         if "seq" in obj:  # the common case, decoded without a detour through Fields
-            seq, chunk, text, fin = int(obj["seq"]), obj["data"], obj["text"], obj.get("fin")
-            if seq < 0 or not isinstance(chunk, dict) or not isinstance(text, str):
+            seq, chunk, text, fin, ids = int(obj["seq"]), obj["data"], obj["text"], obj.get("fin"), obj.get("ids", ())
+            if seq < 0 or not isinstance(chunk, dict) or not isinstance(text, str) or not isinstance(ids, list | tuple):
                 raise ValueError(f"seq {seq}, data {type(chunk).__name__}, text {type(text).__name__}")
-            return EventEntry(seq, chunk, text, fin or None)
+            return EventEntry(seq, chunk, text, fin or None, ids)
         fields = {k.encode(): v.encode() for k, v in obj.items()}
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
         raise CodecError(f"malformed peer record ({exc!r}): {line[:200]!r}") from exc

@@ -12,11 +12,13 @@ coalescing and slow readers work on it exactly as on the owner.
   from the start after an outage), a hole ends the mirror with ``stream_lost``; so does an end that
   counts more events than the mirror got, or a record that is not ours (the link raises
   :class:`~gateway.scaleout.broker_codec.CodecError`). Never a normal end.
-- A link that yields nothing but :class:`Quiet` for ``idle_timeout`` makes the mirror ask for the
+- A link that yields nothing but :class:`Quiet` for ``lease_check`` seconds makes the mirror ask for the
   owner's lease: while it is held any quiet gap is fine (a slow prefill, a queue); missing twice,
-  ``recheck`` apart (a restarted Redis gives the owner that long to write it again), it ends the mirror
-  with ``owner_lost``. A link that could not read all that time ends it with ``broker_unavailable``;
-  a link whose iterator ends (the owner worker's socket refuses) ends it with ``owner_lost``.
+  ``recheck`` apart (a restarted Redis gives the owner that long to write it again), the owner is gone:
+  the mirror offers the stream for adoption (``adopt``: one gateway continues it from its log, see
+  :mod:`gateway.api.adoption`; the others keep mirroring what it writes, under its header), and ends it
+  with ``owner_lost`` only if nobody can. A link that could not read for ``idle_timeout`` ends it with
+  ``broker_unavailable``; a link whose iterator ends (the owner worker's socket refuses) with ``owner_lost``.
 - Every exit finishes the stream before :meth:`StreamHub.mark_finished`, so a mirror never blocks
   eviction.
 """
@@ -58,6 +60,11 @@ class Opened:
     records: AsyncGenerator[Item, None]
 
 
+Adoption = Literal["adopted", "elsewhere", "no"]
+# (stream, its latest header) -> this gateway adopted it, another did, or nobody can
+Adopt = Callable[[Stream, codec.Header], Awaitable[Adoption]]
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     """An owner's lease as its link sees it: ``held`` (for ``remaining`` s; None: no expiry), ``missing``,
@@ -95,7 +102,7 @@ def apply(stream: Stream, entry: codec.Entry) -> APIError | None:
         if where == "hole":
             return stream_lost(stream.id, f"events {have} to {entry.seq - 1} are missing")
         if where == "append":
-            stream.append(encode_event(entry.seq, entry.chunk, entry.text, entry.finish_reason))
+            stream.append(encode_event(entry.seq, entry.chunk, entry.text, entry.finish_reason, list(entry.ids)))
         return None
     if not codec.end_is_complete(entry, have):
         return stream_lost(stream.id, f"its end counts {entry.events} events, the mirror got {have}")
@@ -106,20 +113,32 @@ def apply(stream: Stream, entry: codec.Entry) -> APIError | None:
 
 
 class Idle:
-    """When a quiet mirror asks for its owner's lease, and which answers end it (pure: the clock is passed in)."""
+    """When a quiet mirror asks for its owner's lease, and which answers end it (pure: the clock is passed in).
 
-    def __init__(self, timeout: float, recheck: float, now: float) -> None:
+    ``lease_check``: seconds of quiet before the first question; ``timeout``: seconds the link may be
+    unreachable before the mirror gives up (``broker_unavailable``)."""
+
+    def __init__(self, timeout: float, recheck: float, now: float, lease_check: float | None = None) -> None:
         self.timeout, self.recheck = timeout, recheck
-        self.deadline = now + timeout
+        self.lease_check = timeout if lease_check is None else lease_check
+        self.deadline = now + self.lease_check
         self.misses = 0  # checks in a row that found the lease missing
+        self.unreachable_since: float | None = None
 
     def heard(self, now: float) -> None:
         """A record arrived: the owner is alive."""
-        self.deadline = now + self.timeout
+        self.deadline = now + self.lease_check
         self.misses = 0
+        self.unreachable_since = None
 
     def due(self, now: float) -> bool:
         return now >= self.deadline
+
+    def cut_off(self, now: float) -> bool:
+        """The link is unreachable now: whether it has been for ``timeout``."""
+        if self.unreachable_since is None:
+            self.unreachable_since = now
+        return now - self.unreachable_since >= self.timeout
 
     def unreachable(self, exc: BaseException) -> APIError:
         return APIError(503, f"The stream broker was unreachable for {self.timeout:g}s ({exc}).",
@@ -132,7 +151,7 @@ class Idle:
         if lease.state == "missing":
             self.misses += 1
             if self.misses >= 2:
-                return owner_lost(stream_id, f"no record for {self.timeout:g}s and its lease expired")
+                return owner_lost(stream_id, f"no record for {self.lease_check:g}s and its owner's lease expired")
             self.deadline = now + self.recheck + 0.25
             return None
         if lease.state == "unknown":  # the next read finds out whether the link is gone
@@ -143,12 +162,17 @@ class Idle:
         return None
 
 
+ADOPTED = APIError(200, "adopted", code="adopted")  # Mirror.run's result when this gateway took the stream over
+
+
 class Mirror:
-    """One mirrored stream: its link's records applied to its log until an end."""
+    """One mirrored stream: its link's records applied to its log until an end (or its adoption here)."""
 
     def __init__(self, stream: Stream, opened: Opened, link: Link, idle: Idle,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, adopt: Adopt | None = None) -> None:
         self.stream, self.opened, self.link, self.idle, self.clock = stream, opened, link, idle, clock
+        self.header = opened.header  # the latest: a gateway that adopts the stream writes its own
+        self.adopt = adopt
         self.caught_up = asyncio.Event()  # the mirror holds what the owner held when the link was opened
         self._progress()
 
@@ -158,19 +182,31 @@ class Mirror:
 
     async def run(self) -> APIError | None:
         """Follow the link until the stream ends; the error to end it with if it did not end by itself."""
-        stream, owner = self.stream, self.opened.header.owner
+        stream = self.stream
         async for item in self.opened.records:
             now = self.clock()
             if isinstance(item, Quiet):
+                if item.unreachable is not None:
+                    if self.idle.cut_off(now):
+                        return self.idle.unreachable(item.unreachable)
+                    continue
+                self.idle.unreachable_since = None
                 if not self.idle.due(now):
                     continue
-                if item.unreachable is not None:
-                    return self.idle.unreachable(item.unreachable)
-                ending = self.idle.check(now, await self.link.lease(owner), stream.id)
-                if ending is not None:
+                ending = self.idle.check(now, await self.link.lease(self.header.owner), stream.id)
+                if ending is None:
+                    continue
+                adoption = await self.adopt(stream, self.header) if self.adopt is not None else "no"
+                if adoption == "adopted":
+                    return ADOPTED
+                if adoption == "no":
                     return ending
+                self.idle.heard(self.clock())  # another gateway took it over: its header and events follow
                 continue
             self.idle.heard(now)
+            if isinstance(item, codec.Header):
+                self.header = item  # a new owner (it adopted the stream)
+                continue
             ending = apply(stream, item)
             if ending is not None or stream.finished:
                 return ending
@@ -185,12 +221,15 @@ class Mirrors:
     ``on_owner_lost`` (Redis): record an ``owner_lost`` end where later readers find it at once."""
 
     def __init__(self, hub: StreamHub, link: Link, *, idle_timeout: float, recheck: float,
-                 on_owner_lost: Callable[[Stream, APIError], Awaitable[None]] | None = None) -> None:
+                 on_owner_lost: Callable[[Stream, APIError], Awaitable[None]] | None = None,
+                 lease_check: float | None = None) -> None:
         self.hub, self.link = hub, link
-        self.idle_timeout, self.recheck = idle_timeout, recheck
+        self.idle_timeout, self.recheck, self.lease_check = idle_timeout, recheck, lease_check
         self.on_owner_lost = on_owner_lost
+        self.adopt: Adopt | None = None  # set by the app: who continues a stream whose owner is gone
+        self._adopted: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._owners: dict[str, str] = {}  # mirrored stream id -> its owner, for cancels
+        self._mirrors: dict[str, Mirror] = {}  # by stream id: its owner (the latest header's), for cancels
 
     async def mirror(self, stream_id: str) -> Stream:
         """The stream, mirrored here (once it holds what its owner held when asked, within
@@ -211,8 +250,9 @@ class Mirrors:
         h = opened.header
         stream = self.hub.create(h.endpoint, h.model, stream_id=stream_id)
         stream.mirrored, stream.detached = True, h.detached
-        self._owners[stream_id] = h.owner
-        m = Mirror(stream, opened, self.link, Idle(self.idle_timeout, self.recheck, time.monotonic()))
+        m = Mirror(stream, opened, self.link, Idle(self.idle_timeout, self.recheck, time.monotonic(), self.lease_check),
+                   adopt=self.adopt)
+        self._mirrors[stream_id] = m
         task = asyncio.create_task(self._run(m), name=f"mirror-{stream_id}")
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._done(t, stream))
@@ -226,7 +266,8 @@ class Mirrors:
         return stream
 
     async def cancel_remote(self, stream_id: str) -> bool:
-        return await self.link.cancel(stream_id, self._owners.get(stream_id, ""))
+        m = self._mirrors.get(stream_id)
+        return await self.link.cancel(stream_id, m.header.owner if m is not None else "")
 
     async def close(self) -> None:
         """Stop every mirror (each ends with ``mirror_closed``); see :func:`stop_tasks`."""
@@ -237,6 +278,9 @@ class Mirrors:
         ending: APIError | None = None
         try:
             ending = await m.run()
+            if ending is ADOPTED:
+                self._adopted.add(stream.id)  # a local stream now: its pump finishes and retains it
+                return
             if ending is not None and ending.code == "owner_lost" and self.on_owner_lost is not None:
                 await self.on_owner_lost(stream, ending)
         except asyncio.CancelledError:
@@ -248,7 +292,7 @@ class Mirrors:
             log.exception("mirror of %s failed", stream.id)
             ending = stream_lost(stream.id, f"its mirror failed ({type(exc).__name__})")
         finally:
-            if not stream.finished:
+            if not stream.finished and ending is not ADOPTED:
                 stream.finish("error", ending or mirror_closed())
             m.caught_up.set()
             await m.opened.records.aclose()
@@ -256,7 +300,10 @@ class Mirrors:
     def _done(self, task: asyncio.Task[None], stream: Stream) -> None:
         """However the mirror ended (even cancelled before it ran), the stream is finished, then retained."""
         self._tasks.discard(task)
-        self._owners.pop(stream.id, None)
+        self._mirrors.pop(stream.id, None)
+        if stream.id in self._adopted:
+            self._adopted.discard(stream.id)
+            return
         if not stream.finished:
             stream.finish("error", mirror_closed())
         self.hub.mark_finished(stream)

@@ -290,7 +290,7 @@ def test_an_engine_failure_mid_answer_is_the_sdks_error_state(
         browser: Browser, bundle: Path, ipc_dir: Path) -> None:
     address = f"ipc://{ipc_dir / 'ui-chat-failing.sock'}"
     engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "40", name="ui-chat-engine")
-    gateway, url = start_gateway(address, "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1",
+    gateway, url = start_gateway(address, "--migration-limit", "0", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1",
                                  name="ui-chat-gateway")
     try:
         page = open_chat(browser, url, bundle, "failing-chat", settings={"max_tokens": 400})

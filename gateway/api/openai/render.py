@@ -48,10 +48,11 @@ class ChatRenderer:
     the first step, one chunk per engine step (empty content while the detokenizer holds text back; a
     client's inter-token gaps then mean the same on both), the usage chunk last if asked for."""
 
-    def __init__(self, builder: ChunkBuilder) -> None:
+    def __init__(self, builder: ChunkBuilder, *, started: bool = False) -> None:
+        """``started``: the role chunk went out already (a stream another gateway adopted mid-answer)."""
         self.builder = builder
         self.template = ChunkTemplate(builder)
-        self._role = builder.role_chunk()
+        self._role = None if started else builder.role_chunk()
 
     def opening(self) -> list[ChunkEvent]:
         return []

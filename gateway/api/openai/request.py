@@ -197,14 +197,15 @@ class ChunkBuilder:
     chunk has ``usage: null`` and :meth:`usage_chunk` gives the final ``choices: []`` chunk.
     """
 
-    def __init__(self, endpoint: Endpoint, request_id: str, model: str, include_usage: bool) -> None:
+    def __init__(self, endpoint: Endpoint, request_id: str, model: str, include_usage: bool,
+                 created: int | None = None) -> None:
         self.endpoint = endpoint
         self.chat = endpoint == "chat.completions"
         self.include_usage = include_usage
         self._base: dict[str, Any] = {
             "id": request_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": int(time.time()),
+            "created": int(time.time()) if created is None else created,
             "model": model,
             "system_fingerprint": None,
         }
@@ -216,6 +217,10 @@ class ChunkBuilder:
     @property
     def request_id(self) -> str:
         return str(self._base["id"])
+
+    @property
+    def created(self) -> int:
+        return int(self._base["created"])
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = {**self._base, "choices": [choice]}

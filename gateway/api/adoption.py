@@ -1,0 +1,114 @@
+"""Adoption: continuing a listed stream whose owner gateway is gone (killed, or redeployed with SIGTERM).
+
+A replica mirroring the stream (``--broker``: its log is in Redis) finds the owner's lease expired
+(:class:`gateway.scaleout.mirror.Mirror`) and offers the stream here. The one replica that claims it
+(``SET NX`` of its adoption key, :meth:`gateway.scaleout.broker.Broker.claim`) continues the generation from
+the log: the engine request the owner wrote in the stream's header, plus the output token ids its events
+carry, as a continuation (``Submit.resume``, as a migration does: docs/failures.md) on its own engines. The
+mirror's :class:`~gateway.core.streams.Stream` becomes a local one: the same id, ``seq`` continuing from the
+log, the same Redis key (under a new header naming this gateway), its readers reading on without a gap.
+
+What is adopted: streams of the plain path whose API can render the rest from the log (fan-out chat and
+completions streams). Not adopted (``owner_lost``, as before): requests served by vLLM's OpenAI layer (their
+parsers' state is not in the log), and the other APIs' streams (Responses, useChat), which would need their
+event builders rebuilt from the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from engine_worker import protocol as p
+from gateway.api.openai.render import ChatRenderer
+from gateway.api.openai.request import ChunkBuilder
+from gateway.core.delivery import pump
+from gateway.core.generation import Generation, Renderer
+from gateway.errors import APIError, EngineError
+
+if TYPE_CHECKING:
+    from gateway.core.streams import Stream
+    from gateway.scaleout.broker import Broker
+    from gateway.scaleout.broker_codec import Header
+    from gateway.scaleout.mirror import Adoption
+    from gateway.state import Gateway
+
+log = logging.getLogger(__name__)
+
+
+def chat_renderer(stream: Stream, options: dict[str, Any]) -> Renderer:
+    """The rest of a chat or completions stream: the same chunk id, ``created`` and usage setting."""
+    builder = ChunkBuilder(stream.endpoint, stream.id, stream.model,  # type: ignore[arg-type]
+                           bool(options.get("include_usage")), created=options.get("created"))
+    return ChatRenderer(builder, started=bool(stream.events))
+
+
+# endpoint -> the renderer of the rest of an adopted stream (its API's)
+RENDERERS: dict[str, Callable[[Stream, dict[str, Any]], Renderer]] = {
+    "chat.completions": chat_renderer, "completions": chat_renderer}
+
+
+class Adopter:
+    """The ``adopt`` of a gateway's broker mirrors (see the module docstring)."""
+
+    def __init__(self, gw: Gateway, broker: Broker) -> None:
+        self.gw, self.broker = gw, broker
+        self._n = 0
+
+    async def __call__(self, stream: Stream, header: Header) -> Adoption:
+        gw = self.gw
+        make = RENDERERS.get(stream.endpoint)
+        why = None if make is not None else f"its API ({stream.endpoint}) cannot render the rest from the log"
+        submit = msgspec.msgpack.decode(header.request, type=p.Submit) if header.request else None
+        if submit is None:
+            why = why or "its header has no engine request"
+        elif (header.options or {}).get("openai", True):
+            why = why or "it is served by vLLM's OpenAI layer (the parsers' state is not in the log)"
+        ids = [i for e in stream.events for i in e.ids]
+        if submit is not None and len(ids) >= submit.sampling.max_tokens:
+            why = why or "its token budget is spent"
+        if why is not None or submit is None or make is None:
+            gw.metrics.adoptions.labels("refused").inc()
+            log.warning("stream %s lost its owner %s: not adopted (%s)", stream.id, header.owner, why)
+            return "no"
+        if not await self.broker.claim(stream.id, header.owner):
+            gw.metrics.adoptions.labels("elsewhere").inc()
+            return "elsewhere"
+        self._n += 1
+        chars = sum(len(e.text) for e in stream.events)
+        try:
+            handle = gw.engine.submit(msgspec.structs.replace(
+                submit, request_id=f"{stream.id}.a{self._n}", resume=ids, resume_chars=chars))
+            handle.output_ids, handle.output_chars = list(ids), chars
+            await handle.wait_accepted(gw.config.accept_timeout)
+        except (EngineError, APIError) as exc:
+            gw.metrics.adoptions.labels("failed").inc()
+            log.error("stream %s lost its owner %s: adoption failed (%s)", stream.id, header.owner, exc)
+            return "no"
+        renderer = make(stream, header.options or {})
+        stream.mirrored = False
+        stream.request, stream.options = header.request, header.options or {}
+        self.broker.adopted(stream)
+        generation = Generation(stream, handle, renderer, gw.metrics.hot.tokens, self.broker)
+        handle.attach(generation)
+        stream.task = asyncio.get_running_loop().create_task(pump(gw.delivery, generation), name=f"pump-{stream.id}")
+        gw.metrics.adoptions.labels("adopted").inc()
+        last_ns = stream.events[-1].timing.get("sent_ns", 0) if stream.events else 0
+        log.warning("adopted stream %s from lost gateway %s after %d events (%d output tokens); continuing on "
+                    "engine %s", stream.id, header.owner, len(stream.events), len(ids), handle._client.address)
+        asyncio.get_running_loop().create_task(self._gap(stream, len(stream.events), last_ns))
+        return "adopted"
+
+    async def _gap(self, stream: Stream, had: int, last_ns: int) -> None:
+        """Observe the gap a reader saw: the owner's last event to this gateway's first."""
+        deadline = time.monotonic() + 60
+        while len(stream.events) <= had and not stream.finished and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if len(stream.events) > had and last_ns:
+            sent = stream.events[had].timing.get("sent_ns", 0)
+            self.gw.metrics.adoption_gap.observe(max(0.0, (sent - last_ns) / 1e9))

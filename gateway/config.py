@@ -98,6 +98,7 @@ class GatewayConfig:
     sse_retry_ms: int = declared("sse_retry_ms")
     inject_delay: dict[str, float] = declared("inject_delay")  # transport -> seconds (diagnostic)
     shutdown_grace: float = declared("shutdown_grace")
+    handover: bool = declared("handover")
     max_concurrent: int = declared("max_concurrent")
     max_concurrent_per_key: int = declared("max_concurrent_per_key")
     max_generations_per_client: int = declared("max_generations_per_client")

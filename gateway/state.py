@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from gateway.admission import Admission, Holdings, LoopMonitor
 from gateway.config import GatewayConfig
-from gateway.core.delivery import Delivery, cancel
+from gateway.core.delivery import Delivery, cancel, hand_over
 from gateway.core.engine_pool import EnginePool
 from gateway.core.metrics import Metrics
 from gateway.core.streams import SlowConsumerPolicy, StreamHub, Watchdog
@@ -79,6 +79,11 @@ class Gateway:
         """Cancel a generation this gateway runs (a broker-forwarded DELETE); False if not ours."""
         s = self.hub.streams.get(stream_id)
         return s is not None and cancel(s)
+
+    def hand_over(self) -> int:
+        """SIGTERM with ``--handover`` and a broker: every local listed stream still generating ends here
+        ``moved`` (see :func:`gateway.core.delivery.hand_over`); how many."""
+        return sum(hand_over(s) for s in list(self.hub.streams.values()))
 
     def in_flight(self) -> int:
         """Generations this gateway is still waiting on the engine for."""

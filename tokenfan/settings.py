@@ -285,6 +285,8 @@ SETTINGS: tuple[Setting, ...] = (
         field="broker.cancel_timeout"),
     _gw("broker_max_pending", INT, 65_536, "stream entries queued for the next Redis pipeline; beyond, the "
         "streams are repaired from the owner's log later", field="broker.max_pending"),
+    _gw("handover", BOOL, True, "on SIGTERM with --broker, hand the listed streams (fan-out, background) to the "
+        "other replicas, which continue them from the log, instead of draining them for --shutdown-grace"),
     _gw("migration_limit", INT, 3, "continuations of one request on another engine when its engine is lost "
         "(killed, restarted, unreachable): the client's stream goes on with the next token (docs/failures.md); "
         "0: never, the request fails with engine_unavailable", field="migration.limit", minimum=0),

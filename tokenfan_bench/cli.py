@@ -246,6 +246,10 @@ def _brief(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["failover"]:  # the gap a client sees when an engine or a gateway dies (failover.py)
+        from tokenfan_bench.failover import main as failover_main
+
+        return failover_main(argv[1:])
     if argv[:1] == ["vs-vllm"]:  # tokenfan serve against vllm serve (tokenfan_bench/vs_vllm.py)
         from tokenfan_bench.vs_vllm import main as vs_vllm_main
 

@@ -106,17 +106,34 @@ async def pump(d: Delivery, generation: Generation) -> None:
         if err is not None:
             d.metrics.errors.labels(error_class(err)).inc()
     except asyncio.CancelledError:
-        if not handle.done:
-            d.metrics.aborted.inc()
-            log.info("generation %s aborted (no reader left, or cancelled)", stream.id)
-        generation.cancel()
+        if stream.handover:
+            generation.move()
+        else:
+            if not handle.done:
+                d.metrics.aborted.inc()
+                log.info("generation %s aborted (no reader left, or cancelled)", stream.id)
+            generation.cancel()
         raise
     finally:
         handle.close()  # aborts the engine request if it had not finished
-        if publisher is not None:
+        if publisher is not None and stream.state != "moved":
             publisher.ended(stream)
         d.hub.mark_finished(stream)
         d.metrics.retained.set(d.hub.total_bytes)
+
+
+def hand_over(stream: Stream) -> bool:
+    """Stop a local listed stream's generation here without ending it (SIGTERM with a replica to take it:
+    ``--handover``): it ends ``moved``, its readers are disconnected without an end (they resume on another
+    replica), its engine request is aborted; the replica that adopts it continues from the log."""
+    if not stream.listed or stream.finished or stream.mirrored or stream.task is None or stream.task.done():
+        return False
+    stream.handover = True
+    stream.task.cancel()
+    return True
+
+
+MOVED = {"sse": Ending(b""), "ws": Ending(None, 1012, "moved: resume on another replica (Last-Event-ID, ?after=)")}
 
 
 def cancel(stream: Stream) -> bool:
@@ -273,6 +290,8 @@ async def read(d: Delivery, stream: Stream, framing: Framing, after: int, conn: 
         return Outcome(framing.cut(d.policy.send_timeout), True, last)
     finally:
         active.dec()
+    if stream.state == "moved":  # no end: the reader resumes on the replica that continues the stream
+        return Outcome(MOVED[framing.transport], False, last)
     return Outcome(framing.ending(stream), False, last)
 
 

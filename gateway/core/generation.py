@@ -145,6 +145,14 @@ class Generation:
         self.stream.finish("cancelled")
         self.ended.cancel()
 
+    def move(self) -> None:
+        """Handed over to another gateway (it continues from the log): no closing payloads, the stream ends
+        ``moved`` here (its readers are told to resume elsewhere), nothing is written to the broker."""
+        if self.ended.done():
+            return
+        self.stream.finish("moved")
+        self.ended.cancel()
+
     def _publish(self, ev: ChunkEvent, step: Step | None) -> None:
         event = self.stream.publish(ev, step)
         if self.publisher is not None:

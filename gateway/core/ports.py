@@ -27,6 +27,9 @@ class Publisher(Protocol):
     def published(self, stream: Stream, event: Event) -> None: ...
     def ended(self, stream: Stream) -> None: ...
 
+    async def hand_over(self) -> None:
+        """Before exiting with streams other gateways adopt: flush, then give up the owner lease."""
+
     def put_transcript(self, response_id: str, data: bytes, ttl: float) -> None:
         """Keep a finished stored response's transcript for ``ttl`` s where every replica finds it."""
 

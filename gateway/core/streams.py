@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 Transport = Literal["sse", "ws"]
 TRANSPORTS: tuple[Transport, Transport] = ("sse", "ws")
-State = Literal["running", "done", "error", "cancelled"]
+State = Literal["running", "done", "error", "cancelled", "moved"]  # moved: its generation goes on elsewhere
 
 if TYPE_CHECKING:
     from gateway.core.conn import Step
@@ -253,6 +253,7 @@ class Stream:
     # engine request (msgpack of engine_worker.protocol.Submit) and the API's renderer options (JSON-able).
     request: bytes = b""
     options: dict[str, Any] = field(default_factory=dict)
+    handover: bool = False  # being handed to another gateway (SIGTERM): it ends here "moved", without an end
 
     def __post_init__(self) -> None:
         # dicts as insertion-ordered sets: the rotation in _wake needs a stable order

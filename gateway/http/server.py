@@ -74,11 +74,26 @@ async def drain(app: Any, grace: float) -> None:
         return
     gw.draining = True
     loop = asyncio.get_running_loop()
+    if gw.config.handover and gw.publisher is not None:
+        await hand_over(gw)
     deadline = loop.time() + grace
     while gw.in_flight() and loop.time() < deadline:
         await asyncio.sleep(0.05)
     gw.end_all_streams()
     await asyncio.sleep(0.2)  # let the error events reach the clients
+
+
+async def hand_over(gw: Any) -> None:
+    """Listed streams go to the other replicas (``--handover``): each ends here ``moved`` (its readers
+    disconnected without an end, its engine request aborted), every event reaches Redis, and this gateway's
+    lease is released, so a replica mirroring them adopts each at once (:mod:`gateway.api.adoption`)."""
+    n = gw.hand_over()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 1.0
+    while any(s.handover and not s.finished for s in gw.hub.streams.values()) and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    await gw.publisher.hand_over()
+    log.warning("shutdown: handed %d listed streams over to the other replicas", n)
 
 
 # ---------------------------------------------------------------------------------------------- uvicorn

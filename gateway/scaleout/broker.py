@@ -111,6 +111,17 @@ class Broker(Mirroring):
                            ("broker-cancels", self.cancels.listen())):
             self._background.append(asyncio.create_task(coro, name=name))
 
+    async def hand_over(self) -> None:
+        """Before this gateway exits with streams other replicas adopt: what is queued reaches Redis, then the
+        lease goes (no refresh after it), so their mirrors find it missing at their next check."""
+        for task in self._background:
+            if task.get_name() == "broker-lease":
+                task.cancel()
+        with contextlib.suppress(*REDIS_ERRORS):
+            async with asyncio.timeout(self.t.op_timeout * 2):
+                await self._flush_once()
+                await self.lease.release()
+
     async def close(self) -> None:
         """Stop; the last records (the ends written at shutdown) get one bounded attempt."""
         self._closing = True
@@ -276,6 +287,8 @@ class Broker(Mirroring):
         if isinstance(last, codec.EndEntry):
             return 0
         stream = self.hub.streams.get(stream_id)
+        if stream is not None and stream.state == "moved":
+            return 0  # handed over: its adopter writes the rest
         if stream is None or stream.mirrored:
             if last_fields is None:
                 return 0

@@ -141,7 +141,7 @@ def encode_event_of(ev: Event) -> Fields:
 def encode_end_of(stream: Stream) -> Fields:
     """The end record of a stream that ended (one still running gets ``stream_lost``: its generation
     ended without an end state, so mirrors must never take it for a normal end)."""
-    if stream.state == "running":
+    if stream.state == "running" or stream.state == "moved":  # (a moved stream's end is its adopter's to write)
         return encode_end("error", len(stream.events),
                           stream_lost(stream.id, "its generation ended without an end state"))
     return encode_end(stream.state, len(stream.events), stream.error)
@@ -200,8 +200,10 @@ def pack(fields: Fields) -> bytes:
 
 def pack_event(ev: Event) -> bytes:
     """``pack(encode_event_of(ev))`` in one ``orjson.dumps``: the peer link's per-event path."""
-    return orjson.dumps({"seq": str(ev.seq), "data": ev.chunk, "text": ev.text, "fin": ev.finish_reason or "",
-                         "ids": ev.ids})
+    record: dict[str, Any] = {"seq": str(ev.seq), "data": ev.chunk, "text": ev.text, "fin": ev.finish_reason or ""}
+    if ev.ids:
+        record["ids"] = ev.ids
+    return orjson.dumps(record)
 
 
 def decode_line(line: bytes) -> Entry:

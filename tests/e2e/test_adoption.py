@@ -116,9 +116,10 @@ def control(url: str, n: int) -> dict[int, str]:
     return out
 
 
-def replicas(ipc_dir: Path, url: str, names: str) -> tuple[Proc, list[tuple[Proc, str]]]:
+def replicas(ipc_dir: Path, url: str, names: str, engine_args: tuple[str, ...] = ENGINE_ARGS
+             ) -> tuple[Proc, list[tuple[Proc, str]]]:
     address = f"ipc://{ipc_dir / f'adopt-{names}.sock'}"
-    engine = start_engine(address, *ENGINE_ARGS, name=f"engine-adopt-{names}")
+    engine = start_engine(address, *engine_args, name=f"engine-adopt-{names}")
     gateways = [start_gateway(address, "--broker", url, *LEASE, *NO_CLIENT_LIMITS, name=f"gateway-adopt-{k}")
                 for k in names]
     return engine, gateways
@@ -206,5 +207,57 @@ def test_two_replicas_racing_to_adopt_exactly_one_continues_each_stream(
         adopted = [metric(u, "tokenfan_adoptions_total", {"outcome": "adopted"}) for u in (url_y, url_z)]
         elsewhere = [metric(u, "tokenfan_adoptions_total", {"outcome": "elsewhere"}) for u in (url_y, url_z)]
         assert sum(adopted) == n and sum(elsewhere) <= n, (adopted, elsewhere)
+    finally:
+        stop_all([engine, *(g for g, _ in gateways)])
+
+
+def test_sigterm_hands_the_streams_over_and_exits_at_once(ipc_dir: Path, redis_server: RedisServer) -> None:  # noqa: F811
+    """A rolling restart: SIGTERM the owner while its streams need 10 s more. It exits within 2 s; its
+    readers, reconnecting to B, and B's readers get every event once, the normal end, the control text."""
+    n, tokens = 3, 600
+    engine, gateways = replicas(ipc_dir, redis_server.url, "st", ("--engine", "synthetic", "--synthetic-tokens-per-s",
+                                                                  "100", "--synthetic-ttft-ms", "5"))
+    (gw_a, url_a), (_, url_b) = gateways
+    exit_s: list[float] = []
+    try:
+        async def scenario() -> dict[str, Reader]:
+            readers: dict[str, Reader] = {}
+            async with httpx.AsyncClient(timeout=60) as c:
+                jobs, started = [], []
+                for i in range(n):
+                    r = await c.post(url_a + "/v1/streams", json={**body(20 + i), "max_tokens": tokens})
+                    sid = r.json()["id"]
+                    for where, urls in (("a", [url_a, url_b]), ("b", [url_b])):
+                        reader = readers[f"{i}/{where}"] = Reader()
+                        ev = asyncio.Event()
+                        started.append(ev)
+                        jobs.append(sse_reader(c, urls, sid, reader, ev))
+                all_ = asyncio.gather(*jobs)
+                for ev in started:
+                    await asyncio.wait_for(ev.wait(), 30)
+                t0 = asyncio.get_running_loop().time()
+                gw_a.popen.send_signal(signal.SIGTERM)
+                await asyncio.get_running_loop().run_in_executor(None, gw_a.popen.wait, 10)
+                exit_s.append(asyncio.get_running_loop().time() - t0)
+                await asyncio.wait_for(all_, 60)
+            return readers
+
+        readers = asyncio.run(scenario())
+        assert exit_s[0] < 2.0, exit_s
+
+        async def controls() -> list[str]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                rs = await asyncio.gather(*(c.post(url_b + "/v1/chat/completions",
+                                                   json={**body(20 + i), "max_tokens": tokens}) for i in range(n)))
+            return [r.json()["choices"][0]["message"]["content"] for r in rs]
+
+        wants = asyncio.run(controls())
+        for name, reader in readers.items():
+            want = wants[int(name.split("/")[0])]
+            assert not reader.errors and reader.ended, (name, reader.errors)
+            assert reader.seqs == list(range(len(reader.seqs))), (name, reader.seqs)
+            assert reader.text == want, name
+        assert metric(url_b, "tokenfan_adoptions_total", {"outcome": "adopted"}) == n
+        assert "handed 3 listed streams over" in gw_a.log()
     finally:
         stop_all([engine, *(g for g, _ in gateways)])

@@ -416,10 +416,13 @@ def full_text(url: str, sid: str) -> tuple[str, list[int], list[dict[str, str]]]
     return text, ids, events
 
 
-def test_killing_the_owner_gateway_ends_mirrored_readers_with_owner_lost(
+def test_when_the_owner_gateway_and_the_engine_die_mirrored_readers_get_owner_lost_within_the_lease(
         ipc_dir: Path, redis_server: RedisServer) -> None:
+    """Nobody can adopt the stream (the one engine died with its gateway; tests/e2e/test_adoption.py has the
+    case where a replica does): B's readers get ``owner_lost`` once the owner's lease expired, not after
+    ``--broker-idle-timeout`` (60 s here) of silence."""
     c = Cluster(ipc_dir, "bk-kill", redis_server.url, ["--synthetic-tokens-per-s", "20"],
-                ["--broker-idle-timeout", "2", "--stream-ttl", "1"])
+                ["--broker-idle-timeout", "60", "--stream-ttl", "1", "--migration-wait", "1"])
     try:
         sid = create(c.url_a, 400)["id"]  # 20 s of tokens
         sse: list[dict[str, str]] = []
@@ -430,22 +433,21 @@ def test_killing_the_owner_gateway_ends_mirrored_readers_with_owner_lost(
                        asyncio.create_task(ws_reader(ws_url(c.url_b, sid), ws))]
             while len(stream_text(sse)[1]) < 5 or len(ws_text(ws)[1]) < 5:
                 await asyncio.sleep(0.05)
+            c.procs[0].stop(signal.SIGKILL)  # the engine
             c.a.stop(signal.SIGKILL)
             t0 = time.monotonic()
             await asyncio.wait_for(asyncio.gather(*readers), 30)  # a hang guard, not a timing check
-            print(f"\n[figure] owner killed: B's SSE and WS readers got owner_lost {time.monotonic() - t0:.2f}s "
-                  "after SIGKILL (--broker-idle-timeout 2)")
+            print(f"\n[figure] owner and engine killed: B's SSE and WS readers got owner_lost "
+                  f"{time.monotonic() - t0:.2f}s after SIGKILL (--broker-lease-ttl 2)")
             return readers[1].result()
 
         close_code = asyncio.run(main())
         assert sse_error_code(sse) == "owner_lost" and all(e.get("data") != "[DONE]" for e in sse)
         assert ws[-1]["type"] == "error" and ws[-1]["error"]["code"] == "owner_lost" and close_code == 1011
         assert stream_text(sse)[1] == list(range(len(stream_text(sse)[1])))
-        # The failed mirror does not block eviction: past --stream-ttl the id answers 410 on B, and
-        # new streams are admitted.
+        # The failed mirror does not block eviction: past --stream-ttl the id answers 410 on B.
         wait_until(lambda: httpx.get(f"{c.url_b}/v1/streams/{sid}").status_code == 410, timeout=10,
                    what="the lost stream expired on B")
-        create(c.url_b, 3)
     finally:
         c.stop()
 

@@ -334,3 +334,23 @@ def test_h2_client_opens_odd_streams_and_the_server_sees_its_settings():
     server.receive_data(client.data_to_send())
     assert server.remote_settings.initial_window_size == 2**31 - 1 and server.remote_settings.enable_push == 0
     assert server.outbound_flow_control_window == 2**31 - 1
+
+
+def test_a_gap_ending_at_a_migrated_event_is_not_an_inter_token_gap() -> None:
+    """The first event after a generation moved to another engine (``tokenfan.migrated``) follows a failover's
+    gap: a transport comparison must not count it."""
+    from tokenfan_bench.clients.recorder import Recorder, to_samples
+    from tokenfan_bench.stats.metrics import itl_ns
+
+    rec = Recorder(0, 0)
+    for k, (recv, migrated) in enumerate([(10, False), (20, False), (900, True), (910, False)]):
+        chunk = {"choices": [{"delta": {"content": "x"}}], "tokenfan": {"seq": k, "emit_ns": recv, "sent_ns": recv}}
+        if migrated:
+            chunk["tokenfan"]["migrated"] = True
+        rec.add(recv, chunk)
+    rec.done = True
+    assert list(itl_ns(to_samples("sse", [rec]))) == [10, 10]
+    plain = Recorder(1, 0)
+    for k, recv in enumerate((10, 20, 900)):
+        plain.add(recv, {"choices": [{"delta": {"content": "x"}}], "tokenfan": {"seq": k, "emit_ns": 0}})
+    assert list(itl_ns(to_samples("sse", [plain]))) == [10, 880]

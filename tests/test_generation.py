@@ -11,8 +11,8 @@ import orjson
 from engine_worker import protocol as p
 from gateway.api.openai.render import chunk_events
 from gateway.api.openai.request import ChunkBuilder
-from gateway.api.responses.api import ResponseEvents
-from gateway.api.responses.routes import ResponseRenderer
+from gateway.api.responses.events import ResponseEvents
+from gateway.api.responses.render import ResponseRenderer
 from gateway.core.generation import ChunkEvent
 
 USAGE = p.Usage(prompt_tokens=3, completion_tokens=4)

@@ -11,7 +11,7 @@ import pytest
 from gateway.core.streams import Event, Retention, Stream, StreamHub
 from gateway.errors import APIError
 from gateway.scaleout import broker_codec as codec
-from gateway.scaleout.mirror import Idle, Item, Lease, Mirror, Mirrors, Opened, Quiet, apply
+from gateway.scaleout.mirror import Idle, Item, Lease, Mirror, MirrorSet, Opened, Quiet, apply
 
 
 def event(seq: int, text: str | None = None) -> codec.Fields:
@@ -104,7 +104,7 @@ def test_an_end_counting_more_events_than_arrived_is_stream_lost_never_done() ->
 def test_a_record_that_is_not_ours_ends_the_mirror_with_stream_lost() -> None:
     async def main() -> Stream:
         link = ScriptedLink([HEADER, event(0), {b"something": b"else"}, event(1)])
-        m = await Mirrors(StreamHub(Retention()), link, idle_timeout=60.0, recheck=0.5).mirror("str-g")
+        m = await MirrorSet(StreamHub(Retention()), link, idle_timeout=60.0, recheck=0.5).mirror("str-g")
         assert m.task is not None
         await m.task
         return m
@@ -172,7 +172,7 @@ def test_mirrors_end_every_mirror_with_mirror_closed_and_release_it_for_eviction
     async def main() -> None:
         hub = StreamHub(Retention(finished_ttl=0.0))
         link = ScriptedLink([HEADER, event(0), *[Quiet()] * 10**6], step=0.0)  # quiet "forever"
-        mirrors = Mirrors(hub, link, idle_timeout=60.0, recheck=0.5)
+        mirrors = MirrorSet(hub, link, idle_timeout=60.0, recheck=0.5)
         m = await mirrors.mirror("str-a")
         assert m.mirrored and await mirrors.mirror("str-a") is m
         while not m.events:
@@ -194,7 +194,7 @@ def test_a_new_mirror_answers_once_it_holds_what_the_owner_held() -> None:
         header = codec.encode_header("completions", "m", "1", detached=False, held=4)  # 3 events and the end
         link = ScriptedLink([header, event(0), event(1), event(2), codec.encode_end("cancelled", 3, None)],
                             header=header)
-        m = await Mirrors(hub, link, idle_timeout=60.0, recheck=0.5).mirror("str-b")
+        m = await MirrorSet(hub, link, idle_timeout=60.0, recheck=0.5).mirror("str-b")
         assert m.state == "cancelled" and texts(m) == ["0", "1", "2"] and m.detached is False
 
     asyncio.run(main())
@@ -233,7 +233,7 @@ def test_a_subscriber_cancelled_while_its_mirror_catches_up_ends_cancelled_at_an
     async def attempt(k: int) -> tuple[bool, bool]:
         header = codec.encode_header("completions", "m", "1", held=3)
         link = ScriptedLink([header, event(0), event(1), event(2), *[Quiet()] * 10**6], header=header, step=0.0)
-        mirrors = Mirrors(StreamHub(Retention()), link, idle_timeout=60.0, recheck=0.5)
+        mirrors = MirrorSet(StreamHub(Retention()), link, idle_timeout=60.0, recheck=0.5)
         task = asyncio.create_task(mirrors.mirror("str-c"))
         for _ in range(k):
             await asyncio.sleep(0)

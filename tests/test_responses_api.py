@@ -22,24 +22,22 @@ from pydantic import TypeAdapter
 
 from engine_worker import protocol as p
 from gateway.api.openai.request import parse_request
-from gateway.api.responses.api import (
+from gateway.api.responses.chat import decode_transcript, encode_transcript
+from gateway.api.responses.events import ResponseEvents, response_from_events
+from gateway.api.responses.request import (
     CANCELLED_CODE,
     REFUSED,
     CreateRequest,
-    ResponseEvents,
     build_request,
     decode_create,
-    error_event,
-    parse_create,
     previous_response_not_found,
     response_expired,
-    response_from_events,
     response_not_found,
 )
-from gateway.api.responses.chat import decode_transcript, encode_transcript
 from gateway.config import Limits
 from gateway.core.delivery import resume_point
 from gateway.errors import APIError
+from tests.responses_requests import parse_create
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 LIMITS = Limits(default_max_tokens=64, max_tokens_cap=512)
@@ -346,11 +344,6 @@ def test_merged_deltas_fold_to_the_same_text() -> None:
     events = run(ResponseEvents("resp_1", "m", 0, parse_create(body(), LIMITS)), ["a", "b", "c"])
     merged = {**events[6], "delta": "abc"}
     assert response_from_events(events[:4] + [merged] + events[7:]) == response_from_events(events)
-
-
-def test_a_reader_error_event_repeats_the_last_sequence_number() -> None:
-    ev = error_event(APIError(503, "too slow", type="server_error", code="slow_consumer"), 5)
-    assert validate_event(ev).sequence_number == 5 and ev["code"] == "slow_consumer"
 
 
 @pytest.mark.parametrize("status", ["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"])

@@ -21,10 +21,11 @@ from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from engine_worker import protocol as p
-from gateway.api.responses import api as responses_api
-from gateway.api.responses.api import ResponseEvents, TextDeltaTemplate, response_from_events
-from gateway.api.responses.routes import ResponseRenderer
+from gateway.api.responses import events as response_events
+from gateway.api.responses.events import ResponseEvents, response_from_events
+from gateway.api.responses.render import ResponseRenderer
 from gateway.api.responses.stream import RESPONSES_MERGE, RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesWs
+from gateway.api.responses.templates import TextDeltaTemplate
 from gateway.core.conn import Step
 from gateway.core.framing import Framing
 from gateway.core.generation import ChunkEvent
@@ -46,8 +47,8 @@ def fix_ids_and_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     def new_item_id(prefix: str = "msg") -> str:
         return f"{prefix}_{next(counters.setdefault(prefix, itertools.count())):032x}"
 
-    monkeypatch.setattr(responses_api, "new_item_id", new_item_id)
-    monkeypatch.setattr(responses_api, "time", SimpleNamespace(time=lambda: NOW))
+    monkeypatch.setattr(response_events, "new_item_id", new_item_id)
+    monkeypatch.setattr(response_events, "time", SimpleNamespace(time=lambda: NOW))
 
 
 @pytest.fixture(autouse=True)

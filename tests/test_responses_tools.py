@@ -19,17 +19,13 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from pydantic import BaseModel
 
 from engine_worker import protocol as p
-from gateway.api.responses.api import (
-    ResponseEvents,
-    build_request,
-    decode_create,
-    parse_create,
-    response_from_events,
-)
 from gateway.api.responses.chat import decode_transcript, encode_transcript, responses_param
+from gateway.api.responses.events import ResponseEvents, response_from_events
+from gateway.api.responses.request import build_request, decode_create
 from gateway.api.responses.stream import RESPONSES_MERGE
 from gateway.core.streams import coalesce, encode_event
 from gateway.errors import APIError
+from tests.responses_requests import parse_create
 from tests.test_responses_api import LIMITS, _Server, sdk_client, validate_event, validate_response
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather of a city",

@@ -15,7 +15,8 @@ from pydantic import TypeAdapter
 
 from engine_worker import protocol as p
 from gateway.api.lanes import Lanes, WsClientError
-from gateway.api.responses.api import ResponseEvents, build_request, previous_response_not_found
+from gateway.api.responses.events import ResponseEvents
+from gateway.api.responses.request import build_request, previous_response_not_found
 from gateway.api.responses.ws import (
     TranscriptCache,
     client_error_event,

@@ -10,10 +10,10 @@ import orjson
 import pytest
 
 from gateway.api.openai.request import parse_request
-from gateway.api.responses.api import parse_create
 from gateway.api.validation import check_range, check_top_k, convert, max_tokens
 from gateway.config import Limits
 from gateway.errors import APIError
+from tests.responses_requests import parse_create
 
 LIMITS = Limits(default_max_tokens=32, max_tokens_cap=100)
 

@@ -338,7 +338,7 @@ class SseResponse:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
             if self.preamble:
                 await conn.write(self.preamble)
-            keepalive = b": keep-alive\n\n"
+            keepalive = sse.comment("keep-alive")
 
             async def idle() -> None:
                 await conn.write(keepalive)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 DONE = b"data: [DONE]\n\n"
+END = b"\n\n"  # what ends every frame (a byte template's last bytes)
 
 
 def event(data: bytes, *, id: int | str | None = None, event: str | None = None, retry_ms: int | None = None) -> bytes:
@@ -24,6 +25,32 @@ def event(data: bytes, *, id: int | str | None = None, event: str | None = None,
         parts.append(b"id: " + str(id).encode() + b"\n")
     parts.append(b"data: " + data + b"\n\n")
     return b"".join(parts)
+
+
+def data(payload: bytes) -> bytes:
+    """``data: payload``: the frame of every token on the plain paths (one concatenation: :func:`event`'s
+    list and join cost about 0.4 µs more per frame)."""
+    return b"data: " + payload + b"\n\n"
+
+
+def numbered(seq: int, payload: bytes) -> bytes:
+    """``id: seq`` + ``data: payload``: a resumable stream's frame (fan-out, ``Last-Event-ID``)."""
+    return b"id: %d\ndata: %b\n\n" % (seq, payload)
+
+
+def named(name: bytes, payload: bytes) -> bytes:
+    """``event: name`` + ``data: payload`` (the Responses API's frames)."""
+    return b"event: %b\ndata: %b\n\n" % (name, payload)
+
+
+def named_prefix(name: bytes) -> bytes:
+    """The bytes of a :func:`named` frame before its payload, for byte templates that render the rest."""
+    return b"event: " + name + b"\ndata: "
+
+
+def retry(ms: int) -> bytes:
+    """A ``retry:`` field alone: EventSource's reconnect delay from now on."""
+    return b"retry: %d\n\n" % ms
 
 
 def comment(text: str = "") -> bytes:

@@ -3,10 +3,10 @@
 The gateway that runs a generation (its *owner*) writes the Redis stream ``tokenfan:s:<id>``: a header
 before the stream's id is handed out, one record per event, then an end record (records and keys in
 :mod:`gateway.scaleout.broker_codec`). Any other replica asked for a stream it does not hold mirrors it
-(:mod:`gateway.scaleout.mirror`, through :class:`~gateway.scaleout.broker_parts.RedisLink`), so replay, resume, coalescing
+(:mod:`gateway.scaleout.mirror`, through :class:`~gateway.scaleout.redis_link.RedisLink`), so replay, resume, coalescing
 and slow readers work the same on every replica.
 
-:class:`Broker` is the owner's side, the publisher, and wires the other parts (:mod:`gateway.scaleout.broker_parts`:
+:class:`Broker` is the owner's side, the publisher, and wires the other parts (:mod:`gateway.scaleout.redis_lease`, :mod:`~gateway.scaleout.redis_cancel`, :mod:`~gateway.scaleout.redis_transcripts`, :mod:`~gateway.scaleout.redis_link`:
 the owner lease, the cancel RPC, the transcripts, the mirrors' link). Faults, and what each side does:
 
 - **Redis unreachable.** New work (:meth:`Broker.created`, mirroring, a remote cancel) raises 503
@@ -14,7 +14,7 @@ the owner lease, the cancel RPC, the transcripts, the mirrors' link). Faults, an
   memory, so nothing is queued for Redis meanwhile (the stream is only marked *dirty*). Once Redis
   answers, every dirty stream is *repaired*: the owner reads the last record Redis holds and writes what
   follows from its log, or the whole stream again if the key is gone (a restart without persistence).
-  Mirrors reconnect with backoff and read again from the start, placing events by ``seq``.
+  MirrorSet reconnect with backoff and read again from the start, placing events by ``seq``.
 - **Owner gone.** Every gateway refreshes a lease key; a quiet mirror ends with ``owner_lost`` only
   when its owner's lease is gone (:class:`gateway.scaleout.mirror.Idle`), and writes that end to Redis so later
   readers get it at once.
@@ -41,26 +41,26 @@ from gateway.config import BrokerTimings
 from gateway.core.streams import Event, Stream, StreamHub
 from gateway.errors import stream_lost
 from gateway.scaleout import broker_codec as codec
-from gateway.scaleout.broker_parts import (
+from gateway.scaleout.mirror import MirrorSet, RemoteStreamsByMirror, stop_tasks
+from gateway.scaleout.redis_cancel import CancelRpc
+from gateway.scaleout.redis_lease import OwnerLease
+from gateway.scaleout.redis_link import RedisLink
+from gateway.scaleout.redis_support import (
     KNOWN_TTL_S,
     REDIS_ERRORS,
     Backoff,
-    CancelRpc,
-    OwnerLease,
-    RedisLink,
-    RedisTranscripts,
     broker_unavailable,
     cancel_requested,
     redact,
 )
-from gateway.scaleout.mirror import Mirroring, Mirrors, stop_tasks
+from gateway.scaleout.redis_transcripts import RedisTranscripts
 
 __all__ = ["Backoff", "Broker", "BrokerTimings", "redact"]
 
 log = logging.getLogger(__name__)
 
 
-class Broker(Mirroring):
+class Broker(RemoteStreamsByMirror):
     """One gateway's link to Redis: publishing its streams (:class:`gateway.core.ports.Publisher`), and
     mirrors, cancels and transcripts of other replicas' (:class:`gateway.core.ports.RemoteStreams`).
 
@@ -85,7 +85,7 @@ class Broker(Mirroring):
         self.cancels = CancelRpc(self._redis, self._blocking, t, local_cancel, self._mirror_running)
         self.transcripts = RedisTranscripts(self._redis)
         link = RedisLink(self._redis, self._blocking, t, self.cancels, lambda: hub.retention.finished_ttl)
-        self.mirrors = Mirrors(hub, link, idle_timeout=idle_timeout, recheck=t.lease_interval,
+        self.mirrors = MirrorSet(hub, link, idle_timeout=idle_timeout, recheck=t.lease_interval,
                                on_owner_lost=link.record_owner_lost, lease_check=t.lease_ttl)
         # owner side: (stream id, fields, seconds to expire the key after this entry or None)
         self._pending: list[tuple[str, codec.Fields, int | None]] = []
@@ -135,7 +135,7 @@ class Broker(Mirroring):
         await self._redis.aclose()
         await self._blocking.aclose()
 
-    # -- other replicas' transcripts (mirror and cancel_remote: Mirroring) ----------------------
+    # -- other replicas' transcripts (mirror and cancel_remote: RemoteStreamsByMirror) ----------------------
 
     async def transcript(self, response_id: str) -> bytes | None:
         return await self.transcripts.get(response_id)

@@ -1,7 +1,7 @@
 """The one mirror: a local :class:`Stream` that follows another gateway's log, record by record.
 
     Link.open(id) ──► header, async iterator of records ──► Mirror.run ──► Stream.append / finish
-      RedisLink (gateway.scaleout.broker_parts): XREAD of tokenfan:s:<id>          (--broker, across replicas)
+      RedisLink (gateway.scaleout.redis_link): XREAD of tokenfan:s:<id>          (--broker, across replicas)
       PeerLink  (gateway.scaleout.peers): the owner worker's socket, SSE events     (--workers, on one machine)
 
 Both links carry :mod:`gateway.scaleout.broker_codec` records; what the mirror does with them is the same and
@@ -215,7 +215,7 @@ class Mirror:
         return owner_lost(stream.id, "its link ended before the stream did")
 
 
-class Mirrors:
+class MirrorSet:
     """This gateway's mirrors of other gateways' streams over one :class:`Link`: create, cancel, close.
 
     ``on_owner_lost`` (Redis): record an ``owner_lost`` end where later readers find it at once."""
@@ -309,11 +309,11 @@ class Mirrors:
         self.hub.mark_finished(stream)
 
 
-class Mirroring:
+class RemoteStreamsByMirror:
     """What ``--broker`` and ``--workers`` share of :class:`gateway.core.ports.RemoteStreams`: mirrors and remote
     cancels, over each one's link."""
 
-    mirrors: Mirrors
+    mirrors: MirrorSet
 
     async def mirror(self, stream_id: str) -> Stream:
         return await self.mirrors.mirror(stream_id)

@@ -28,7 +28,7 @@ from gateway.core import sse
 from gateway.core.streams import StreamHub
 from gateway.errors import stream_expired, stream_lost, stream_not_found
 from gateway.scaleout import broker_codec as codec
-from gateway.scaleout.mirror import Item, Lease, Mirroring, Mirrors, Opened, Quiet
+from gateway.scaleout.mirror import Item, Lease, MirrorSet, Opened, Quiet, RemoteStreamsByMirror
 from gateway.scaleout.workers import worker_socket
 
 SUMMED_GAUGES = {"tokenfan_active_streams", "tokenfan_subscribers", "tokenfan_retained_stream_bytes",
@@ -175,7 +175,7 @@ class PeerLink:
         return resp.status == 200 and bool(orjson.loads(body).get("cancelled"))
 
 
-class Peers(Mirroring):
+class Peers(RemoteStreamsByMirror):
     """The other workers of this server: their streams (:class:`gateway.core.ports.RemoteStreams`) and metrics.
 
     ``idle_timeout`` / ``recheck``: the mirrors' idle clock (:class:`gateway.scaleout.mirror.Idle`)."""
@@ -183,7 +183,7 @@ class Peers(Mirroring):
     def __init__(self, hub: StreamHub, *, port: int, workers: int, me: int, idle_timeout: float,
                  recheck: float) -> None:
         self.paths = {k: worker_socket(port, k) for k in range(workers) if k != me}
-        self.mirrors = Mirrors(hub, PeerLink(self.paths, poll=recheck), idle_timeout=idle_timeout, recheck=recheck)
+        self.mirrors = MirrorSet(hub, PeerLink(self.paths, poll=recheck), idle_timeout=idle_timeout, recheck=recheck)
 
     async def close(self) -> None:
         await self.mirrors.close()

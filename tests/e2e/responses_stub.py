@@ -2,7 +2,7 @@
 
 It is not the gateway: no engine (deltas are ``tok0 tok1 ...`` at a fixed pace), no stream hub (each
 response's events are a list plus a condition), no limits. It runs the same wire contract the gateway
-routes must (``gateway.api.responses.api`` / ``gateway.api.responses.ws``), so the official Python and Node
+routes must (``gateway.api.responses.request`` / ``gateway.api.responses.ws``), so the official Python and Node
 SDK harnesses in ``test_responses_sdk.py`` are known to work before they are pointed at the gateway.
 """
 
@@ -24,8 +24,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine_worker import protocol as p
 from gateway.api.lanes import Lanes, WsClientError
-from gateway.api.responses.api import (
-    ResponseEvents,
+from gateway.api.responses.chat import Message
+from gateway.api.responses.events import ResponseEvents
+from gateway.api.responses.request import (
     ResponsesRequest,
     build_request,
     decode_create,
@@ -33,7 +34,6 @@ from gateway.api.responses.api import (
     previous_response_not_found,
     response_not_found,
 )
-from gateway.api.responses.chat import Message
 from gateway.api.responses.ws import (
     TranscriptCache,
     WsCreate,

@@ -73,6 +73,9 @@ def to_samples(transport: str, recs: list[Recorder]) -> ArmSamples:
     a.stream = np.repeat(np.array([r.stream for r in recs], np.int64), n)
     a.recv_ns, a.seq, a.emit_ns, a.sent_ns, a.deltas = (np.ascontiguousarray(m[:, i]) for i in range(5))
     a.content = m[:, 5].astype(bool)
+    migrated = [s.migrated for r in recs for _, s in r.rows]
+    if any(migrated):
+        a.migrated = np.array(migrated, bool)
     a.sub_stream = np.array([r.stream for r in recs], np.int64)
     a.post_ns = np.array([r.post_ns for r in recs], np.int64)
     a.connected_ns = np.array([r.connected_ns for r in recs], np.int64)

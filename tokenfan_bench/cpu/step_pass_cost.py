@@ -32,8 +32,8 @@ from engine_worker import protocol as p
 from gateway.api.openai.framing import FANOUT_SSE, OPENAI_SSE, MuxWs
 from gateway.api.openai.render import ChatRenderer
 from gateway.api.openai.request import ChunkBuilder
-from gateway.api.responses.api import ResponseEvents
-from gateway.api.responses.routes import ResponseRenderer
+from gateway.api.responses.events import ResponseEvents
+from gateway.api.responses.render import ResponseRenderer
 from gateway.api.responses.stream import RESPONSES_SSE
 from gateway.core.conn import HttpConn, Step, WsConn
 from gateway.core.delivery import Reader, ReaderMeter

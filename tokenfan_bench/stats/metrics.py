@@ -51,6 +51,9 @@ class ArmSamples:
     # The shaping path's jitter on each event (ns), known because it is seeded (see :func:`delivery_ns`);
     # empty when the arm's path has none (no ``--net``).
     path_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    # Events that are the first after their generation moved to another engine (empty: none): the gap
+    # before each is the failover's, not the transport's, so :func:`itl_ns` leaves it out.
+    migrated: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     sub_stream: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     post_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     connected_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -68,6 +71,9 @@ class ArmSamples:
                 setattr(out, f.name, np.concatenate([getattr(p, f.name) for p in parts]))
         if any(p.path_ns.size for p in parts):
             out.path_ns = np.concatenate([p.known_path_ns() for p in parts])
+        if any(p.migrated.size for p in parts):
+            out.migrated = np.concatenate([p.migrated if p.migrated.size else np.zeros(p.seq.size, bool)
+                                           for p in parts])
         out.errors = [e for p in parts for e in p.errors]
         return out
 
@@ -119,9 +125,12 @@ def _split(a: ArmSamples, part: str) -> np.ndarray:
 
 
 def itl_ns(a: ArmSamples) -> np.ndarray:
-    """Pooled gaps between successive content events of each subscriber."""
+    """Pooled gaps between successive content events of each subscriber (a gap that ends at the first event
+    after a migration to another engine is the failover's, and left out)."""
     s, t = a.stream[a.content], a.recv_ns[a.content]
     same = s[1:] == s[:-1]
+    if a.migrated.size:
+        same &= ~a.migrated[a.content][1:]
     return np.diff(t)[same]
 
 

@@ -26,6 +26,7 @@ class ChunkSample(NamedTuple):
     deltas: int  # engine deltas this event carries (>1 when the gateway coalesced a lagging subscriber)
     content: bool  # carries completion text (role-only and usage chunks do not)
     finish: bool  # carries a finish_reason
+    migrated: bool = False  # the first event after its generation moved to another engine (a failover gap)
 
 
 class _Delta(msgspec.Struct):
@@ -43,6 +44,7 @@ class _Tokenfan(msgspec.Struct):
     emit_ns: int
     sent_ns: int = 0
     coalesced: int = 1
+    migrated: bool = False
 
 
 class _Chunk(msgspec.Struct):
@@ -71,7 +73,7 @@ def _sample(c: _Chunk) -> ChunkSample:
         ch = c.choices[0]
         content = bool(ch.delta.content if ch.delta is not None else ch.text)
         finish = ch.finish_reason is not None
-    return ChunkSample(tf.seq, tf.emit_ns, tf.sent_ns, tf.coalesced, content, finish)
+    return ChunkSample(tf.seq, tf.emit_ns, tf.sent_ns, tf.coalesced, content, finish, tf.migrated)
 
 
 def sample_sse(data: bytes) -> ChunkSample:
@@ -98,7 +100,8 @@ def chunk_sample(chunk: dict[str, Any]) -> ChunkSample:
         delta = c.get("delta")
         content = bool(delta.get("content") if delta is not None else c.get("text"))
         finish = c.get("finish_reason") is not None
-    return ChunkSample(tf["seq"], tf["emit_ns"], tf.get("sent_ns", 0), tf.get("coalesced", 1), content, finish)
+    return ChunkSample(tf["seq"], tf["emit_ns"], tf.get("sent_ns", 0), tf.get("coalesced", 1), content, finish,
+                       bool(tf.get("migrated")))
 
 
 # -- WebSocket frames (RFC 6455), for the raw floor server and WebSocket over HTTP/2 ---------------

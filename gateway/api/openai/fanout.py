@@ -127,7 +127,7 @@ async def stream_events(request: Request) -> Any:
     stream = await _subscribe_check(gw, request.path_params["id"])
     if stream.finished and after >= len(stream.events) - 1 and stream.state == "done":
         return Response(status_code=204)
-    preamble = sse.comment("tokenfan stream " + stream.id) + b"retry: %d\n\n" % gw.config.sse_retry_ms
+    preamble = sse.comment("tokenfan stream " + stream.id) + sse.retry(gw.config.sse_retry_ms)
     return _Subscriber(SseResponse(gw.delivery, stream, FANOUT_SSE, after, preamble=preamble), gw)
 
 

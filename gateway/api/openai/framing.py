@@ -28,7 +28,7 @@ class OpenAISse(Framing):
     merge: MergeRules | None = CHUNK_MERGE
 
     def build(self, ev: Event) -> bytes:
-        return b"data: " + ev.json + b"\n\n"
+        return sse.data(ev.json)
 
     def frame_bytes(self, ev: Event) -> bytes:
         return self.frame(ev)  # type: ignore[return-value]  # build() gives bytes: no str to encode
@@ -57,7 +57,7 @@ def _fanout_frames(ev: Event) -> tuple[bytes, bytes]:
     payload = ev.json  # a JSON object: the timing object is spliced in before its closing brace
     data = payload[:-1] + b',"tokenfan":' + orjson.dumps(ev.timing) + b"}" if len(payload) > 2 \
         else orjson.dumps(ev.chunk)
-    sse_frame = ev.frames[FanoutSse.name] = b"id: %d\ndata: %b\n\n" % (ev.seq, data)
+    sse_frame = ev.frames[FanoutSse.name] = sse.numbered(ev.seq, data)
     ws_frame = ev.frames[FanoutWs.name] = b'{"type":"chunk","seq":%d,"data":%b}' % (ev.seq, data)
     return sse_frame, ws_frame
 

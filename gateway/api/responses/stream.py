@@ -6,7 +6,7 @@ deltas merge. The delivery core (:mod:`gateway.core.streams`, :mod:`gateway.core
   ``responses_sse``  ``event: <type>`` + ``data: {event}``    ``event: error`` (the Responses error event)
   ``responses_ws``   ``{event}`` (+ the lane's ``stream_id``)  the WebSocket error shape; the socket stays
 
-A text delta rendered from its item's :class:`gateway.api.responses.api.TextDeltaTemplate` is framed from
+A text delta rendered from its item's :class:`gateway.api.responses.request.TextDeltaTemplate` is framed from
 its bytes, never parsed into a dict (the same bytes as the dict's: tests/test_responses_template.py).
 """
 
@@ -16,7 +16,8 @@ from typing import Any
 
 import orjson
 
-from gateway.api.responses.api import TERMINAL_TYPES, TextDeltaTemplate
+from gateway.api.responses.request import TERMINAL_TYPES
+from gateway.api.responses.templates import TextDeltaTemplate
 from gateway.api.responses.ws import ws_error, ws_event, ws_text
 from gateway.core import sse
 from gateway.core.framing import Ending, Framing, Transport
@@ -62,9 +63,9 @@ class ResponsesSse(Framing):
         if isinstance(t, TextDeltaTemplate):
             if not self.timing:
                 return t.sse(ev.text, ev.seq)
-            return b"event: %b\ndata: %b\n\n" % (t.TYPE.encode(), _with_timing(ev))
+            return sse.named(t.TYPE_BYTES, _with_timing(ev))
         data = orjson.dumps(ev.chunk) if self.timing else ev.json
-        return b"event: %b\ndata: %b\n\n" % (str(ev.payload.get("type", "message")).encode(), data)
+        return sse.named(str(ev.payload.get("type", "message")).encode(), data)
 
     def ending(self, stream: Stream) -> Ending:
         if stream.state == "error" and stream.error is not None and not has_terminal(stream):

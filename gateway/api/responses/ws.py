@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 import orjson
 
 from gateway.api.lanes import WsClientError
-from gateway.api.responses.api import CANCELLED_CODE, CreateRequest, decode_create
 from gateway.api.responses.chat import Message, transcript_chars
+from gateway.api.responses.request import CANCELLED_CODE, CreateRequest, decode_create
 from gateway.api.validation import unsupported
 from gateway.errors import APIError
 

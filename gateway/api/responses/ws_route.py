@@ -18,8 +18,9 @@ from starlette.websockets import WebSocket
 
 from gateway.api.edge import gateway_of
 from gateway.api.lanes import Lanes, WsClientError
-from gateway.api.responses.api import ResponseEvents, build_request, new_response_id
 from gateway.api.responses.chat import Message
+from gateway.api.responses.events import ResponseEvents
+from gateway.api.responses.request import build_request, new_response_id
 from gateway.api.responses.routes import history, start_response
 from gateway.api.responses.stream import ResponsesWs
 from gateway.api.responses.ws import (

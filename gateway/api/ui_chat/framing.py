@@ -28,7 +28,7 @@ TERMINAL = {"finish", "error", "abort"}
 
 
 def part_frame(part: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(part) + b"\n\n"
+    return sse.data(orjson.dumps(part))
 
 
 class UiMessageMerge:
@@ -58,7 +58,7 @@ class UiMessageSse(Framing):
     merge = UI_MERGE
 
     def build(self, ev: Event) -> bytes:
-        return b"data: " + ev.json + b"\n\n"
+        return sse.data(ev.json)
 
     def frame_bytes(self, ev: Event) -> bytes:
         return self.frame(ev)  # type: ignore[return-value]  # build() gives bytes

@@ -1,0 +1,100 @@
+"""The mirror's link over Redis (``--broker``): a stream's header and records by ``XREAD``, from the start again
+after an outage, and its owner's lease and cancel (:class:`gateway.scaleout.mirror.Link`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from gateway.config import BrokerTimings
+from gateway.core.streams import Stream
+from gateway.errors import APIError, stream_expired, stream_lost, stream_not_found
+from gateway.scaleout import broker_codec as codec
+from gateway.scaleout.mirror import Item, Lease, Opened, Quiet
+from gateway.scaleout.redis_cancel import CancelRpc
+from gateway.scaleout.redis_support import REDIS_ERRORS, Backoff, broker_unavailable, cancel_requested
+
+log = logging.getLogger(__name__)
+
+
+class RedisLink:
+    """The mirror's link through Redis (:class:`gateway.scaleout.mirror.Link`)."""
+
+    def __init__(self, redis: Any, blocking: Any, t: BrokerTimings, cancels: CancelRpc,
+                 finished_ttl: Callable[[], float]) -> None:
+        self.redis, self.blocking, self.t, self.cancels = redis, blocking, t, cancels
+        self.finished_ttl = finished_ttl
+
+    async def open(self, stream_id: str) -> Opened:
+        key = codec.stream_key(stream_id)
+        try:
+            first = await self.redis.xrange(key, count=1)
+            known = bool(first) or bool(await self.redis.exists(codec.known_key(stream_id)))
+        except REDIS_ERRORS as exc:
+            raise broker_unavailable(exc) from exc
+        if not first:
+            raise stream_expired(stream_id) if known else stream_not_found(stream_id)
+        try:
+            header = codec.decode(first[0][1])
+        except codec.CodecError:
+            header = None
+        if not isinstance(header, codec.Header):
+            raise stream_lost(stream_id, "its header is missing in the broker", status=410)
+        return Opened(header, self._records(stream_id))
+
+    async def _records(self, stream_id: str) -> AsyncGenerator[Item, None]:
+        key = codec.stream_key(stream_id)
+        last_id: bytes | str = b"0-0"
+        backoff = Backoff(self.t.backoff_max)
+        unreachable: BaseException | None = None
+        while True:
+            if cancel_requested():  # redis-py may have swallowed the cancellation
+                raise asyncio.CancelledError
+            try:
+                reply = await self.blocking.xread({key: last_id}, count=512, block=max(1, int(self.t.block * 1000)))
+            except REDIS_ERRORS as exc:
+                if unreachable is None:
+                    log.info("broker: mirror of %s lost Redis (%s); reconnecting", stream_id, exc)
+                unreachable = exc
+                # Read again from the start once back: the owner may have rewritten the stream (a
+                # restart without persistence); the mirror skips the repeats.
+                last_id = b"0-0"
+                yield Quiet(exc)
+                await asyncio.sleep(backoff.next())
+                continue
+            if unreachable is not None:
+                log.info("broker: mirror of %s reconnected", stream_id)
+                unreachable = None
+                backoff.reset()
+            if not reply:
+                yield Quiet()
+                continue
+            for entry_id, fields in reply[0][1]:
+                last_id = entry_id
+                yield codec.decode(fields)
+
+    async def lease(self, owner: str) -> Lease:
+        if not owner:
+            return Lease("missing")
+        try:
+            ttl_ms = int(await self.redis.pttl(codec.lease_key(owner)))
+        except REDIS_ERRORS:
+            return Lease("unknown")
+        if ttl_ms == -1:  # held without an expiry (set by hand)
+            return Lease("held")
+        return Lease("held", ttl_ms / 1000) if ttl_ms >= 0 else Lease("missing")
+
+    async def cancel(self, stream_id: str, owner: str) -> bool:
+        return await self.cancels.ask(stream_id)  # published to every replica: the owner answers
+
+    async def record_owner_lost(self, stream: Stream, err: APIError) -> None:
+        """Write the ``owner_lost`` end, so that later readers get it at once."""
+        key = codec.stream_key(stream.id)
+        with contextlib.suppress(*REDIS_ERRORS):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(key, codec.encode_end("error", len(stream.events), err), nomkstream=True)
+            pipe.expire(key, max(1, int(self.finished_ttl())))
+            await pipe.execute()

@@ -1,0 +1,62 @@
+"""What the ``--broker`` parts share: Redis errors, timeouts and backoff, key lifetimes, the 503 of an
+unreachable broker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from urllib.parse import urlsplit, urlunsplit
+
+from redis.exceptions import RedisError
+
+from gateway.errors import APIError
+
+log = logging.getLogger(__name__)
+
+
+KNOWN_TTL_S = 24 * 3600  # the 410-vs-404 marker, and the bound on a key whose owner died mid-stream
+
+
+ACK_TTL_S = 30
+
+
+REDIS_ERRORS = (RedisError, OSError, TimeoutError)  # redis-py's errors; sockets; asyncio timeouts
+
+
+def broker_unavailable(exc: BaseException) -> APIError:
+    return APIError(503, f"The stream broker (Redis) is unavailable ({type(exc).__name__}: {exc}); retry shortly.",
+                    type="server_error", code="broker_unavailable", retry_after=1.0)
+
+
+class Backoff:
+    """Reconnect delays: doubling from ``first`` up to ``cap``, each drawn from [step/2, step] so replicas
+    do not reconnect in lockstep; :meth:`reset` after a success."""
+
+    def __init__(self, cap: float, first: float = 0.05) -> None:
+        self.cap, self.first, self._n = cap, first, 0
+
+    def next(self) -> float:
+        delay = min(self.cap, self.first * 2 ** self._n)
+        self._n += 1
+        return random.uniform(delay / 2, delay)
+
+    def reset(self) -> None:
+        self._n = 0
+
+
+def cancel_requested() -> bool:
+    """Whether this task was asked to stop, even if redis-py swallowed the CancelledError (see
+    :func:`gateway.scaleout.mirror.stop_tasks`): every loop here checks it, so one ``cancel()`` always ends it."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

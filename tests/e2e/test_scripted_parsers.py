@@ -157,3 +157,66 @@ def test_every_transport_carries_the_same_tool_call_deltas(scripted: str) -> Non
         made["events_url"], headers={"Last-Event-ID": events[middle]["id"]}, timeout=60).text)
         if e.get("data") not in (None, "[DONE]") and e.get("event", "message") == "message"]
     assert resumed == fanned[middle + 1:]
+
+
+def test_a_tool_call_or_reasoning_stream_whose_engine_dies_fails_explicitly(
+        tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Requests served by vLLM's OpenAI layer are not migrated (docs/failures.md: the parsers' state lives in
+    vLLM's stream generator): killed in the middle of a tool call's arguments or of the reasoning, each client
+    gets an explicit ``engine_unavailable`` error event after what it had, never a silent end or a hang, and
+    the gateway counts the migration ``refused``."""
+    from tests.e2e.helpers import metric
+    from tests.procs import start_engine, start_gateway, stop_all
+
+    script = tmp_path_factory.mktemp("script-kill") / "script.json"
+    long_think = {"match": "long think", "reply": pieces("<think>" + "step by step, " * 40 + "</think>Done.", 3)}
+    script.write_text(json.dumps([*SCRIPT, long_think]))
+    address = f"ipc://{tmp_path_factory.mktemp('sock') / 'e.sock'}"
+    engine = start_engine(address, "--engine", "synthetic", "--synthetic-script", str(script), "--model",
+                          str(tiny_model), "--served-model-name", "tiny", "--synthetic-tokens-per-s", "20",
+                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                          name="engine-scripted-kill")
+    gateway: Proc | None = None
+    try:
+        gateway, url = start_gateway(address, "--heartbeat-timeout", "30", name="gateway-scripted-kill", timeout=300)
+
+        async def run() -> dict[str, list[dict[str, str]]]:
+            seen: dict[str, list[dict[str, str]]] = {"tool": [], "think": []}
+            started = {k: asyncio.Event() for k in seen}
+
+            async def read(c: httpx.AsyncClient, kind: str, question: str) -> None:
+                async with c.stream("POST", url + "/v1/chat/completions",
+                                    json=_body(question, stream=True)) as r:
+                    buf = ""
+                    async for text in r.aiter_text():
+                        buf += text
+                        *whole, buf = buf.split("\n\n")
+                        for block in whole:
+                            seen[kind] += sse_events(block + "\n\n")
+                        args = "".join(tc["function"].get("arguments") or "" for e in seen[kind]
+                                       if e.get("data", "").startswith("{")
+                                       for ch in json.loads(e["data"]).get("choices") or []
+                                       for tc in ch["delta"].get("tool_calls") or [])
+                        reasoning = "".join(ch["delta"].get("reasoning") or "" for e in seen[kind]
+                                            if e.get("data", "").startswith("{")
+                                            for ch in json.loads(e["data"]).get("choices") or [])
+                        if (kind == "tool" and len(args) > 3) or (kind == "think" and len(reasoning) > 3):
+                            started[kind].set()
+
+            async with httpx.AsyncClient(timeout=60) as c:
+                # "split 2": the tool call's arguments stream from ~2.4 s to ~4.2 s; "long think": 8.5 s of reasoning
+                jobs = asyncio.gather(read(c, "tool", "split 2"), read(c, "think", "long think"))
+                for ev in started.values():
+                    await asyncio.wait_for(ev.wait(), 60)
+                engine.popen.kill()
+                await asyncio.wait_for(jobs, 30)
+            return seen
+
+        seen = asyncio.run(run())
+        for kind, events in seen.items():
+            errors = [json.loads(e["data"])["error"]["code"] for e in events if e.get("event") == "error"]
+            assert errors == ["engine_unavailable"], (kind, events[-3:])
+            assert all(e.get("data") != "[DONE]" for e in events), kind
+        assert metric(url, "tokenfan_migrations_total", {"outcome": "refused"}) == 2
+    finally:
+        stop_all([p for p in (gateway, engine) if p is not None])

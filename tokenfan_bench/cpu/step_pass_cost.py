@@ -94,7 +94,9 @@ class WsProto:
 
 
 class _Handle:
-    """The request handle's one method a generation calls when it starts."""
+    """What a generation reads of its request handle: ``attach`` when it starts, ``rejoined`` per step."""
+
+    rejoined = False
 
     def attach(self, generation: Generation) -> None:
         self.generation = generation
@@ -141,7 +143,7 @@ async def run_mode(mode: str, generations: int, readers: int, steps: int, repeat
             step = Step(*clock())
             emit = step.wall_ns
             for gen in gens:
-                gen.on_delta(p.Delta(gen.stream.id, seq, " token", 1, emit), step)
+                gen.on_delta(p.Delta(gen.stream.id, seq, " token", 1, emit, token_ids=[seq]), step)
             step.flush()
             seq += 1
 

@@ -85,7 +85,7 @@ async def _drive(streams: int, make: Any, victim: Proc) -> tuple[list[bool], lis
         for ev in started:
             await ev.wait()
         killed = time.monotonic()
-        os.kill(victim.pid, signal.SIGKILL)
+        os.killpg(victim.pid, signal.SIGKILL)  # its process group (vLLM's EngineCore too), as a container dies
         ended = await jobs
     return list(ended), arrivals, killed
 

@@ -75,8 +75,8 @@ def test_sse_decoder_reports_named_events():
 def test_chunk_sample_role_chunk_is_not_content_and_coalesced_counts_deltas():
     role = chunk(0, 5, "")
     role["choices"][0]["delta"]["role"] = "assistant"
-    assert chunk_sample(role) == (0, 5, 5, 1, False, False)
-    assert chunk_sample(chunk(7, 9, " hi", coalesced=3, finish="length")) == (7, 9, 9, 3, True, True)
+    assert chunk_sample(role) == (0, 5, 5, 1, False, False, False)
+    assert chunk_sample(chunk(7, 9, " hi", coalesced=3, finish="length")) == (7, 9, 9, 3, True, True, False)
     assert chunk_sample(chunk(2, 1, " hi", chat=False)).content
     assert not chunk_sample({"choices": [], "usage": {}, "tokenfan": {"seq": 9, "emit_ns": 1}}).content
 

@@ -84,17 +84,18 @@ class _Live:
 
 
 class _Join:
-    """A continuation's sink for its first steps (see :meth:`VllmBackend._continuation`): the held text goes
-    out first, and a stop string that spans the join (begun in text the lost engine held back, completed
-    by a new token) ends the request where an uninterrupted run would have, found by vLLM's own
-    ``check_stop_strings``. Past the longest stop string it only passes steps on."""
+    """A continuation's sink for its first steps (see :meth:`VllmBackend._continuation`). While a stop string
+    could still span the join, the text is *joined* (what the lost engine held back, then the new text) and held
+    back as vLLM holds back a stop string's length - 1 characters; a stop string completed across the join ends
+    the request where an uninterrupted run would have (found by vLLM's own ``check_stop_strings``). Past the
+    longest stop string (or at once, without stop strings) it sends what it held and only passes steps on."""
 
     def __init__(self, sink: StepSink, held: str, stops: list[str], done: asyncio.Future[None],
                  echo: str = "") -> None:
         self.sink = sink
         self.echo = echo  # text the primed detokenizer may repeat before its first new text
-        self.pending = held  # not sent yet
-        self.joined = held  # held text + the new text so far, while the join is in reach
+        self.joined: str | None = held  # None: past the join
+        self.emitted = 0  # characters of ``joined`` sent
         self.new = 0  # new characters so far
         self.stops = stops
         self.reach = max(map(len, stops), default=0)
@@ -108,16 +109,25 @@ class _Join:
         if self.echo and text:
             text = text.removeprefix(self.echo)
             self.echo = ""
-        out, self.pending = self.pending + text, ""
-        if self.stops and self.new < self.reach:
+        joined = self.joined
+        if joined is None:
+            self.sink(text, token_count, finish_reason, chunk, token_ids)
+            return
+        joined += text
+        self.new += len(text)
+        hit = None
+        if self.stops and text:
             from vllm.v1.engine.detokenizer import check_stop_strings
 
-            sent = len(self.joined) - len(out)
-            self.joined += text
-            hit = check_stop_strings(self.joined, len(text), self.stops, False) if text else None
-            if hit is not None and hit[1] >= 0:
-                out, finish_reason, self.stopped = self.joined[sent:hit[1]], "stop", True
-        self.new += len(text)
+            hit = check_stop_strings(joined, len(text), self.stops, False)
+        if hit is not None and hit[1] >= 0:
+            out, finish_reason, self.stopped = joined[self.emitted:hit[1]], "stop", True
+        elif finish_reason is not None or self.new >= self.reach:
+            out, joined = joined[self.emitted:], None  # past the join: what was held, then pass-through
+        else:
+            out = joined[self.emitted:max(self.emitted, len(joined) - (self.reach - 1))]
+        self.joined = joined
+        self.emitted += len(out)
         self.sink(out, token_count, finish_reason, chunk, token_ids)
         if self.stopped and not self.done.done():
             self.done.set_result(None)

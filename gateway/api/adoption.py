@@ -8,10 +8,10 @@ carry, as a continuation (``Submit.resume``, as a migration does: docs/failures.
 mirror's :class:`~gateway.core.streams.Stream` becomes a local one: the same id, ``seq`` continuing from the
 log, the same Redis key (under a new header naming this gateway), its readers reading on without a gap.
 
-What is adopted: streams of the plain path whose API can render the rest from the log (fan-out chat and
-completions streams). Not adopted (``owner_lost``, as before): requests served by vLLM's OpenAI layer (their
-parsers' state is not in the log), and the other APIs' streams (Responses, useChat), which would need their
-event builders rebuilt from the log.
+What is adopted: streams of the plain path whose API can render the rest from the log: fan-out chat and
+completions streams, and background responses (their event builder folded back from the log). Not adopted
+(``owner_lost``, as before): requests served by vLLM's OpenAI layer (their parsers' state is not in the log),
+and ``/api/chat`` streams (the UI message renderer is not rebuilt from a log yet).
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ import msgspec
 from engine_worker import protocol as p
 from gateway.api.openai.render import ChatRenderer
 from gateway.api.openai.request import ChunkBuilder
+from gateway.api.responses.events import ResponseEvents
+from gateway.api.responses.render import ResponseRenderer
+from gateway.api.responses.routes import ENDPOINT as RESPONSES
 from gateway.core.delivery import pump
 from gateway.core.generation import Generation, Renderer
 from gateway.errors import APIError, EngineError
@@ -41,6 +44,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def responses_renderer(stream: Stream, options: dict[str, Any]) -> Renderer:
+    """The rest of a Responses stream (a background response): its event builder folded back from the log
+    (the same items, ``sequence_number`` continuing); ``GET /v1/responses/{id}`` reads it as on the owner."""
+    events = ResponseEvents.from_events(e.payload for e in stream.events)
+    stream.meta["events"] = events
+    return ResponseRenderer(events)
+
+
 def chat_renderer(stream: Stream, options: dict[str, Any]) -> Renderer:
     """The rest of a chat or completions stream: the same chunk id, ``created`` and usage setting."""
     builder = ChunkBuilder(stream.endpoint, stream.id, stream.model,  # type: ignore[arg-type]
@@ -50,7 +61,7 @@ def chat_renderer(stream: Stream, options: dict[str, Any]) -> Renderer:
 
 # endpoint -> the renderer of the rest of an adopted stream (its API's)
 RENDERERS: dict[str, Callable[[Stream, dict[str, Any]], Renderer]] = {
-    "chat.completions": chat_renderer, "completions": chat_renderer}
+    "chat.completions": chat_renderer, "completions": chat_renderer, RESPONSES: responses_renderer}
 
 
 class Adopter:

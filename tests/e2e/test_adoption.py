@@ -261,3 +261,62 @@ def test_sigterm_hands_the_streams_over_and_exits_at_once(ipc_dir: Path, redis_s
         assert "handed 3 listed streams over" in gw_a.log()
     finally:
         stop_all([engine, *(g for g, _ in gateways)])
+
+
+def test_a_background_response_is_adopted_and_every_reader_gets_every_event_once(
+        ipc_dir: Path, redis_server: RedisServer) -> None:  # noqa: F811
+    """A background response on A, read on A and on B (``GET /v1/responses/{id}?stream=true``); A killed: A's
+    reader resumes on B with ``starting_after`` (as the SDKs do), both get every event once and
+    ``response.completed``, the text equals an uninterrupted run's."""
+    engine, gateways = replicas(ipc_dir, redis_server.url, "rs")
+    (gw_a, url_a), (_, url_b) = gateways
+    request = {"input": "tell me about rivers", "max_output_tokens": TOKENS, "metadata": {"seed": "1"}}
+    try:
+        async def read(c: httpx.AsyncClient, urls: list[str], rid: str, got: list[dict[str, Any]],
+                       started: asyncio.Event) -> None:
+            url = urls[0]
+            while True:
+                after = f"&starting_after={got[-1]['sequence_number']}" if got else ""
+                try:
+                    async with c.stream("GET", f"{url}/v1/responses/{rid}?stream=true{after}") as r:
+                        assert r.status_code == 200, await r.aread()
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                ev = json.loads(line[6:])
+                                got.append(ev)
+                                if len(got) == 6:
+                                    started.set()
+                                if ev["type"] in ("response.completed", "response.incomplete", "error",
+                                                  "response.failed"):
+                                    return
+                except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectError):
+                    pass
+                url = urls[-1]
+                await asyncio.sleep(0.2)
+
+        async def scenario() -> dict[str, list[dict[str, Any]]]:
+            seen: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
+            async with httpx.AsyncClient(timeout=60) as c:
+                r = await c.post(url_a + "/v1/responses", json={**request, "background": True, "store": True})
+                rid = r.json()["id"]
+                started = [asyncio.Event(), asyncio.Event()]
+                jobs = asyncio.gather(read(c, [url_a, url_b], rid, seen["a"], started[0]),
+                                      read(c, [url_b], rid, seen["b"], started[1]))
+                for ev in started:
+                    await asyncio.wait_for(ev.wait(), 30)
+                os.kill(gw_a.popen.pid, signal.SIGKILL)
+                await asyncio.wait_for(jobs, 60)
+            return seen
+
+        seen = asyncio.run(scenario())
+        control = httpx.post(url_b + "/v1/responses", json=request, timeout=60).json()
+        want = "".join(part["text"] for item in control["output"] for part in item.get("content", []))
+        for name, events in seen.items():
+            assert [e["sequence_number"] for e in events] == list(range(len(events))), name
+            assert events[-1]["type"] in ("response.completed", "response.incomplete"), name
+            text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+            assert text == want, (name, text, want)
+            assert events[-1]["response"]["usage"]["output_tokens"] == control["usage"]["output_tokens"], name
+        assert metric(url_b, "tokenfan_adoptions_total", {"outcome": "adopted"}) == 1
+    finally:
+        stop_all([engine, *(g for g, _ in gateways)])

@@ -1,5 +1,5 @@
-"""One gateway over several engine workers: least-loaded routing, routing around a dead engine,
-aborts reaching the engine that runs the request."""
+"""One gateway over several engine workers: least-loaded routing, routing around a dead engine (its streams
+continue on the other: migration), aborts reaching the engine that runs the request."""
 
 from __future__ import annotations
 
@@ -32,22 +32,17 @@ def test_requests_spread_over_engines_and_route_around_a_dead_one(ipc_dir) -> No
             assert httpx.delete(f"{url}/v1/streams/{sid}").json()["state"] == "cancelled"
         wait_until(lambda: sum(e["running"] or 0 for e in engines(url)) == 4, timeout=5,
                    what="engines report the aborts")
-        # Kill one engine: its streams fail explicitly, new streams go to the survivor.
+        # Kill one engine: its streams continue on the survivor (migration), new streams go there too.
         on_dead = engines(url)[0]["in_flight"]
         assert 1 <= on_dead <= 3, engines(url)
         procs[0].stop(signal.SIGKILL)
         wait_until(lambda: [e["healthy"] for e in engines(url)] == [False, True], timeout=5, what="engine 0 down")
-        # (its in-flight requests fail on the gateway's next heartbeat check, up to one interval later)
+
         def states() -> list[str]:
             return sorted(httpx.get(f"{url}/v1/streams/{sid}").json()["state"] for sid in ids[4:])
 
-        expected = ["error"] * on_dead + ["running"] * (4 - on_dead)
-        seen: list[list[str]] = [[]]
-        try:
-            wait_until(lambda: seen.append(states()) or seen[-1] == expected, timeout=3,
-                       what="the dead engine's streams failed, the others running")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}: want {expected}, last saw {seen[-1]}") from None
+        wait_until(lambda: engines(url)[1]["in_flight"] == 4, timeout=5, what="the dead engine's streams moved")
+        assert states() == ["running"] * 4
         for _ in range(4):
             r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

@@ -104,7 +104,7 @@ def scripted(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     script = tmp_path_factory.mktemp("ui-chat-script") / "script.json"
     script.write_text(json.dumps(SCRIPT))
     port = free_port()
-    proc = spawn(["-m", "gateway.cli", "serve", "--engine", "synthetic", "--synthetic-script", str(script),
+    proc = spawn(["-m", "tokenfan.cli", "serve", "--engine", "synthetic", "--synthetic-script", str(script),
                   "--model", str(tiny_model), "--served-model-name", "tiny", "--port", str(port),
                   "--synthetic-tokens-per-s", "60", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                   "--reasoning-parser", "qwen3"], "ui-chat-scripted")

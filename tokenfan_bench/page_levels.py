@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -163,9 +164,16 @@ def _gateways(ns: argparse.Namespace, logs: Path) -> Iterator[dict[str, str]]:
         if ns.calibrate:
             wanted["placebo"] = [*base, f"--inject-delay=ws:{PLACEBO_MS:g}"]
             wanted["delayed"] = [*base, f"--inject-delay=ws:{PLACEBO_MS + ns.inject_ms:g}"]
-        urls = {name: stack.enter_context(processes.spawn_synthetic(ns.rate, ns.ttft_ms, logs, args)).url
-                for name, args in wanted.items()}
-        yield urls
+        with ThreadPoolExecutor(len(wanted)) as pool:  # started together: each waits seconds for its imports
+            futures = {name: pool.submit(processes.spawn_synthetic, ns.rate, ns.ttft_ms, logs, args)
+                       for name, args in wanted.items()}
+        for f in futures.values():
+            if f.exception() is None:
+                stack.enter_context(f.result())
+        failed = [e for e in (f.exception() for f in futures.values()) if e is not None]
+        if failed:
+            raise failed[0]
+        yield {name: f.result().url for name, f in futures.items()}
 
 
 def _chromium_version() -> str:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tokenfan_bench.page_levels import calibration, summary_md
-from tokenfan_bench.report.markdown import browser_delivery
+from tokenfan_bench.report.markdown import BROWSER_DELIVERY_NOTE, _answer, browser_delivery
 from tokenfan_bench.stats import page_levels as pl
 
 MS = 1_000_000  # page and server times near 1.7e12 ms: doubles resolve about 0.2 µs there
@@ -131,3 +131,24 @@ def test_the_answer_tables_browser_delivery_cell_is_websocket_minus_eventsource_
                       "D-A": {"median": -1.224, "ci95": [-1.370, -1.078]}}}
     assert browser_delivery(b) == "-1.22 [-1.37, -1.08] (WebSocket lower)"
     assert browser_delivery(None) == "–"
+
+
+def _d(median: float, lo: float, hi: float) -> dict:
+    return {"median": median, "ci95": [lo, hi]}
+
+
+def test_the_answer_table_has_a_browser_delivery_cell_per_profile_and_explains_it():
+    zero, ws_first = _d(0.0, -0.1, 0.1), _d(-1.224, -1.370, -1.078)
+    run = {k: {"B-A": zero, "C-A": zero, "D-A": zero} for k in ("diffs_ms", "ttft_diffs_ms", "gap_p99_diffs_ms")}
+    browser = {**run, "diffs_ms": {"B-A": zero, "C-A": zero, "D-A": ws_first}}
+    cal = {"diffs_ms": {"B-A": _d(2.0, 1.95, 2.05)}, "expected_ms": 2.0}
+    profiles = {"lan": {"levels": {"10": run}, "responses": run, "browser": browser, "calibration": cal,
+                        "browser_calibration": {**cal, "did_ms": _d(2.0, 1.9, 2.1)}},
+                "3g": {"levels": {"10": run}, "responses": run, "calibration": cal}}  # no browser arm
+    lines = _answer({"profiles": profiles}, "10", "ab-report")
+    header, rule, lan, g3 = lines[4:8]
+    assert "| browser delivery: WebSocket − EventSource ms [95% CI] |" in header
+    assert header.count("|") == rule.count("|") == lan.count("|") == g3.count("|")
+    assert "| -1.22 [-1.37, -1.08] (WebSocket lower) |" in lan
+    assert "| – | – |" in g3  # neither browser cell without the browser arm
+    assert BROWSER_DELIVERY_NOTE in lines

@@ -235,6 +235,16 @@ def _profiles(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+BROWSER_DELIVERY_NOTE = (
+    "*Browser delivery*: the WebSocket arm's median delivery minus the EventSource arm's (unpaired, the path's "
+    "known jitter removed; the `browser ws − es` rows of the plot below). It is Chromium's delivery to page code, "
+    "not an artefact of the page's stamps: the page reaches the gateway over HTTP/2 (TLS), and Chromium's "
+    "HTTP/2 stack holds each small piece of a streamed response body for 1 ms before passing it on, which "
+    "EventSource and a streamed `fetch` pay alike and a WebSocket does not; over HTTP/1.1 the two APIs read the "
+    "same tokens within 0.03 ms. Measured per API, with a calibration, by `tokenfan bench page-levels` "
+    "([browser.md](browser.md#where-the-browsers-millisecond-goes-tokenfan-bench-page-levels)).")
+
+
 def browser_delivery(b: dict[str, Any] | None) -> str:
     """The answer table's browser delivery cell: WebSocket − EventSource (the browser run's ``D-A``, the
     difference of the arms' medians with the path's known jitter removed, as in ``diffs.png``) with its
@@ -273,7 +283,7 @@ def _answer(results: dict[str, Any], level0: str, rel: str) -> list[str]:
                          for a, b in (("sse", "ws"), ("sse", "sse-h2"), ("resp-sse", "resp-ws")))
         lines.append(f"| {name} | {v['TTFT']} | {v['p99 gap']} | {v['delivery'].split('; ')[0]} | {cpu} | {rv} | "
                      f"{bv} | {bd} | {aa} | {cal} |")
-    lines.append("")
+    lines += ["", BROWSER_DELIVERY_NOTE, ""]
     lines += [f"![TTFT p50 per profile and transport]({rel}/ttft.png)", "",
               f"![inter-token gap p50 and p99]({rel}/gaps.png)", "",
               f"![delivery differences with intervals]({rel}/diffs.png)", ""]

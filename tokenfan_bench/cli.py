@@ -266,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         from tokenfan_bench.network.watch_pages import main as net_main
 
         return net_main(argv[1:])
+    if argv[:1] == ["page-levels"]:  # where the browser's time goes per API (EventSource, fetch, WebSocket)
+        from tokenfan_bench.page_levels import main as page_levels_main
+
+        return page_levels_main(argv[1:])
     if argv[:1] == ["report"]:  # the matrix of profiles x arms x levels, as docs/ab-report.md
         from tokenfan_bench.report.matrix import main as report_main
 

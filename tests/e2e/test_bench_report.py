@@ -64,6 +64,7 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
     for heading in ("## Method", "## The answer per profile", f"## {name}", "## Through nginx",
                     "## CPU and bytes on the wire"):
         assert heading in text
+    assert "browser delivery: WebSocket − EventSource ms [95% CI]" in text  # the answer table's column
     plots = tmp_path / "ab-report"
     for png in ("ttft.png", "gaps.png", "diffs.png", "cpu_bytes.png", f"cdf_{slug(name)}.png"):
         assert (plots / png).stat().st_size > 1000, png

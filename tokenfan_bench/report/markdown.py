@@ -235,6 +235,26 @@ def _profiles(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+BROWSER_DELIVERY_NOTE = (
+    "*Browser delivery*: the WebSocket arm's median delivery minus the EventSource arm's (unpaired, the path's "
+    "known jitter removed; the `browser ws − es` rows of the plot below). It is Chromium's delivery to page code, "
+    "not an artefact of the page's stamps: the page reaches the gateway over HTTP/2 (TLS), and Chromium's "
+    "HTTP/2 stack holds each small piece of a streamed response body for 1 ms before passing it on, which "
+    "EventSource and a streamed `fetch` pay alike and a WebSocket does not; over HTTP/1.1 the two APIs read the "
+    "same tokens within 0.03 ms. Measured per API, with a calibration, by `tokenfan bench page-levels` "
+    "([browser.md](browser.md#where-the-browsers-millisecond-goes-tokenfan-bench-page-levels)).")
+
+
+def browser_delivery(b: dict[str, Any] | None) -> str:
+    """The answer table's browser delivery cell: WebSocket − EventSource (the browser run's ``D-A``, the
+    difference of the arms' medians with the path's known jitter removed, as in ``diffs.png``) with its
+    interval and the winner."""
+    if not b or "D-A" not in b["diffs_ms"]:
+        return "–"
+    d = b["diffs_ms"]["D-A"]
+    return f"{_ci(d)} ({verdict(d, 'EventSource', 'WebSocket')})"
+
+
 def _answer(results: dict[str, Any], level0: str, rel: str) -> list[str]:
     """The answer table: per profile, the winner of every comparison or *no difference resolved*."""
     _, server_cpu = cpu_rows(results.get("cpu", {}))
@@ -244,15 +264,17 @@ def _answer(results: dict[str, Any], level0: str, rel: str) -> list[str]:
               "of repeated single-transport runs in that profile."), "",
               ("| profile | TTFT: ws vs sse · sse-h2 vs sse | p99 gap: ws vs sse · sse-h2 vs sse | delivery: ws vs sse | "
               "server CPU: ws vs sse · sse-h2 vs sse · resp-ws vs resp-sse | "
-              "Responses TTFT: resp-ws vs resp-sse | browser TTFT: WebSocket vs EventSource | A/A contains 0 "
+              "Responses TTFT: resp-ws vs resp-sse | browser TTFT: WebSocket vs EventSource | "
+              "browser delivery: WebSocket − EventSource ms [95% CI] | A/A contains 0 "
               "(socket · Responses · browser) | calibration recovered (socket · browser) |"),
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, p in results["profiles"].items():
         r = p["levels"][level0]
         v = _verdicts(r, "sse", {"C": "ws", "D": "sse-h2"})
         rv = verdict(p["responses"]["ttft_diffs_ms"]["C-A"], "resp-sse", "resp-ws")
         b = p.get("browser")
         bv = verdict(b["ttft_diffs_ms"]["D-A"], "EventSource", "WebSocket") if b else "–"
+        bd = browser_delivery(b)
         aa = " · ".join("✓" if contains_zero(x["diffs_ms"]["B-A"]) else "✗"
                         for x in (r, p["responses"], b) if x is not None)
         cal = " · ".join("✓" if _cal_recovered(x) else "✗"
@@ -260,8 +282,8 @@ def _answer(results: dict[str, Any], level0: str, rel: str) -> list[str]:
         cpu = " · ".join(cpu_verdict(server_cpu.get(name, {}), a, b)
                          for a, b in (("sse", "ws"), ("sse", "sse-h2"), ("resp-sse", "resp-ws")))
         lines.append(f"| {name} | {v['TTFT']} | {v['p99 gap']} | {v['delivery'].split('; ')[0]} | {cpu} | {rv} | "
-                     f"{bv} | {aa} | {cal} |")
-    lines.append("")
+                     f"{bv} | {bd} | {aa} | {cal} |")
+    lines += ["", BROWSER_DELIVERY_NOTE, ""]
     lines += [f"![TTFT p50 per profile and transport]({rel}/ttft.png)", "",
               f"![inter-token gap p50 and p99]({rel}/gaps.png)", "",
               f"![delivery differences with intervals]({rel}/diffs.png)", ""]

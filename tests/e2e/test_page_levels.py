@@ -1,0 +1,39 @@
+"""``tokenfan bench page-levels`` against real processes (synthetic engines, TLS gateways, Chromium): every
+token of every stream is stamped by all three readers at every level, and the calibration's delay on the
+WebSocket path comes back within a generous bound. Structure, not timing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.system import require
+from tokenfan_bench.cli import main as bench_main
+from tokenfan_bench.stats.page_levels import LEVELS
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(180)
+def test_page_levels_stamps_every_token_at_every_level_and_recovers_the_injected_delay(tmp_path: Path) -> None:
+    require("/usr/bin/chromium")
+    streams, rounds, tokens = 2, 2, 8
+    assert bench_main(["page-levels", "--streams", str(streams), "--rounds", str(rounds), "--max-tokens",
+                       str(tokens), "--rate", "50", "--ttft-ms", "300", "--calibrate", "--bootstrap", "100",
+                       "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert set(res["runs"]) == {"measured", "placebo", "delayed"}
+    for name, run in res["runs"].items():
+        assert run["errors"] == [], name
+        assert run["streams"] == streams * rounds, name
+        assert run["dropped"] == 0, name  # every reader was open before the first token and got every one
+        assert run["tokens"] >= streams * rounds * tokens, name  # role and final chunks are stamped too
+        assert list(run["levels"]) == [level for level, *_ in LEVELS], name
+        for level, d in run["levels"].items():
+            assert d["n"] > 0 and d["ci95"][0] <= d["median"] <= d["ci95"][1], (name, level)
+    cal = res["calibration"]
+    assert cal["applied"]["n"] > 0 and cal["applied_placebo"]["n"] > 0
+    assert cal["expected_ms"] == pytest.approx(2.0, abs=0.5)
+    assert abs(cal["moved"]["ws − fetch"]["median"] - cal["expected_ms"]) < 1.0  # generous: few tokens
+    assert "| ws − fetch |" in (tmp_path / "summary.md").read_text()

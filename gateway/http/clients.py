@@ -6,20 +6,11 @@ the rightmost ``X-Forwarded-For`` entry that is not itself a trusted proxy (entr
 written by the client and prove nothing). A stream token (an ``EventSource`` URL) carries no key, so its
 subscriber counts under its address.
 
-What a client holds, counted in one :class:`Holdings` per gateway process:
+What a client holds (connections, generations, subscriptions) is counted in one
+:class:`gateway.admission.Holdings` per gateway process; its docstring has the table of kinds, limits and codes.
+This module names the client and counts its connections.
 
-=============  ==========================================================  =============================
-kind           counted while                                               limit (429 code)
-=============  ==========================================================  =============================
-connections    a WebSocket is open or an HTTP request on ``/v1/*`` runs    ``--max-connections-per-client``
-                                                                           (``client_connection_limit``)
-generations    a generation is in flight (every route, every transport)    ``--max-generations-per-client``
-                                                                           (``client_generation_limit``)
-subscriptions  a fan-out reader (``/v1/streams/{id}/events`` or ``/ws``)    ``--max-subscriptions-per-client``
-                                                                           (``client_subscription_limit``)
-=============  ==========================================================  =============================
-
-Fair admission (:func:`fair_refusal`, pure): when the gateway is saturated, the clients holding the most are
+Fair admission (:func:`gateway.admission.fair_refusal`, pure): when the gateway is saturated, the clients holding the most are
 refused first and a client holding nothing still gets in. ``docs/limits.md`` lists every limit and its error.
 """
 

@@ -108,6 +108,24 @@ async def ws_reader(url: str, sid: str, reader: Reader) -> None:
                 return
 
 
+async def until_killed(jobs: list[Any], started: list[asyncio.Event], kill: Any) -> None:
+    """Run the readers, ``kill()`` once each has its first tokens, wait for every reader's end."""
+    readers = asyncio.gather(*jobs)
+    for ev in started:
+        await asyncio.wait_for(ev.wait(), 30)
+    kill()
+    await asyncio.wait_for(readers, 60)
+
+
+def check(readers: dict[str, Reader], expected: dict[int, str] | list[str]) -> None:
+    """Every reader (named ``<stream>/<where>``): no error, the normal end, each event once, the control text."""
+    for name, reader in readers.items():
+        want = expected[int(name.split("/")[0])]
+        assert not reader.errors and reader.ended, (name, reader.errors)
+        assert reader.seqs == list(range(len(reader.seqs))), (name, reader.seqs)  # each event once
+        assert reader.text == want, (name, reader.text, want)
+
+
 def control(url: str, n: int) -> dict[int, str]:
     out = {}
     for i in range(n):
@@ -148,21 +166,11 @@ def test_a_killed_replicas_streams_are_adopted_and_every_reader_gets_every_event
                         jobs.append(sse_reader(c, urls, sid, reader, ev))
                     ws = readers[f"{i}/ws-b"] = Reader()
                     jobs.append(ws_reader(url_b, sid, ws))
-                all_ = asyncio.gather(*jobs)
-                for ev in started:
-                    await asyncio.wait_for(ev.wait(), 30)
-                os.kill(gw_a.popen.pid, signal.SIGKILL)
-                await asyncio.wait_for(all_, 60)
+                await until_killed(jobs, started, lambda: os.kill(gw_a.popen.pid, signal.SIGKILL))
             return readers
 
         readers = asyncio.run(scenario())
-        expected = control(url_b, n)
-        for name, reader in readers.items():
-            i = int(name.split("/")[0])
-            assert not reader.errors, (name, reader.errors)
-            assert reader.ended, name
-            assert reader.seqs == list(range(len(reader.seqs))), (name, reader.seqs)  # each event once
-            assert reader.text == expected[i], (name, reader.text, expected[i])
+        check(readers, control(url_b, n))
         assert sum(r.reconnects for name, r in readers.items() if "sse-a" in name) >= n
         assert metric(url_b, "tokenfan_adoptions_total", {"outcome": "adopted"}) == n
         assert metric(url_b, "tokenfan_adoption_gap_seconds_count") == n
@@ -189,21 +197,12 @@ def test_two_replicas_racing_to_adopt_exactly_one_continues_each_stream(
                         ev = asyncio.Event()
                         started.append(ev)
                         jobs.append(sse_reader(c, [url], sid, reader, ev))
-                all_ = asyncio.gather(*jobs)
-                for ev in started:
-                    await asyncio.wait_for(ev.wait(), 30)
-                os.kill(gw_x.popen.pid, signal.SIGKILL)
-                await asyncio.wait_for(all_, 60)
+                await until_killed(jobs, started, lambda: os.kill(gw_x.popen.pid, signal.SIGKILL))
             return readers
 
         readers = asyncio.run(scenario())
-        expected = {i: httpx.post(url_y + "/v1/chat/completions", json=body(10 + i), timeout=30).json()
-                    ["choices"][0]["message"]["content"] for i in range(n)}
-        for name, reader in readers.items():
-            i = int(name.split("/")[0])
-            assert not reader.errors and reader.ended, (name, reader.errors)
-            assert reader.seqs == list(range(len(reader.seqs))), (name, reader.seqs)
-            assert reader.text == expected[i], name
+        check(readers, {i: httpx.post(url_y + "/v1/chat/completions", json=body(10 + i), timeout=30).json()
+                    ["choices"][0]["message"]["content"] for i in range(n)})
         adopted = [metric(u, "tokenfan_adoptions_total", {"outcome": "adopted"}) for u in (url_y, url_z)]
         elsewhere = [metric(u, "tokenfan_adoptions_total", {"outcome": "elsewhere"}) for u in (url_y, url_z)]
         assert sum(adopted) == n and sum(elsewhere) <= n, (adopted, elsewhere)
@@ -251,12 +250,7 @@ def test_sigterm_hands_the_streams_over_and_exits_at_once(ipc_dir: Path, redis_s
                                                    json={**body(20 + i), "max_tokens": tokens}) for i in range(n)))
             return [r.json()["choices"][0]["message"]["content"] for r in rs]
 
-        wants = asyncio.run(controls())
-        for name, reader in readers.items():
-            want = wants[int(name.split("/")[0])]
-            assert not reader.errors and reader.ended, (name, reader.errors)
-            assert reader.seqs == list(range(len(reader.seqs))), (name, reader.seqs)
-            assert reader.text == want, name
+        check(readers, asyncio.run(controls()))
         assert metric(url_b, "tokenfan_adoptions_total", {"outcome": "adopted"}) == n
         assert "handed 3 listed streams over" in gw_a.log()
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -80,10 +81,10 @@ class Gateway:
         s = self.hub.streams.get(stream_id)
         return s is not None and cancel(s)
 
-    def hand_over(self) -> int:
+    def hand_over(self) -> list[asyncio.Task[None]]:
         """SIGTERM with ``--handover`` and a broker: every local listed stream still generating ends here
-        ``moved`` (see :func:`gateway.core.delivery.hand_over`); how many."""
-        return sum(hand_over(s) for s in list(self.hub.streams.values()))
+        ``moved`` (see :func:`gateway.core.delivery.hand_over`); the pumps that are ending them."""
+        return [s.task for s in list(self.hub.streams.values()) if hand_over(s) and s.task is not None]
 
     def in_flight(self) -> int:
         """Generations this gateway is still waiting on the engine for."""

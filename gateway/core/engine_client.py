@@ -361,11 +361,15 @@ class EngineClient:
         """Fail every in-flight request with ``err`` and abort them in the engine; returns how many."""
         return self._fail_handles(list(self._handles.values()), err, abort=True)
 
-    def _fail_handles(self, handles: list[RequestHandle], err: Failure, abort: bool) -> int:
+    def _detach(self, handles: list[RequestHandle], abort: bool) -> None:
+        """Take requests off this link; ``abort``: tell the engine too (it may still run them)."""
         for h in handles:
             self._handles.pop(h.engine_rid, None)
         if handles and abort:
             self._abort([h.engine_rid for h in handles])
+
+    def _fail_handles(self, handles: list[RequestHandle], err: Failure, abort: bool) -> int:
+        self._detach(handles, abort)
         for h in handles:
             h.done = True
             h._fail(err)
@@ -377,10 +381,7 @@ class EngineClient:
         if self.on_lost is None:
             self._fail_handles(handles, err, abort)
             return
-        for h in handles:
-            self._handles.pop(h.engine_rid, None)
-        if handles and abort:
-            self._abort([h.engine_rid for h in handles])
+        self._detach(handles, abort)
         self.on_lost(self, handles, err)
 
     def _forget(self, request_id: str, abort: bool) -> None:

@@ -87,13 +87,11 @@ async def hand_over(gw: Any) -> None:
     """Listed streams go to the other replicas (``--handover``): each ends here ``moved`` (its readers
     disconnected without an end, its engine request aborted), every event reaches Redis, and this gateway's
     lease is released, so a replica mirroring them adopts each at once (:mod:`gateway.api.adoption`)."""
-    n = gw.hand_over()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 1.0
-    while any(s.handover and not s.finished for s in gw.hub.streams.values()) and loop.time() < deadline:
-        await asyncio.sleep(0.01)
+    pumps = gw.hand_over()
+    if pumps:  # each pump ends its stream and queues nothing more for Redis (at most 1 s)
+        await asyncio.wait(pumps, timeout=1.0)
     await gw.publisher.hand_over()
-    log.warning("shutdown: handed %d listed streams over to the other replicas", n)
+    log.warning("shutdown: handed %d listed streams over to the other replicas", len(pumps))
 
 
 # ---------------------------------------------------------------------------------------------- uvicorn

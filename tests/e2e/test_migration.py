@@ -24,6 +24,7 @@ import pytest
 import websockets
 
 from tests.e2e.helpers import metric, sse_events, wait_until
+from tests.e2e.test_serve import engine_pid
 from tests.procs import (
     NO_CLIENT_LIMITS,
     Proc,
@@ -320,11 +321,7 @@ def test_serve_engine_killed_mid_stream_every_client_continues_after_the_restart
     try:
         wait_healthy(url, proc, 30)
 
-        def kill() -> None:
-            children = Path(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children").read_text().split()
-            os.kill(int(children[0]), signal.SIGKILL)
-
-        answers = asyncio.run(every_path(url, kill))
+        answers = asyncio.run(every_path(url, lambda: os.kill(engine_pid(proc), signal.SIGKILL)))
         check(answers, control(url))
         total = sum(metric(url, "tokenfan_migrations_total", {"outcome": o})
                     for o in ("continued", "refused", "timeout", "failed"))

@@ -132,9 +132,11 @@ async def _one_connection(url: str, i: int, answers: _Answers) -> tuple[str, boo
             msg = json.loads(await asyncio.wait_for(ws.recv(), 30))
             answered = True
             answers.one()
+            # hold every connection the gateway kept open until every connection has its answer, so that
+            # no slot of --max-connections-per-client is freed (and taken again) during the flood
+            await answers.all_in.wait()
             if msg["type"] == "error":
                 return msg["error"].get("code") or "?", _error_ok(msg["error"])
-            await answers.all_in.wait()  # hold the generation until every connection has its answer
             return "served", True
     except websockets.ConnectionClosed as exc:
         return f"closed {exc.rcvd.code if exc.rcvd else None}", False

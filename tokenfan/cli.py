@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -24,20 +25,33 @@ def _logging(level: str) -> None:
 
 def cmd_serve(values: dict[str, Any], gconf: GatewayConfig) -> int:
     from engine_worker.config import engine_argv, engine_config
-    from tokenfan.supervisor import EngineSupervisor
+    from tokenfan.supervisor import engine_supervisor, run_workers
 
     econf = engine_config(values)
-    address = econf.engine_address
-    supervisor = EngineSupervisor(engine_argv(econf))
+    log.info("tokenfan serve: engine=%s on %s, gateway on http://%s:%d", econf.backend, econf.engine_address,
+             gconf.host, gconf.port)
+    if gconf.workers > 1:
+        return run_workers(gconf, engine_argv(econf))
+    supervisor = engine_supervisor(engine_argv(econf))
 
     @contextlib.asynccontextmanager
     async def with_engine(gw: Any) -> AsyncIterator[None]:
         async with supervisor.running():
             yield
 
-    log.info("tokenfan serve: engine=%s on %s, gateway on http://%s:%d", econf.backend, address, gconf.host,
-             gconf.port)
     run_gateway(gconf, with_engine)
+    return 0
+
+
+def cmd_gateway(gconf: GatewayConfig) -> int:
+    """``tokenfan gateway``: one gateway process, or (``--workers N``) the supervisor of N of them."""
+    from gateway.scaleout.workers import WORKER_INDEX_ENV
+
+    if gconf.workers > 1 and WORKER_INDEX_ENV not in os.environ:
+        from tokenfan.supervisor import run_workers
+
+        return run_workers(gconf, None)
+    run_gateway(gconf)
     return 0
 
 
@@ -127,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     _logging(values["log_level"])
     if ns.command == "gateway":
-        run_gateway(gconf)
-        return 0
+        return cmd_gateway(gconf)
     return cmd_serve(values, gconf)
 
 

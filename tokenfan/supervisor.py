@@ -1,8 +1,16 @@
-"""Runs the engine worker as a child process of ``tokenfan serve`` and restarts it if it dies.
+"""Child processes of ``tokenfan serve`` / ``tokenfan gateway --workers N``, each restarted if it dies.
 
-The child gets its own session (a terminal's Ctrl-C reaches only the gateway, which then stops
-the engine in order) and, on Linux, a parent-death signal, so a killed gateway never leaves an
-orphaned engine holding the model in memory.
+- :class:`ChildSupervisor` starts, watches and restarts (exponential backoff) one child: the engine worker of
+  ``tokenfan serve``, or one gateway worker.
+- :func:`run_workers` is the top process of a ``--workers N`` server: it serves nothing itself, it runs the
+  engine (``serve``) and the N gateway workers as siblings, so the death of any worker stops neither the
+  engine nor the other workers (the engine has no gateway for a parent). A killed worker is started again
+  with the same index; its listed streams are adopted by a sibling meanwhile (``--broker``, docs/failures.md).
+  SIGTERM/SIGINT stops the workers first (each drains, ``--shutdown-grace``), then the engine.
+
+Every child gets its own session (a terminal's Ctrl-C reaches only this process, which then stops the
+children in order) and, on Linux, a parent-death signal, so a killed supervisor never leaves an orphaned
+engine holding the model in memory.
 """
 
 from __future__ import annotations
@@ -16,6 +24,10 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +39,12 @@ def _child_setup() -> None:  # runs in the child between fork and exec
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-class EngineSupervisor:
-    """Start, watch and restart (with exponential backoff) one engine worker process."""
+class ChildSupervisor:
+    """Start, watch and restart (with exponential backoff) one child process: ``python <argv>``."""
 
-    def __init__(self, argv: list[str], *, backoff_initial: float = 1.0, backoff_max: float = 30.0,
-                 stop_timeout: float = 15.0) -> None:
-        self.argv = argv
+    def __init__(self, argv: list[str], *, name: str = "engine worker", env: dict[str, str] | None = None,
+                 backoff_initial: float = 1.0, backoff_max: float = 30.0, stop_timeout: float = 15.0) -> None:
+        self.argv, self.name, self.env = argv, name, env
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.stop_timeout = stop_timeout
@@ -42,9 +54,9 @@ class EngineSupervisor:
         self._task: asyncio.Task[None] | None = None
 
     async def _spawn(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "engine_worker", *self.argv, preexec_fn=_child_setup)
-        log.info("engine worker started (pid %d)", self.proc.pid)
+        self.proc = await asyncio.create_subprocess_exec(sys.executable, *self.argv, env=self.env,
+                                                         preexec_fn=_child_setup)
+        log.info("%s started (pid %d)", self.name, self.proc.pid)
 
     async def _watch(self) -> None:
         backoff = self.backoff_initial
@@ -58,32 +70,79 @@ class EngineSupervisor:
             if time.monotonic() - started > 60:
                 backoff = self.backoff_initial  # it ran fine for a while: start the backoff over
             self.restarts += 1
-            log.error("engine worker exited with %s; restarting in %.1fs (restart #%d)", code, backoff, self.restarts)
+            log.error("%s exited with %s; restarting in %.1fs (restart #%d)", self.name, code, backoff, self.restarts)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.backoff_max)
 
-    async def stop(self) -> None:
+    def terminate(self) -> None:
+        """Stop restarting it and send it SIGTERM (:meth:`stop` waits for it)."""
         self._stopping = True
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    async def stop(self) -> None:
+        self.terminate()
         proc = self.proc
         if proc is not None and proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
             try:  # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancel that lands as the exit does
                 async with asyncio.timeout(self.stop_timeout):
                     await proc.wait()
             except TimeoutError:
-                log.warning("engine worker did not stop within %.0fs: killing it", self.stop_timeout)
+                log.warning("%s did not stop within %.0fs: killing it", self.name, self.stop_timeout)
                 proc.kill()
                 await proc.wait()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        log.info("engine worker stopped")
+        log.info("%s stopped", self.name)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch(), name=f"supervise {self.name}")
 
     @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[EngineSupervisor]:
-        self._task = asyncio.create_task(self._watch(), name="engine-supervisor")
+    async def running(self) -> AsyncIterator[ChildSupervisor]:
+        self.start()
         try:
             yield self
         finally:
             await self.stop()
+
+
+def engine_supervisor(engine_argv: list[str]) -> ChildSupervisor:
+    """The engine worker of ``tokenfan serve`` (``python -m engine_worker …``)."""
+    return ChildSupervisor(["-m", "engine_worker", *engine_argv], name="engine worker")
+
+
+def run_workers(config: GatewayConfig, engine_argv: list[str] | None) -> int:
+    """The top process of a ``--workers N`` server (see the module docstring); returns its exit code."""
+    from gateway.scaleout.workers import WORKER_INDEX_ENV
+    from tokenfan.settings import to_argv
+
+    argv = ["-m", "tokenfan.cli", "gateway", *to_argv(config, "gateway")]
+    stop_timeout = config.shutdown_grace + 5.0
+    workers = [ChildSupervisor(argv, name=f"gateway worker {k}", env={**os.environ, WORKER_INDEX_ENV: str(k)},
+                               backoff_initial=0.5, stop_timeout=stop_timeout) for k in range(config.workers)]
+    engine = engine_supervisor(engine_argv) if engine_argv is not None else None
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if engine is not None:
+            engine.start()
+        for w in workers:
+            w.start()
+        log.info("%d gateway workers on port %d%s", len(workers), config.port,
+                 ", with their engine" if engine is not None else "")
+        await stop.wait()
+        log.info("stopping: the gateway workers drain, then the engine stops")
+        for w in workers:
+            w.terminate()  # all at once: each drains for --shutdown-grace
+        await asyncio.gather(*(w.stop() for w in workers))
+        if engine is not None:
+            await engine.stop()
+
+    asyncio.run(main())
+    return 0

@@ -51,19 +51,7 @@ def run_gateway(config: GatewayConfig, extra_lifespan: Any = None) -> None:
             raise SystemExit("--workers > 1 serves cleartext HTTP/1.1 (uvicorn); put TLS in front (deploy/nginx)")
         run_granian(app, config)
         return
-    from gateway.scaleout import workers
-
-    procs = workers.spawn_workers(config) if config.workers > 1 and workers.worker_index() == 0 else []
-
-    def drain_the_others() -> None:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-
-    try:
-        run_uvicorn(app, config, on_shutdown=drain_the_others)
-    finally:
-        workers.stop_workers(procs, config.shutdown_grace + 5.0)
+    run_uvicorn(app, config)
 
 
 async def drain(app: Any, grace: float) -> None:
@@ -171,7 +159,7 @@ def protocol_class(header_timeout: float, body_timeout: float) -> type[HeaderTim
                 {"header_timeout": header_timeout, "body_timeout": body_timeout})
 
 
-def run_uvicorn(app: Any, config: GatewayConfig, on_shutdown: Any = None) -> None:
+def run_uvicorn(app: Any, config: GatewayConfig) -> None:
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
@@ -212,8 +200,6 @@ def run_uvicorn(app: Any, config: GatewayConfig, on_shutdown: Any = None) -> Non
                 self.gate.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self.gate
-            if on_shutdown is not None:
-                on_shutdown()  # the other workers drain at the same time
             for server in self.servers:
                 server.close()  # stop accepting; open connections (SSE and WS) carry on
             await drain(app, config.shutdown_grace)

@@ -25,8 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,30 +48,6 @@ def worker_index() -> int:
 
 def worker_socket(port: int, k: int) -> Path:
     return default_runtime_dir() / f"gateway-{port}-w{k}.sock"
-
-
-def spawn_workers(config: GatewayConfig) -> list[subprocess.Popen[bytes]]:
-    """Start workers 1…N-1 (this process is worker 0): ``tokenfan gateway`` with the same settings."""
-    from tokenfan.settings import to_argv
-
-    argv = [sys.executable, "-m", "tokenfan.cli", "gateway", *to_argv(config, "gateway")]
-    procs = []
-    for k in range(1, config.workers):
-        env = {**os.environ, WORKER_INDEX_ENV: str(k)}
-        procs.append(subprocess.Popen(argv, env=env))
-    log.info("started %d more gateway workers on port %d", len(procs), config.port)
-    return procs
-
-
-def stop_workers(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 # -- the owner's side of a peer link: its log as records ------------------------------------------

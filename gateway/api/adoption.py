@@ -73,6 +73,8 @@ class Adopter:
 
     async def __call__(self, stream: Stream, header: Header) -> Adoption:
         gw = self.gw
+        if gw.draining:  # stopping: adopt nothing, keep mirroring (another gateway may adopt it)
+            return "elsewhere"
         make = RENDERERS.get(stream.endpoint)
         why = None if make is not None else f"its API ({stream.endpoint}) cannot render the rest from the log"
         submit = msgspec.msgpack.decode(header.request, type=p.Submit) if header.request else None

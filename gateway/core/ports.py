@@ -27,6 +27,10 @@ class Publisher(Protocol):
     def published(self, stream: Stream, event: Event) -> None: ...
     def ended(self, stream: Stream) -> None: ...
 
+    async def successor(self) -> bool:
+        """On SIGTERM: mark this gateway draining; whether another gateway that is not draining is alive to
+        adopt its listed streams (if not, they drain here as unlisted ones do)."""
+
     async def hand_over(self) -> None:
         """Before exiting with streams other gateways adopt: flush, then give up the owner lease."""
 

@@ -55,14 +55,15 @@ def run_gateway(config: GatewayConfig, extra_lifespan: Any = None) -> None:
 
 
 async def drain(app: Any, grace: float) -> None:
-    """New generations get 503; in-flight streams get ``grace`` seconds to finish; the rest end with an
-    explicit ``server_shutdown`` error (never a silent cut, never a hang)."""
+    """New generations get 503; listed streams are handed over if another gateway serves (``--handover``);
+    in-flight streams get ``grace`` seconds to finish; the rest end with an explicit ``server_shutdown``
+    error (never a silent cut, never a hang)."""
     gw = getattr(app.state, "gateway", None)
     if gw is None:
         return
     gw.draining = True
     loop = asyncio.get_running_loop()
-    if gw.config.handover and gw.publisher is not None:
+    if gw.config.handover and gw.publisher is not None and await gw.publisher.successor():
         await hand_over(gw)
     deadline = loop.time() + grace
     while gw.in_flight() and loop.time() < deadline:

@@ -59,6 +59,8 @@ __all__ = ["Backoff", "Broker", "BrokerTimings", "redact"]
 
 log = logging.getLogger(__name__)
 
+HANDOVER_SETTLE_S = 0.1  # SIGTERM: how long the other workers of a stopping server get to say they drain too
+
 
 class Broker(RemoteStreamsByMirror):
     """One gateway's link to Redis: publishing its streams (:class:`gateway.core.ports.Publisher`), and
@@ -110,6 +112,17 @@ class Broker(RemoteStreamsByMirror):
         for name, coro in (("broker-publisher", self._run_publisher()), ("broker-lease", self.lease.run()),
                            ("broker-cancels", self.cancels.listen())):
             self._background.append(asyncio.create_task(coro, name=name))
+
+    async def successor(self) -> bool:
+        """Mark this gateway draining, give a server's other workers (stopped by the same signal) a moment to
+        do the same, then: whether another gateway serves (see :meth:`OwnerLease.others_serving`)."""
+        try:
+            async with asyncio.timeout(self.t.op_timeout * 2):
+                await self.lease.drain()
+                await asyncio.sleep(HANDOVER_SETTLE_S)
+                return await self.lease.others_serving() > 0
+        except (TimeoutError, *REDIS_ERRORS):
+            return False
 
     async def hand_over(self) -> None:
         """Before this gateway exits with streams other replicas adopt: what is queued reaches Redis, then the

@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,12 @@ import httpx
 import pytest
 import websockets
 
-from tests.e2e.helpers import metric
+from gateway.scaleout.workers import WORKER_INDEX_ENV, worker_socket
+from tests.e2e.helpers import metric, wait_until
 from tests.e2e.test_broker import RedisServer, redis_server  # noqa: F401  (the fixture)
-from tests.procs import NO_CLIENT_LIMITS, Proc, start_engine, start_gateway, stop_all
+from tests.procs import NO_CLIENT_LIMITS, Proc, spawn, start_engine, start_gateway, stop_all, wait_healthy
 from tests.system import require
+from tokenfan_bench.servers.processes import free_port
 
 ENGINE_ARGS = ("--engine", "synthetic", "--synthetic-tokens-per-s", "20", "--synthetic-ttft-ms", "5")
 TOKENS = 60  # 3 s per stream: the kill lands mid-stream
@@ -126,12 +129,16 @@ def check(readers: dict[str, Reader], expected: dict[int, str] | list[str]) -> N
         assert reader.text == want, (name, reader.text, want)
 
 
-def control(url: str, n: int) -> dict[int, str]:
-    out = {}
-    for i in range(n):
-        obj = httpx.post(url + "/v1/chat/completions", json=body(i), timeout=30).json()
-        out[i] = obj["choices"][0]["message"]["content"]
-    return out
+def control(url: str, bodies: list[dict[str, Any]]) -> dict[int, str]:
+    """The text of each chat body, run uninterrupted (all at once)."""
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            rs = await asyncio.gather(*(c.post(url + "/v1/chat/completions",
+                                               json={k: v for k, v in b.items() if k != "stream_options"})
+                                        for b in bodies))
+        return [r.json()["choices"][0]["message"]["content"] for r in rs]
+
+    return dict(enumerate(asyncio.run(run())))
 
 
 def replicas(ipc_dir: Path, url: str, names: str, engine_args: tuple[str, ...] = ENGINE_ARGS
@@ -143,20 +150,111 @@ def replicas(ipc_dir: Path, url: str, names: str, engine_args: tuple[str, ...] =
     return engine, gateways
 
 
-def test_a_killed_replicas_streams_are_adopted_and_every_reader_gets_every_event_once(
-        ipc_dir: Path, redis_server: RedisServer) -> None:  # noqa: F811
-    n = 5
+RESPONSE_END = ("response.completed", "response.incomplete", "error", "response.failed")
+
+
+async def responses_reader(c: httpx.AsyncClient, urls: list[str], rid: str, got: list[dict[str, Any]],
+                           started: asyncio.Event) -> None:
+    """A background response read as the SDKs do (``GET /v1/responses/{id}?stream=true``): a dropped
+    connection resumes with ``starting_after`` (here: on the next URL, a live replica)."""
+    url = urls[0]
+    while True:
+        after = f"&starting_after={got[-1]['sequence_number']}" if got else ""
+        try:
+            async with c.stream("GET", f"{url}/v1/responses/{rid}?stream=true{after}") as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        ev = json.loads(line[6:])
+                        got.append(ev)
+                        if len(got) == 6:
+                            started.set()
+                        if ev["type"] in RESPONSE_END:
+                            return
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectError):
+            pass
+        url = urls[-1]
+        await asyncio.sleep(0.2)
+
+
+def check_responses(seen: dict[str, list[dict[str, Any]]], want: dict[int, dict[str, Any]]) -> None:
+    """Every Responses reader (``<i>/<where>``): each event once, the normal end, the control's text and usage."""
+    for name, events in seen.items():
+        control_ = want[int(name.split("/")[0])]
+        text_ = "".join(part["text"] for item in control_["output"] for part in item.get("content", []))
+        assert [e["sequence_number"] for e in events] == list(range(len(events))), name
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), (name, events[-1])
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert text == text_, (name, text, text_)
+        assert events[-1]["response"]["usage"]["output_tokens"] == control_["usage"]["output_tokens"], name
+
+
+BROWSER_READERS = """({ids, per}) => {
+  window.readers = {};
+  for (const [i, id] of ids) for (let k = 0; k < per; k++) {
+    const r = window.readers[`${i}/browser-${k}`] = {seqs: [], text: "", ended: false, errors: [], opens: 0};
+    const es = new EventSource(`/v1/streams/${id}/events`);
+    es.onopen = () => { r.opens++; };
+    es.onmessage = (e) => {
+      if (e.data === "[DONE]") { r.ended = true; es.close(); return; }
+      r.seqs.push(Number(e.lastEventId));
+      for (const c of JSON.parse(e.data).choices || []) r.text += (c.delta && c.delta.content) || "";
+    };
+    es.addEventListener("error", (e) => { if (e.data !== undefined) { r.errors.push(e.data); es.close(); } });
+  }
+}"""
+
+
+def test_ten_listed_streams_of_a_killed_replica_are_adopted_and_fifty_readers_get_every_event_once(
+        ipc_dir: Path, redis_server: RedisServer, tmp_path: Path) -> None:  # noqa: F811
+    """Replicas A and B on one engine and Redis, nginx in front of both (``deploy/nginx/tokenfan.conf``, both
+    upstreams): 7 fan-out chat streams and 3 background responses created on A, 50 readers: SSE and
+    WebSocket on B, SSE on A (reconnecting to B with ``Last-Event-ID`` when A dies), Responses readers on A
+    and B (``starting_after``), and 14 EventSources in Chromium through nginx (spread over A and B; when A
+    dies nginx sends their reconnects to B). A is killed with SIGKILL once every reader has its first events."""
+    from playwright.async_api import async_playwright
+
+    from gateway.http.certs import generate
+    from tests.e2e.browser_fixtures import CHROMIUM, CHROMIUM_ARGS
+    from tests.e2e.test_nginx import NGINX
+    from tokenfan_bench.network.nginx import main_conf, site_conf
+
+    require(CHROMIUM)
+    require(NGINX)
+    chats, responses, tokens = 7, 3, 100  # 5 s each at 20 tokens/s
     engine, gateways = replicas(ipc_dir, redis_server.url, "ab")
     (gw_a, url_a), (gw_b, url_b) = gateways
+    generate(tmp_path / "tls")
+    port = free_port()
+    both = f"{url_a.removeprefix('http://')}; server {url_b.removeprefix('http://')}"  # nginx: two upstream servers
+    (tmp_path / "tokenfan.conf").write_text(site_conf(port, both, tmp_path / "tls"))
+    (tmp_path / "nginx.conf").write_text(main_conf(tmp_path, logs=True))
+    nginx = subprocess.Popen([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-e",
+                              str(tmp_path / "error.log")], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proxy = f"https://localhost:{port}"
+    chat_bodies = [body(i, max_tokens=tokens, stream_options={"include_usage": True}) for i in range(chats)]
+    response_bodies = [{"input": f"tell me about rivers {i}", "max_output_tokens": tokens,
+                        "metadata": {"seed": str(i)}} for i in range(responses)]
     try:
-        async def scenario() -> dict[str, Reader]:
+        async def scenario() -> tuple[dict[str, Reader], dict[str, list[dict[str, Any]]]]:
             readers: dict[str, Reader] = {}
-            async with httpx.AsyncClient(timeout=60) as c:
+            seen: dict[str, list[dict[str, Any]]] = {}
+            async with httpx.AsyncClient(timeout=60) as c, async_playwright() as pw:
+                browser = await pw.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                                   args=[*CHROMIUM_ARGS, "--ignore-certificate-errors"])
+                page = await (await browser.new_context(ignore_https_errors=True)).new_page()
+                await page.goto(proxy + "/")
                 ids = []
-                for i in range(n):
-                    r = await c.post(url_a + "/v1/streams", json=body(i, stream_options={"include_usage": True}))
+                for b in chat_bodies:
+                    r = await c.post(url_a + "/v1/streams", json=b)
                     assert r.status_code == 201, r.text
                     ids.append(r.json()["id"])
+                rids = []
+                for b in response_bodies:
+                    r = await c.post(url_a + "/v1/responses", json={**b, "background": True, "store": True})
+                    assert r.status_code == 200, r.text
+                    rids.append(r.json()["id"])
+                await page.evaluate(BROWSER_READERS, {"ids": list(enumerate(ids)), "per": 2})
                 jobs, started = [], []
                 for i, sid in enumerate(ids):
                     for where, urls in (("a", [url_a, url_b]), ("b", [url_b])):
@@ -166,16 +264,37 @@ def test_a_killed_replicas_streams_are_adopted_and_every_reader_gets_every_event
                         jobs.append(sse_reader(c, urls, sid, reader, ev))
                     ws = readers[f"{i}/ws-b"] = Reader()
                     jobs.append(ws_reader(url_b, sid, ws))
+                for i, rid in enumerate(rids):
+                    for where, urls in (("a0", [url_a, url_b]), ("a1", [url_a, url_b]), ("b0", [url_b]),
+                                        ("b1", [url_b]), ("b2", [url_b])):
+                        got = seen[f"{i}/{where}"] = []
+                        ev = asyncio.Event()
+                        started.append(ev)
+                        jobs.append(responses_reader(c, urls, rid, got, ev))
+                await page.wait_for_function("Object.values(window.readers).every((r) => r.seqs.length >= 3)",
+                                             timeout=30_000)
                 await until_killed(jobs, started, lambda: os.kill(gw_a.popen.pid, signal.SIGKILL))
-            return readers
+                await page.wait_for_function(
+                    "Object.values(window.readers).every((r) => r.ended || r.errors.length)", timeout=60_000)
+                for name, r in (await page.evaluate("window.readers")).items():
+                    readers[name] = Reader(seqs=r["seqs"], text=r["text"], ended=r["ended"], errors=r["errors"],
+                                           reconnects=r["opens"] - 1)
+                await browser.close()
+            return readers, seen
 
-        readers = asyncio.run(scenario())
-        check(readers, control(url_b, n))
-        assert sum(r.reconnects for name, r in readers.items() if "sse-a" in name) >= n
-        assert metric(url_b, "tokenfan_adoptions_total", {"outcome": "adopted"}) == n
-        assert metric(url_b, "tokenfan_adoption_gap_seconds_count") == n
+        readers, seen = asyncio.run(scenario())
+        assert len(readers) + len(seen) == 50
+        check(readers, control(url_b, chat_bodies))
+        check_responses(seen, {i: httpx.post(url_b + "/v1/responses", json=b, timeout=60).json()
+                               for i, b in enumerate(response_bodies)})
+        assert sum(r.reconnects for name, r in readers.items() if "sse-a" in name) >= chats
+        assert sum(r.reconnects for name, r in readers.items() if "browser" in name) >= 1  # some were on A
+        assert metric(url_b, "tokenfan_adoptions_total", {"outcome": "adopted"}) == chats + responses
+        assert metric(url_b, "tokenfan_adoption_gap_seconds_count") == chats + responses
         assert "adopted stream" in gw_b.log()
     finally:
+        nginx.terminate()
+        nginx.wait(10)
         stop_all([engine, *(g for g, _ in gateways)])
 
 
@@ -257,60 +376,111 @@ def test_sigterm_hands_the_streams_over_and_exits_at_once(ipc_dir: Path, redis_s
         stop_all([engine, *(g for g, _ in gateways)])
 
 
-def test_a_background_response_is_adopted_and_every_reader_gets_every_event_once(
-        ipc_dir: Path, redis_server: RedisServer) -> None:  # noqa: F811
-    """A background response on A, read on A and on B (``GET /v1/responses/{id}?stream=true``); A killed: A's
-    reader resumes on B with ``starting_after`` (as the SDKs do), both get every event once and
-    ``response.completed``, the text equals an uninterrupted run's."""
-    engine, gateways = replicas(ipc_dir, redis_server.url, "rs")
-    (gw_a, url_a), (_, url_b) = gateways
+def _worker_pid(server: Proc, index: int) -> int:
+    """The pid of gateway worker ``index`` of a ``--workers`` server (a child with its index in its environment)."""
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == server.popen.pid and f"{WORKER_INDEX_ENV}={index}".encode() in env:
+            return pid
+    raise AssertionError(f"no worker {index} under {server.popen.pid}")
+
+
+def test_the_owning_worker_of_a_workers_server_is_killed_and_its_streams_go_on(
+        redis_server: RedisServer) -> None:  # noqa: F811
+    """``tokenfan serve --workers 2 --broker``: 4 fan-out streams and a background response created on worker
+    0 (its private socket), read on the public port (the kernel spreads the readers over both workers);
+    worker 0 is killed. The engine and worker 1 live on, worker 0 is started again, the readers reconnect to
+    the same port: each gets every event once and the control text; worker 1 adopted the 5 streams."""
+    chats, port = 4, free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = spawn(["-m", "tokenfan.cli", "serve", *ENGINE_ARGS, "--workers", "2", "--broker", redis_server.url,
+                    *LEASE, *NO_CLIENT_LIMITS, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+                   "serve-adopt-workers")
     request = {"input": "tell me about rivers", "max_output_tokens": TOKENS, "metadata": {"seed": "1"}}
     try:
-        async def read(c: httpx.AsyncClient, urls: list[str], rid: str, got: list[dict[str, Any]],
-                       started: asyncio.Event) -> None:
-            url = urls[0]
-            while True:
-                after = f"&starting_after={got[-1]['sequence_number']}" if got else ""
-                try:
-                    async with c.stream("GET", f"{url}/v1/responses/{rid}?stream=true{after}") as r:
-                        assert r.status_code == 200, await r.aread()
-                        async for line in r.aiter_lines():
-                            if line.startswith("data: {"):
-                                ev = json.loads(line[6:])
-                                got.append(ev)
-                                if len(got) == 6:
-                                    started.set()
-                                if ev["type"] in ("response.completed", "response.incomplete", "error",
-                                                  "response.failed"):
-                                    return
-                except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectError):
-                    pass
-                url = urls[-1]
-                await asyncio.sleep(0.2)
+        wait_healthy(url, server, 60)
+        engine_pid, worker0 = server_children(server)
+        owner = httpx.AsyncHTTPTransport(uds=str(worker_socket(port, 0)))
 
-        async def scenario() -> dict[str, list[dict[str, Any]]]:
-            seen: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
-            async with httpx.AsyncClient(timeout=60) as c:
-                r = await c.post(url_a + "/v1/responses", json={**request, "background": True, "store": True})
+        async def scenario() -> tuple[dict[str, Reader], dict[str, list[dict[str, Any]]]]:
+            readers: dict[str, Reader] = {}
+            seen: dict[str, list[dict[str, Any]]] = {}
+            async with httpx.AsyncClient(timeout=60) as c, httpx.AsyncClient(transport=owner, timeout=60) as w0:
+                ids = []
+                for i in range(chats):
+                    r = await w0.post("http://worker/v1/streams", json=body(30 + i))
+                    assert r.status_code == 201, r.text
+                    ids.append(r.json()["id"])
+                r = await w0.post("http://worker/v1/responses", json={**request, "background": True, "store": True})
                 rid = r.json()["id"]
-                started = [asyncio.Event(), asyncio.Event()]
-                jobs = asyncio.gather(read(c, [url_a, url_b], rid, seen["a"], started[0]),
-                                      read(c, [url_b], rid, seen["b"], started[1]))
-                for ev in started:
-                    await asyncio.wait_for(ev.wait(), 30)
-                os.kill(gw_a.popen.pid, signal.SIGKILL)
-                await asyncio.wait_for(jobs, 60)
-            return seen
+                jobs, started = [], []
+                for i, sid in enumerate(ids):
+                    for k in range(3):
+                        reader = readers[f"{i}/sse-{k}"] = Reader()
+                        ev = asyncio.Event()
+                        started.append(ev)
+                        jobs.append(sse_reader(c, [url], sid, reader, ev))
+                for k in range(3):
+                    got = seen[f"0/{k}"] = []
+                    ev = asyncio.Event()
+                    started.append(ev)
+                    jobs.append(responses_reader(c, [url], rid, got, ev))
+                await until_killed(jobs, started, lambda: os.kill(worker0, signal.SIGKILL))
+            return readers, seen
 
-        seen = asyncio.run(scenario())
-        control = httpx.post(url_b + "/v1/responses", json=request, timeout=60).json()
-        want = "".join(part["text"] for item in control["output"] for part in item.get("content", []))
-        for name, events in seen.items():
-            assert [e["sequence_number"] for e in events] == list(range(len(events))), name
-            assert events[-1]["type"] in ("response.completed", "response.incomplete"), name
-            text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-            assert text == want, (name, text, want)
-            assert events[-1]["response"]["usage"]["output_tokens"] == control["usage"]["output_tokens"], name
-        assert metric(url_b, "tokenfan_adoptions_total", {"outcome": "adopted"}) == 1
+        readers, seen = asyncio.run(scenario())
+        check(readers, control(url, [body(30 + i) for i in range(chats)]))
+        check_responses(seen, {0: httpx.post(url + "/v1/responses", json=request, timeout=60).json()})
+        wait_until(lambda: _worker_pid(server, 0) != worker0, timeout=30, what="worker 0 started again")
+        assert server_children(server)[0] == engine_pid  # the engine lived on
+        assert metric(url, "tokenfan_adoptions_total", {"outcome": "adopted"}) == chats + 1  # merged over workers
+        assert "gateway worker 0 exited with -9; restarting" in server.log()
     finally:
-        stop_all([engine, *(g for g, _ in gateways)])
+        assert server.stop() == 0, server.log()[-3000:]
+
+
+def server_children(server: Proc) -> tuple[int, int]:
+    """(the engine's pid, worker 0's pid) under a ``tokenfan serve --workers`` process."""
+    engines = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == server.popen.pid and b"engine_worker" in cmd:
+            engines.append(pid)
+    assert len(engines) == 1, engines
+    return engines[0], _worker_pid(server, 0)
+
+
+def test_sigterm_with_nobody_to_hand_over_to_drains_the_streams_here(
+        ipc_dir: Path, redis_server: RedisServer) -> None:  # noqa: F811
+    """``--handover`` with no other gateway serving: SIGTERM drains the listed streams (they end normally
+    within ``--shutdown-grace``) instead of handing them to nobody."""
+    engine, [(gw, url)] = replicas(ipc_dir, redis_server.url, "l")
+    try:
+        async def scenario() -> Reader:
+            async with httpx.AsyncClient(timeout=60) as c:
+                sid = (await c.post(url + "/v1/streams", json=body(40))).json()["id"]
+                reader, ev = Reader(), asyncio.Event()
+                job = asyncio.ensure_future(sse_reader(c, [url], sid, reader, ev))
+                await asyncio.wait_for(ev.wait(), 30)
+                gw.popen.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(job, 30)
+                return reader
+
+        reader = asyncio.run(scenario())
+        assert gw.popen.wait(30) == 0
+        assert reader.ended and not reader.errors and reader.seqs == list(range(len(reader.seqs)))
+        assert len(reader.text) > 0 and "handed" not in gw.log()
+    finally:
+        stop_all([engine, gw])

@@ -36,9 +36,8 @@ from gateway.errors import APIError, EngineError
 
 if TYPE_CHECKING:
     from gateway.core.streams import Stream
-    from gateway.scaleout.broker import Broker
     from gateway.scaleout.broker_codec import Header
-    from gateway.scaleout.mirror import Adoption
+    from gateway.scaleout.mirror import Adoption, Claims
     from gateway.state import Gateway
 
 log = logging.getLogger(__name__)
@@ -65,10 +64,11 @@ RENDERERS: dict[str, Callable[[Stream, dict[str, Any]], Renderer]] = {
 
 
 class Adopter:
-    """The ``adopt`` of a gateway's broker mirrors (see the module docstring)."""
+    """The ``adopt`` of a gateway's mirrors (see the module docstring); ``claims``: the broker (Redis) or,
+    for ``--workers`` without one, the peers."""
 
-    def __init__(self, gw: Gateway, broker: Broker) -> None:
-        self.gw, self.broker = gw, broker
+    def __init__(self, gw: Gateway, claims: Claims) -> None:
+        self.gw, self.claims = gw, claims
         self._n = 0
 
     async def __call__(self, stream: Stream, header: Header) -> Adoption:
@@ -89,7 +89,7 @@ class Adopter:
             gw.metrics.adoptions.labels("refused").inc()
             log.warning("stream %s lost its owner %s: not adopted (%s)", stream.id, header.owner, why)
             return "no"
-        if not await self.broker.claim(stream.id, header.owner):
+        if not await self.claims.claim(stream.id, header.owner):
             gw.metrics.adoptions.labels("elsewhere").inc()
             return "elsewhere"
         self._n += 1
@@ -106,8 +106,8 @@ class Adopter:
         renderer = make(stream, header.options or {})
         stream.mirrored = False
         stream.request, stream.options = header.request, header.options or {}
-        self.broker.adopted(stream)
-        generation = Generation(stream, handle, renderer, gw.metrics.hot.tokens, self.broker)
+        self.claims.adopted(stream)
+        generation = Generation(stream, handle, renderer, gw.metrics.hot.tokens, gw.publisher)
         handle.attach(generation)
         stream.task = asyncio.get_running_loop().create_task(pump(gw.delivery, generation), name=f"pump-{stream.id}")
         gw.metrics.adoptions.labels("adopted").inc()

@@ -87,7 +87,10 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
 
             gw.peers = Peers(gw.hub, port=config.port, workers=config.workers, me=workers.worker_index(),
                              idle_timeout=config.broker_idle_timeout, recheck=config.broker.lease_interval)
-            gw.broker = gw.broker or gw.peers  # with --broker, Redis mirrors across workers too
+            if gw.broker is None:  # the workers mirror, hold standbys of and adopt each other's streams
+                gw.broker = gw.publisher = gw.peers
+                gw.peers.mirrors.adopt = Adopter(gw, gw.peers)
+            # with --broker, Redis mirrors (and adoption) across workers too
         others = [b for b in dict.fromkeys((gw.broker, gw.peers)) if b is not None]
         for transport, delay in config.inject_delay.items():
             log.warning("DIAGNOSTIC --inject-delay: every %s write is delayed by %.3f ms (benchmark calibration "
@@ -131,7 +134,8 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
                    Route("/internal/streams/{id}", internal.internal_cancel, methods=["DELETE"]),
                    Route("/internal/transcripts/{id}", internal.internal_transcript, methods=["GET"]),
                    Route("/internal/metrics", internal.internal_metrics, methods=["GET"]),
-                   Route("/internal/ready", internal.internal_ready, methods=["GET"])]
+                   Route("/internal/ready", internal.internal_ready, methods=["GET"]),
+                   Route("/internal/standby/{id}", internal.internal_standby, methods=["POST"])]
     auth = Auth(api_keys=frozenset(config.api_keys), token_ttl=config.stream_token_ttl,
                 allowed_origins=config.allowed_origins,
                 **({"secret": config.token_secret.encode()} if config.token_secret else {}))

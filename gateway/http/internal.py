@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from starlette.requests import Request
@@ -17,6 +18,7 @@ from gateway.core.delivery import SseResponse, cancel, resume_point
 from gateway.errors import APIError
 from gateway.http.service import refresh_metrics
 from gateway.scaleout import broker_codec as codec
+from gateway.scaleout.peers import owner_name
 from gateway.scaleout.workers import PEER, worker_index
 from gateway.state import Gateway
 
@@ -31,11 +33,12 @@ async def internal_stream(request: Request) -> Any:
         raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
     gw: Gateway = gateway_of(request)
     stream = gw.hub.get(request.path_params["id"])  # 404 / 410
-    if stream.mirrored:
-        raise APIError(404, "not the owner", code="stream_not_found")
+    if stream.mirrored:  # a standby or a reader's mirror: it may adopt the stream if its owner is gone
+        raise APIError(409, "This worker mirrors the stream; it does not own it.", code="stream_mirrored")
     after = resume_point(request.query_params.get("after"), "after")
-    header = codec.encode_header(stream.endpoint, stream.model, str(worker_index()), detached=stream.detached,
-                                 held=len(stream.events) + stream.finished)
+    header = codec.encode_header(stream.endpoint, stream.model, owner_name(worker_index()), detached=stream.detached,
+                                 held=len(stream.events) + stream.finished, request=stream.request,
+                                 options=stream.options)
     return SseResponse(gw.delivery, stream, PEER, after, preamble=sse.event(codec.pack(header)))
 
 
@@ -70,4 +73,15 @@ async def internal_ready(request: Request) -> Response:
     if not _over_unix_socket(request):
         raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
     gw: Gateway = gateway_of(request)
-    return JSONResponse({"listening": gw.listening, "ready": gw.engine.healthy})
+    return JSONResponse({"listening": gw.listening, "ready": gw.engine.healthy, "pid": os.getpid()})
+
+
+async def internal_standby(request: Request) -> Response:
+    """Mirror a peer's new listed stream here at once (its standby: see :mod:`gateway.scaleout.peers`)."""
+    if not _over_unix_socket(request):
+        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+    gw: Gateway = gateway_of(request)
+    if gw.peers is None:
+        raise APIError(404, "This gateway has no peers.", code="not_found")
+    await gw.peers.mirror(request.path_params["id"])
+    return JSONResponse({"standby": True})

@@ -25,6 +25,8 @@ idempotent, so the owner may re-send after a failure), a hole is an explicit los
 
 from __future__ import annotations
 
+import base64
+import binascii
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -194,8 +196,10 @@ def _decode_end(fields: Fields) -> EndEntry:
 
 def pack(fields: Fields) -> bytes:
     """One record as one line, what a peer worker's socket carries: a JSON object of the same fields, the
-    event's ``data`` embedded as JSON rather than as a string (no second escaping)."""
-    return orjson.dumps({k.decode(): orjson.Fragment(v) if k == b"data" else v.decode() for k, v in fields.items()})
+    event's ``data`` embedded as JSON rather than as a string (no second escaping), a header's ``request``
+    (msgpack) in base64."""
+    return orjson.dumps({k.decode(): orjson.Fragment(v) if k == b"data" else
+                         base64.b64encode(v).decode() if k == b"request" else v.decode() for k, v in fields.items()})
 
 
 def pack_event(ev: Event) -> bytes:
@@ -216,7 +220,9 @@ def decode_line(line: bytes) -> Entry:
                 raise ValueError(f"seq {seq}, data {type(chunk).__name__}, text {type(text).__name__}")
             return EventEntry(seq, chunk, text, fin or None, ids)
         fields = {k.encode(): v.encode() for k, v in obj.items()}
-    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        if b"request" in fields:
+            fields[b"request"] = base64.b64decode(fields[b"request"], validate=True)
+    except (KeyError, ValueError, TypeError, AttributeError, binascii.Error) as exc:
         raise CodecError(f"malformed peer record ({exc!r}): {line[:200]!r}") from exc
     return decode(fields)
 

@@ -74,6 +74,16 @@ class Lease:
     remaining: float | None = None
 
 
+class Claims(Protocol):
+    """Who decides which gateway adopts a stream: the broker (Redis ``SET NX``) or the workers (a file)."""
+
+    async def claim(self, stream_id: str, owner: str) -> bool:
+        """True for exactly one gateway asking for ``stream_id`` of the lost ``owner``."""
+
+    def adopted(self, stream: Stream) -> None:
+        """This gateway owns ``stream`` from now on (the broker writes its header naming it)."""
+
+
 class Link(Protocol):
     """Where mirrors read other gateways' logs."""
 

@@ -4,7 +4,14 @@
   on the owner's socket is a reader of the owner's log like any other, never merged, that sends
   :mod:`gateway.scaleout.broker_codec` records as SSE events (``id`` = seq; :class:`gateway.scaleout.workers.PeerFraming`),
   read with the shared :class:`gateway.core.sse.SseDecoder`. Cut or dropped, it is resumed with ``?after=``;
-  a peer whose socket refuses is gone (the mirror ends with ``owner_lost``).
+  a peer whose socket refuses is gone: the link looks for the stream on the other peers (the one that
+  adopted it) while the mirror asks the owner's lease (:meth:`PeerLink.lease`: its socket answers with the
+  pid that wrote the header) and offers the stream for adoption once it is missing.
+- Adoption without ``--broker``: every listed stream a worker creates gets a *standby* mirror on the next
+  worker (``POST /internal/standby/{id}``, :meth:`Peers.created`), so a worker's death leaves its log, the
+  engine request and the token ids on a sibling; the sibling that claims it (an ``O_EXCL`` file in the
+  runtime directory, :meth:`Peers.claim`) continues it as a ``--broker`` replica would
+  (:mod:`gateway.api.adoption`), and serves it to the others from then on.
 - :class:`Peers` is what the routes use (:class:`gateway.core.ports.RemoteStreams`): mirrors, cancels
   (``DELETE /internal/streams/{id}``) and transcripts (``GET /internal/transcripts/{id}``) of the peers'
   streams, and ``/metrics`` merged over every worker (:func:`merge_metrics`).
@@ -15,9 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
+import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h11
 import orjson
@@ -28,8 +38,22 @@ from gateway.core import sse
 from gateway.core.streams import StreamHub
 from gateway.errors import stream_expired, stream_lost, stream_not_found
 from gateway.scaleout import broker_codec as codec
-from gateway.scaleout.mirror import Item, Lease, MirrorSet, Opened, Quiet, RemoteStreamsByMirror
+from gateway.scaleout.mirror import (
+    CATCH_UP_S,
+    Item,
+    Lease,
+    MirrorSet,
+    Opened,
+    Quiet,
+    RemoteStreamsByMirror,
+    stop_tasks,
+)
 from gateway.scaleout.workers import worker_socket
+
+if TYPE_CHECKING:
+    from gateway.core.streams import Event, Stream
+
+log = logging.getLogger(__name__)
 
 SUMMED_GAUGES = {"tokenfan_active_streams", "tokenfan_subscribers", "tokenfan_retained_stream_bytes",
                  "process_resident_memory_bytes", "process_virtual_memory_bytes", "process_open_fds"}
@@ -96,6 +120,19 @@ async def request(path: Path, method: str, target: str) -> PeerResponse:
         raise
 
 
+def owner_name(index: int) -> str:
+    """A worker's name in the headers it writes: its index and pid (a restarted worker is another owner)."""
+    return f"{index}.{os.getpid()}"
+
+
+def _owner(owner: str) -> tuple[int | None, int | None]:
+    """(index, pid) of an owner name; pid None for an index alone."""
+    index, _, pid = owner.partition(".")
+    if not index.isdigit():
+        return None, None
+    return int(index), int(pid) if pid.isdigit() else None
+
+
 class PeerLink:
     """The mirror's link to the other workers (:class:`gateway.scaleout.mirror.Link`); ``poll``: how long a quiet
     connection waits before the mirror may look at its idle clock."""
@@ -104,67 +141,87 @@ class PeerLink:
         self.peers, self.poll = peers, poll
 
     async def open(self, stream_id: str) -> Opened:
-        gone = False
-        for k, path in self.peers.items():
-            try:
-                resp = await request(path, "GET", f"/internal/streams/{stream_id}?after=-1")
-            except OSError:
-                continue  # that worker is not up
-            if resp.status != 200:
-                gone |= resp.status == 410
-                resp.close()
-                continue
-            records = self._records(stream_id, k, resp)
-            with contextlib.suppress(codec.CodecError):
-                async for item in records:
-                    if isinstance(item, Quiet):
-                        continue
-                    if isinstance(item, codec.Header):
-                        return Opened(item, records)
-                    break
-            await records.aclose()
-            raise stream_lost(stream_id, f"worker {k} sent no header", status=410)
-        raise stream_expired(stream_id) if gone else stream_not_found(stream_id)
+        """The stream from the peer that owns it. A peer that only mirrors it (409) may be about to adopt
+        it: asked again for up to :data:`CATCH_UP_S` before the answer is 404."""
+        deadline = time.monotonic() + CATCH_UP_S
+        while True:
+            gone = mirrored = False
+            for k, path in self.peers.items():
+                try:
+                    resp = await request(path, "GET", f"/internal/streams/{stream_id}?after=-1")
+                except OSError:
+                    continue  # that worker is not up
+                if resp.status != 200:
+                    gone |= resp.status == 410
+                    mirrored |= resp.status == 409
+                    resp.close()
+                    continue
+                records = self._records(stream_id, k, resp)
+                with contextlib.suppress(codec.CodecError):
+                    async for item in records:
+                        if isinstance(item, Quiet):
+                            continue
+                        if isinstance(item, codec.Header):
+                            return Opened(item, records)
+                        break
+                await records.aclose()
+                raise stream_lost(stream_id, f"worker {k} sent no header", status=410)
+            if not mirrored or time.monotonic() >= deadline:
+                raise stream_expired(stream_id) if gone else stream_not_found(stream_id)
+            await asyncio.sleep(self.poll)
 
-    async def _records(self, stream_id: str, k: int, resp: PeerResponse) -> AsyncGenerator[Item, None]:
-        """The owner's records; a connection that ends without the end is resumed after the last event got.
-        Ends (without the end) when the owner no longer serves the stream."""
+    async def _records(self, stream_id: str, k: int, resp: PeerResponse | None) -> AsyncGenerator[Item, None]:
+        """The owner's records; a connection that ends without the end is resumed after the last event got,
+        on the owner or, once it no longer serves the stream (gone, restarted), on whichever peer does (the
+        one that adopted it: its header comes first). Meanwhile :class:`Quiet`, so the mirror asks the lease."""
         last = -1
         try:
             while True:
-                decoder = sse.SseDecoder()
-                async for data in resp.chunks(self.poll):
-                    if data is None:
-                        yield Quiet()
-                        continue
-                    for ev in decoder.feed(data):
-                        if ev.id is not None:
-                            last = int(ev.id)
-                        yield codec.decode_line(ev.data)
-                resp.close()
-                try:
-                    resp = await request(self.peers[k], "GET", f"/internal/streams/{stream_id}?after={last}")
-                except OSError:
-                    return
-                if resp.status != 200:
-                    return
+                if resp is not None:
+                    decoder = sse.SseDecoder()
+                    async for data in resp.chunks(self.poll):
+                        if data is None:
+                            yield Quiet()
+                            continue
+                        for ev in decoder.feed(data):
+                            if ev.id is not None:
+                                last = int(ev.id)
+                            yield codec.decode_line(ev.data)
+                    resp.close()
+                resp = None
+                for j in (k, *(j for j in self.peers if j != k)):
+                    with contextlib.suppress(OSError):
+                        answer = await request(self.peers[j], "GET", f"/internal/streams/{stream_id}?after={last}")
+                        if answer.status == 200:
+                            resp, k = answer, j
+                            break
+                        answer.close()
+                if resp is None:
+                    yield Quiet()
+                    await asyncio.sleep(self.poll)
         finally:
-            resp.close()
+            if resp is not None:
+                resp.close()
 
     async def lease(self, owner: str) -> Lease:
-        """A worker holds its streams while its private socket accepts connections."""
-        path = self.peers.get(int(owner)) if owner.isdigit() else None
+        """A worker holds its streams while its private socket answers with the pid in its name."""
+        index, pid = _owner(owner)
+        path = self.peers.get(index) if index is not None else None
         if path is None:
             return Lease("missing")
         try:
-            _, writer = await asyncio.open_unix_connection(str(path))
-        except OSError:
+            async with asyncio.timeout(self.poll * 4):
+                resp = await request(path, "GET", "/internal/ready")
+                body = orjson.loads(await resp.body()) if resp.status == 200 else {}
+        except (OSError, ValueError):
             return Lease("missing")
-        writer.close()
-        return Lease("held")
+        except TimeoutError:
+            return Lease("unknown")  # alive but busy: asked again
+        return Lease("held" if pid is None or body.get("pid") == pid else "missing")
 
     async def cancel(self, stream_id: str, owner: str) -> bool:
-        path = self.peers.get(int(owner)) if owner.isdigit() else None
+        index, _ = _owner(owner)
+        path = self.peers.get(index) if index is not None else None
         if path is None:
             return False
         try:
@@ -176,16 +233,74 @@ class PeerLink:
 
 
 class Peers(RemoteStreamsByMirror):
-    """The other workers of this server: their streams (:class:`gateway.core.ports.RemoteStreams`) and metrics.
+    """The other workers of this server: their streams (:class:`gateway.core.ports.RemoteStreams`) and metrics;
+    without ``--broker`` also the publisher of this worker's listed streams (:class:`gateway.core.ports.Publisher`:
+    a standby mirror on the next worker) and the claims of adoption among them.
 
-    ``idle_timeout`` / ``recheck``: the mirrors' idle clock (:class:`gateway.scaleout.mirror.Idle`)."""
+    ``idle_timeout`` / ``recheck``: the mirrors' idle clock (:class:`gateway.scaleout.mirror.Idle`); a quiet
+    mirror asks its owner's lease after ``recheck`` s (a local socket: cheap)."""
 
     def __init__(self, hub: StreamHub, *, port: int, workers: int, me: int, idle_timeout: float,
                  recheck: float) -> None:
+        self.port, self.me = port, me
         self.paths = {k: worker_socket(port, k) for k in range(workers) if k != me}
-        self.mirrors = MirrorSet(hub, PeerLink(self.paths, poll=recheck), idle_timeout=idle_timeout, recheck=recheck)
+        self.mirrors = MirrorSet(hub, PeerLink(self.paths, poll=recheck), idle_timeout=idle_timeout, recheck=recheck,
+                                 lease_check=recheck)
+        self._standby_tasks: set[asyncio.Task[None]] = set()
+
+    # -- Publisher: a standby mirror of each listed stream on the next worker ----------------------------
+
+    async def created(self, stream: Stream) -> None:
+        if not self.paths:
+            return
+        task = asyncio.get_running_loop().create_task(self._standby(stream.id), name=f"standby-{stream.id}")
+        self._standby_tasks.add(task)
+        task.add_done_callback(self._standby_tasks.discard)
+
+    async def _standby(self, stream_id: str) -> None:
+        nxt = min((k for k in self.paths if k > self.me), default=min(self.paths))
+        try:
+            async with asyncio.timeout(CATCH_UP_S):
+                resp = await request(self.paths[nxt], "POST", f"/internal/standby/{stream_id}")
+                await resp.body()
+            if resp.status != 200:
+                raise OSError(f"status {resp.status}")
+        except (OSError, TimeoutError) as exc:
+            log.warning("stream %s has no standby on worker %d (%s): it cannot be adopted if this worker dies",
+                        stream_id, nxt, exc or type(exc).__name__)
+
+    def published(self, stream: Stream, event: Event) -> None:
+        pass  # the standby reads the log over this worker's socket
+
+    def ended(self, stream: Stream) -> None:
+        pass
+
+    async def successor(self) -> bool:
+        return False  # a server's workers stop together: each drains its own streams
+
+    async def hand_over(self) -> None:
+        pass
+
+    def put_transcript(self, response_id: str, data: bytes, ttl: float) -> None:
+        pass  # peers ask for a transcript over this worker's socket
+
+    # -- adoption among the workers ---------------------------------------------------------------------
+
+    async def claim(self, stream_id: str, owner: str) -> bool:
+        """True for exactly one worker: the one that creates the stream's adoption file for that owner."""
+        path = worker_socket(self.port, 0).parent / f"adopt-{self.port}-{stream_id}-{owner}"
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return False
+        asyncio.get_running_loop().call_later(600, lambda: path.unlink(missing_ok=True))
+        return True
+
+    def adopted(self, stream: Stream) -> None:
+        pass  # it is served from this worker's socket now (its header names this worker)
 
     async def close(self) -> None:
+        await stop_tasks(self._standby_tasks)
         await self.mirrors.close()
 
     async def transcript(self, response_id: str) -> bytes | None:

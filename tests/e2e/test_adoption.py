@@ -391,17 +391,19 @@ def _worker_pid(server: Proc, index: int) -> int:
     raise AssertionError(f"no worker {index} under {server.popen.pid}")
 
 
+@pytest.mark.parametrize("broker", [False, True], ids=["peers", "broker"])
 def test_the_owning_worker_of_a_workers_server_is_killed_and_its_streams_go_on(
-        redis_server: RedisServer) -> None:  # noqa: F811
-    """``tokenfan serve --workers 2 --broker``: 4 fan-out streams and a background response created on worker
-    0 (its private socket), read on the public port (the kernel spreads the readers over both workers);
-    worker 0 is killed. The engine and worker 1 live on, worker 0 is started again, the readers reconnect to
-    the same port: each gets every event once and the control text; worker 1 adopted the 5 streams."""
+        redis_server: RedisServer, broker: bool) -> None:  # noqa: F811
+    """``tokenfan serve --workers 2`` (the workers alone: worker 1 holds a standby of each stream; or with
+    ``--broker``): 4 fan-out streams and a background response created on worker 0 (its private socket),
+    read on the public port (the kernel spreads the readers over both workers); worker 0 is killed. The
+    engine and worker 1 live on, worker 0 is started again, the readers reconnect to the same port: each
+    gets every event once and the control text; worker 1 adopted the 5 streams."""
     chats, port = 4, free_port()
     url = f"http://127.0.0.1:{port}"
-    server = spawn(["-m", "tokenfan.cli", "serve", *ENGINE_ARGS, "--workers", "2", "--broker", redis_server.url,
-                    *LEASE, *NO_CLIENT_LIMITS, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-                   "serve-adopt-workers")
+    scaleout = ("--broker", redis_server.url, *LEASE) if broker else ("--broker-lease-interval", "0.2")
+    server = spawn(["-m", "tokenfan.cli", "serve", *ENGINE_ARGS, "--workers", "2", *scaleout, *NO_CLIENT_LIMITS,
+                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], "serve-adopt-workers")
     request = {"input": "tell me about rivers", "max_output_tokens": TOKENS, "metadata": {"seed": "1"}}
     try:
         wait_healthy(url, server, 60)

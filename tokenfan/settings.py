@@ -277,7 +277,8 @@ SETTINGS: tuple[Setting, ...] = (
         "plus --broker-op-timeout", field="broker.block"),
     _gw("broker_backoff_max", FLOAT, 1.0, "Redis reconnect delays double from 50 ms up to this (jittered)",
         field="broker.backoff_max"),
-    _gw("broker_lease_interval", FLOAT, 0.5, "how often a gateway refreshes its owner lease in Redis",
+    _gw("broker_lease_interval", FLOAT, 0.5, "how often a gateway refreshes its owner lease in Redis (and, with "
+        "--workers, how often a quiet mirror asks its owner worker)",
         field="broker.lease_interval"),
     _gw("broker_lease_ttl", FLOAT, 2.0, "a lease not refreshed for this long means its gateway is gone",
         field="broker.lease_ttl"),

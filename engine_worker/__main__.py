@@ -38,6 +38,7 @@ async def run_engine(config: EngineConfig) -> None:
     backend = build_backend(config)
     await backend.start()
     server = EngineServer(backend=backend, address=config.engine_address, max_queue=config.max_queue,
+                          gateway_grace=config.gateway_grace,
                           allow_remote_tcp=config.allow_remote_engine, curve_dir=config.curve_dir,
                           stream_interval=config.stream_interval)
     try:

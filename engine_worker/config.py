@@ -50,6 +50,7 @@ class EngineConfig:
     synthetic_script: Path | None = declared("synthetic_script")
     synthetic_token_chars: int = declared("synthetic_token_chars")  # 0: natural words; N: tokens of N characters
     # engine server
+    gateway_grace: float = declared("gateway_grace")  # a silent gateway's requests are aborted after this
     max_queue: int = declared("max_queue")  # requests waiting beyond this are rejected with engine_overloaded
     allow_remote_engine: bool = declared("allow_remote_engine")
     curve_dir: Path | None = declared("curve_dir")

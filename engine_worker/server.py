@@ -39,8 +39,6 @@ from engine_worker.ipc import check_tcp_bind, prepare_ipc_dir, secure_ipc_socket
 
 log = logging.getLogger(__name__)
 
-# A gateway that has not pinged for this long is presumed dead and its requests aborted.
-GATEWAY_TIMEOUT_S = 10.0
 
 
 @dataclass(slots=True)
@@ -137,6 +135,7 @@ class EngineServer:
     backend: Backend
     address: str
     max_queue: int = 1024
+    gateway_grace: float = 10.0  # a gateway that has not pinged for this long is presumed dead: its requests aborted
     allow_remote_tcp: bool = False
     curve_dir: Path | None = None
     stream_interval: int = 1  # tokens per delta, like vLLM's --stream-interval
@@ -354,13 +353,13 @@ class EngineServer:
     async def _reap_loop(self) -> None:
         """Abort the requests of gateways that stopped pinging (crashed or cut off)."""
         while True:
-            await asyncio.sleep(GATEWAY_TIMEOUT_S / 2)
+            await asyncio.sleep(self.gateway_grace / 4)
             now = time.monotonic()
-            dead = {i for i, t in self._last_ping.items() if now - t > GATEWAY_TIMEOUT_S}
+            dead = {i for i, t in self._last_ping.items() if now - t > self.gateway_grace}
             for identity in dead:
                 del self._last_ping[identity]
                 orphans = [rid for rid, r in self._requests.items() if r.identity == identity]
                 if orphans:
                     log.warning("gateway %s silent for %.0fs: aborting %d requests",
-                                identity.hex(), GATEWAY_TIMEOUT_S, len(orphans))
+                                identity.hex(), self.gateway_grace, len(orphans))
                     self._on_abort(identity, p.Abort(request_ids=orphans))

@@ -1,6 +1,6 @@
 """``tokenfan bench failover``: the gap a client sees when an engine or a gateway dies mid-stream.
 
-Two scenarios, real processes, one run each (or both):
+Three scenarios, real processes, one run each (or all):
 
 - ``engine``: two engines behind one gateway (synthetic, or vLLM with ``--model``); N streamed chat
   completions; the engine serving about half of them is killed with SIGKILL. Every stream continues on the
@@ -9,6 +9,9 @@ Two scenarios, real processes, one run each (or both):
 - ``gateway``: two gateway replicas sharing a ``redis-server`` (``--broker``), one synthetic engine; N fan-out
   streams created on replica A, one SSE reader each on B; A is killed with SIGKILL. B adopts them. The gap:
   each reader's last event before the kill to its first after.
+- ``workers``: ``tokenfan serve --workers 2`` on a synthetic engine, no broker; N fan-out streams created on
+  worker 0, one SSE reader each on worker 1 (its private socket); worker 0 is killed with SIGKILL. Worker 1
+  adopts them from its standby mirrors. The gap as for ``gateway``.
 
 Every stream must end normally with nothing lost (checked: the number of tokens); the JSON holds each gap and
 the summary their median, p90 and max, with the hardware and the exact command.
@@ -38,7 +41,7 @@ from tokenfan_bench.servers.processes import Proc, free_port, spawn, stop_all, w
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tokenfan bench failover", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenario", choices=("engine", "gateway", "both"), default="both")
+    ap.add_argument("--scenario", choices=("engine", "gateway", "workers", "all"), default="all")
     ap.add_argument("--streams", type=int, default=16, help="concurrent streams")
     ap.add_argument("--tokens", type=int, default=120, help="max_tokens of each stream")
     ap.add_argument("--tokens-per-s", type=float, default=20.0, help="synthetic engine pace per stream")
@@ -76,16 +79,19 @@ def _gaps(arrivals: list[list[float]], killed: float) -> list[float]:
     return out
 
 
-async def _drive(streams: int, make: Any, victim: Proc) -> tuple[list[bool], list[list[float]], float]:
-    """Open the streams (``make(client, i, arrivals, started)``), SIGKILL ``victim`` once each has tokens."""
+async def _drive(streams: int, make: Any, victim: int, transport: httpx.AsyncBaseTransport | None = None
+                 ) -> tuple[list[bool], list[list[float]], float]:
+    """Open the streams (``make(client, i, arrivals, started)``), SIGKILL the process group ``victim`` once
+    each has tokens."""
     arrivals: list[list[float]] = [[] for _ in range(streams)]
     started = [asyncio.Event() for _ in range(streams)]
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=streams + 4)) as c:
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=streams + 4),
+                                 transport=transport) as c:
         jobs = asyncio.gather(*[await make(c, i, arrivals[i], started[i]) for i in range(streams)])
         for ev in started:
             await ev.wait()
         killed = time.monotonic()
-        os.killpg(victim.pid, signal.SIGKILL)  # its process group (vLLM's EngineCore too), as a container dies
+        os.killpg(victim, signal.SIGKILL)  # its process group (vLLM's EngineCore too), as a container dies
         ended = await jobs
     return list(ended), arrivals, killed
 
@@ -111,7 +117,7 @@ def _engine(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
                 "messages": [{"role": "user", "content": f"river {i}"}], "max_tokens": args.tokens,
                 "temperature": 0, "stream": True}, arrivals, started)
 
-        ended, arrivals, killed = asyncio.run(_drive(args.streams, make, engines[0]))
+        ended, arrivals, killed = asyncio.run(_drive(args.streams, make, engines[0].pid))
         metrics = httpx.get(url + "/metrics").text
     finally:
         stop_all([gateway, *engines])
@@ -146,7 +152,7 @@ def _gateway(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
                 "messages": [{"role": "user", "content": f"river {i}"}], "max_tokens": args.tokens, "seed": i})
             return _read(c, "GET", f"{urls[1]}/v1/streams/{r.json()['id']}/events", None, arrivals, started)
 
-        ended, arrivals, killed = asyncio.run(_drive(args.streams, make, gateways[0]))
+        ended, arrivals, killed = asyncio.run(_drive(args.streams, make, gateways[0].pid))
         metrics = httpx.get(urls[1] + "/metrics").text
     finally:
         stop_all([*gateways, engine])
@@ -155,6 +161,45 @@ def _gateway(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
     return {"scenario": "gateway", "backend": "synthetic", "streams": args.streams, "ended_normally": sum(ended),
             "gaps_s": _gaps(arrivals, killed),
             "adoptions": [line for line in metrics.splitlines() if line.startswith("tokenfan_adoptions_total")]}
+
+
+def _workers(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
+    from gateway.scaleout.workers import WORKER_INDEX_ENV, worker_socket
+
+    port = free_port()
+    server = spawn(["-m", "tokenfan.cli", "serve", "--engine", "synthetic", "--synthetic-tokens-per-s",
+                    str(args.tokens_per_s), "--workers", "2", "--port", str(port), "--max-generations-per-client",
+                    "0", "--max-subscriptions-per-client", "0", "--log-level", "warning"], logs / "serve-workers.log")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", [server], 60)
+        worker0 = next(pid for pid in (int(p) for p in os.listdir("/proc") if p.isdigit())
+                       if _child_with_env(pid, server.pid, f"{WORKER_INDEX_ENV}=0"))
+        owner, reader = (httpx.AsyncHTTPTransport(uds=str(worker_socket(port, k))) for k in (0, 1))
+
+        async def make(c: httpx.AsyncClient, i: int, arrivals: list[float], started: asyncio.Event) -> Any:
+            async with httpx.AsyncClient(transport=owner) as w0:
+                r = await w0.post("http://worker/v1/streams", json={
+                    "messages": [{"role": "user", "content": f"river {i}"}], "max_tokens": args.tokens, "seed": i})
+            return _read(c, "GET", f"http://worker/v1/streams/{r.json()['id']}/events", None, arrivals, started)
+
+        ended, arrivals, killed = asyncio.run(_drive(args.streams, make, worker0, reader))
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(worker_socket(port, 1)))) as c:
+            metrics = c.get("http://worker/metrics").text
+    finally:
+        stop_all([server])
+    return {"scenario": "workers", "backend": "synthetic", "streams": args.streams, "ended_normally": sum(ended),
+            "gaps_s": _gaps(arrivals, killed),
+            "adoptions": [line for line in metrics.splitlines() if line.startswith("tokenfan_adoptions_total")]}
+
+
+def _child_with_env(pid: int, parent: int, entry: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return ppid == parent and entry.encode() in f.read().split(b"\0")
+    except OSError:
+        return False
 
 
 def _summary(results: list[dict[str, Any]], command: str) -> str:
@@ -173,17 +218,19 @@ def _summary(results: list[dict[str, Any]], command: str) -> str:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    if args.scenario in ("gateway", "both") and shutil.which("redis-server") is None:
+    if args.scenario in ("gateway", "all") and shutil.which("redis-server") is None:
         print("the gateway scenario needs redis-server (make test-deps installs it)", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="tokenfan-failover-") as d:
         tmp = Path(d)
-        if args.scenario in ("engine", "both"):
+        if args.scenario in ("engine", "all"):
             results.append(_engine(args, tmp, args.out / "logs"))
-        if args.scenario in ("gateway", "both"):
+        if args.scenario in ("gateway", "all"):
             results.append(_gateway(args, tmp, args.out / "logs"))
+        if args.scenario in ("workers", "all"):
+            results.append(_workers(args, tmp, args.out / "logs"))
     command = "tokenfan bench failover " + " ".join(argv)
     (args.out / "results.json").write_text(json.dumps({"command": command, "results": results}, indent=1))
     summary = _summary(results, command)

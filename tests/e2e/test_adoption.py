@@ -486,3 +486,24 @@ def test_sigterm_with_nobody_to_hand_over_to_drains_the_streams_here(
         assert len(reader.text) > 0 and "handed" not in gw.log()
     finally:
         stop_all([engine, gw])
+
+
+def test_an_orphan_nobody_adopts_is_aborted_in_the_engine_at_the_end_of_the_grace(ipc_dir: Path) -> None:
+    """No broker, no sibling: gateway A's listed stream cannot be adopted. A killed, the engine keeps it for
+    ``--gateway-grace`` (1 s here) and then aborts it: gateway B, on the same engine, sees it run nothing."""
+    address = f"ipc://{ipc_dir / 'adopt-orphan.sock'}"
+    engine = start_engine(address, *ENGINE_ARGS, "--gateway-grace", "1", name="engine-adopt-orphan")
+    (gw_a, url_a), (gw_b, url_b) = (start_gateway(address, name=f"gateway-orphan-{k}") for k in "ab")
+    try:
+        r = httpx.post(url_a + "/v1/streams", json=body(50, max_tokens=2000))  # 100 s of tokens
+        assert r.status_code == 201, r.text
+
+        def running() -> int:
+            return int(httpx.get(url_b + "/health").json()["engine"]["running"])
+
+        wait_until(lambda: running() == 1, timeout=10, what="the engine runs A's stream")
+        os.kill(gw_a.popen.pid, signal.SIGKILL)
+        wait_until(lambda: running() == 0, timeout=10, what="the orphan aborted")
+        assert "aborting 1 requests" in engine.log()
+    finally:
+        stop_all([engine, gw_a, gw_b])

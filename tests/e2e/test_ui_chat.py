@@ -408,3 +408,36 @@ def test_tiny_model_tool_loop_runs_the_tool_and_sends_the_next_turn(browser: Bro
     second = assistant["parts"][[p["type"] for p in assistant["parts"]].index("step-start", 1) + 1:]
     assert second and all(p["type"] == "text" for p in second), second  # the model's answer after the tool
     page.context.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.browser
+def test_tiny_model_a_reload_resumes_the_answer_and_stop_aborts_it(browser: Browser, parser_gateway: str,
+                                                                    bundle: Path) -> None:
+    """On vLLM: a reload mid-answer resumes it (the text equals an uninterrupted greedy run), and Stop aborts
+    the generation in the engine (the page keeps a proper prefix of that text)."""
+    long = {**TINY, "max_tokens": 400, "ignore_eos": True}
+    question = "Tell a long story about rivers."
+    control = httpx.post(parser_gateway + "/v1/chat/completions", timeout=300, json={
+        **long, "messages": [{"role": "user", "content": question}]}).json()["choices"][0]["message"]["content"]
+    assert len(control) > 200, control
+    page = open_chat(browser, parser_gateway, bundle, "tiny-reload-chat", resume=True, settings=long)
+    send(page, question)
+    before = wait_partial(page, 10)
+    assert len(before) < len(control)
+    page.reload()
+    state = wait_settled(page)
+    assert state["status"] == "ready", state["error"]
+    assert answer(state) == control
+    page.context.close()
+
+    page = open_chat(browser, parser_gateway, bundle, "tiny-stop-chat", resume=True, settings=long)
+    send(page, question)
+    wait_partial(page, 10)
+    assert page.evaluate("window.stop()")["cancelled"] is True
+    wait_until(lambda: httpx.get(parser_gateway + "/health").json()["engine"]["running"] == 0, timeout=30,
+               what="the engine runs nothing")
+    state = wait_settled(page)
+    assert state["status"] == "ready" and state["error"] is None
+    assert control.startswith(answer(state)) and answer(state) != control
+    page.context.close()

@@ -144,3 +144,23 @@ def test_a_lagging_reader_gets_text_deltas_of_one_part_merged_and_nothing_else()
                                            {"type": "text-delta", "id": "t", "delta": "ab"},
                                            {"type": "text-end", "id": "t"}]
     assert merged[1].seq == 2
+
+
+@pytest.mark.parametrize("cut", range(1, 9))
+def test_a_renderer_rebuilt_from_the_log_continues_the_answer_as_if_uninterrupted(cut: int) -> None:
+    """Adoption (gateway.api.adoption): the parts written so far fold back into a renderer whose parts for the
+    rest, appended, equal an uninterrupted run's (the same message id, part ids, open text part)."""
+    chunks = [delta(chunk={"choices": [{"index": 0, "delta": d}]}) for d in (
+        {"reasoning": "Think"}, {"reasoning": "ing."}, {"content": "Hel"}, {"content": "lo"},
+        {"reasoning": " more"}, {"content": " there"}, {"content": "."})]
+    steps = [*chunks, delta(finish="stop", chunk={"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})]
+
+    def run(r: UiMessageRenderer, ds: list[p.Delta]) -> list[dict[str, Any]]:
+        return parts([e for d in ds for e in r.step(d)])
+
+    whole = UiMessageRenderer("msg-1", openai=True)
+    control = parts(whole.opening()) + run(whole, steps)
+    first = UiMessageRenderer("msg-1", openai=True)
+    before = parts(first.opening()) + run(first, steps[:cut])
+    rest = run(UiMessageRenderer.from_log(before, openai=True), steps[cut:])
+    assert before + rest == control

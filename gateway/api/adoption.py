@@ -9,9 +9,9 @@ mirror's :class:`~gateway.core.streams.Stream` becomes a local one: the same id,
 log, the same Redis key (under a new header naming this gateway), its readers reading on without a gap.
 
 What is adopted: streams of the plain path whose API can render the rest from the log: fan-out chat and
-completions streams, and background responses (their event builder folded back from the log). Not adopted
-(``owner_lost``, as before): requests served by vLLM's OpenAI layer (their parsers' state is not in the log),
-and ``/api/chat`` streams (the UI message renderer is not rebuilt from a log yet).
+completions streams, background responses (their event builder folded back from the log) and ``/api/chat``
+answers (the UI message renderer's open part and part ids). Not adopted (``owner_lost``, as before): requests
+served by vLLM's OpenAI layer (their parsers' state is not in the log).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from gateway.api.openai.request import ChunkBuilder
 from gateway.api.responses.events import ResponseEvents
 from gateway.api.responses.render import ResponseRenderer
 from gateway.api.responses.routes import ENDPOINT as RESPONSES
+from gateway.api.ui_chat.render import UiMessageRenderer
+from gateway.api.ui_chat.routes import ENDPOINT as UI_CHAT
 from gateway.core.delivery import pump
 from gateway.core.generation import Generation, Renderer
 from gateway.errors import APIError, EngineError
@@ -58,9 +60,15 @@ def chat_renderer(stream: Stream, options: dict[str, Any]) -> Renderer:
     return ChatRenderer(builder, started=bool(stream.events))
 
 
+def ui_chat_renderer(stream: Stream, options: dict[str, Any]) -> Renderer:
+    """The rest of a ``/api/chat`` answer: the same message id, its part ids continuing."""
+    return UiMessageRenderer.from_log((e.payload for e in stream.events), bool(options.get("openai")))
+
+
 # endpoint -> the renderer of the rest of an adopted stream (its API's)
 RENDERERS: dict[str, Callable[[Stream, dict[str, Any]], Renderer]] = {
-    "chat.completions": chat_renderer, "completions": chat_renderer, RESPONSES: responses_renderer}
+    "chat.completions": chat_renderer, "completions": chat_renderer, RESPONSES: responses_renderer,
+    UI_CHAT: ui_chat_renderer}
 
 
 class Adopter:

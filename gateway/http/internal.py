@@ -54,9 +54,11 @@ async def internal_transcript(request: Request) -> Response:
     """A retained response's transcript (msgpack), for a peer resolving ``previous_response_id``."""
     if not _over_unix_socket(request):
         raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
-    transcript = retained_transcript(gateway_of(request).hub, request.path_params["id"])
-    if transcript is None:
-        return Response(status_code=404)
+    gw: Gateway = gateway_of(request)
+    transcript = retained_transcript(gw.hub, request.path_params["id"])
+    if transcript is None:  # or what this worker keeps for its peers (e.g. which stream answers a ui chat)
+        kept = gw.peers.kept(request.path_params["id"]) if gw.peers is not None else None
+        return Response(kept, media_type="application/octet-stream") if kept else Response(status_code=404)
     return Response(encode_transcript(transcript), media_type="application/msgpack")
 
 

@@ -242,11 +242,12 @@ class Peers(RemoteStreamsByMirror):
 
     def __init__(self, hub: StreamHub, *, port: int, workers: int, me: int, idle_timeout: float,
                  recheck: float) -> None:
-        self.port, self.me = port, me
+        self.hub, self.port, self.me = hub, port, me
         self.paths = {k: worker_socket(port, k) for k in range(workers) if k != me}
         self.mirrors = MirrorSet(hub, PeerLink(self.paths, poll=recheck), idle_timeout=idle_timeout, recheck=recheck,
                                  lease_check=recheck)
         self._standby_tasks: set[asyncio.Task[None]] = set()
+        self._kept: dict[str, tuple[bytes, float]] = {}  # put_transcript: key -> (value, monotonic expiry)
 
     # -- Publisher: a standby mirror of each listed stream on the next worker ----------------------------
 
@@ -282,7 +283,19 @@ class Peers(RemoteStreamsByMirror):
         pass
 
     def put_transcript(self, response_id: str, data: bytes, ttl: float) -> None:
-        pass  # peers ask for a transcript over this worker's socket
+        """Kept here for ``ttl`` s, unless it belongs to a stream the hub retains (a stored response's
+        transcript is served from there); peers ask for it over this worker's socket (:meth:`kept`)."""
+        if response_id in self.hub.streams:
+            return
+        now = time.monotonic()
+        for key in [k for k, (_, until) in self._kept.items() if until <= now]:
+            del self._kept[key]
+        self._kept[response_id] = (data, now + ttl)
+
+    def kept(self, key: str) -> bytes | None:
+        """What :meth:`put_transcript` keeps under ``key`` (an empty value counts as none), if not expired."""
+        data, until = self._kept.get(key, (b"", 0.0))
+        return data if data and until > time.monotonic() else None
 
     # -- adoption among the workers ---------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from tests.procs import (
     spawn,
     start_engine,
     start_gateway,
+    stop_all,
     wait_healthy,
 )
 from tests.system import require
@@ -308,8 +309,11 @@ def test_an_engine_failure_mid_answer_is_the_sdks_error_state(
 
 
 @pytest.mark.browser
+@pytest.mark.parametrize("killed", [False, True], ids=["alive", "killed"])
 def test_a_reload_resumes_on_another_replica_through_redis(
-        browser: Browser, bundle: Path, ipc_dir: Path, tmp_path: Path) -> None:
+        browser: Browser, bundle: Path, ipc_dir: Path, tmp_path: Path, killed: bool) -> None:
+    """The page on replica A is closed mid-answer and opened on B, which resumes the answer; ``killed``: A is
+    killed with SIGKILL first, B adopts the answer and continues it (docs/failures.md)."""
     require("redis-server")
     redis_port = free_port()
     redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
@@ -318,7 +322,8 @@ def test_a_reload_resumes_on_another_replica_through_redis(
     engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "40", name="ui-chat-engine")
     procs: list[Proc] = [engine]
     try:
-        broker = ("--broker", f"redis://127.0.0.1:{redis_port}/0")
+        broker = ("--broker", f"redis://127.0.0.1:{redis_port}/0", "--broker-lease-interval", "0.2",
+                  "--broker-lease-ttl", "0.8")
         a, url_a = start_gateway(address, *broker, name="ui-chat-replica-a")
         b, url_b = start_gateway(address, *broker, name="ui-chat-replica-b")
         procs += [a, b]
@@ -329,17 +334,19 @@ def test_a_reload_resumes_on_another_replica_through_redis(
         send(page, question)
         wait_partial(page, 40)
         page.context.close()  # the page is gone; the answer runs on in replica A
+        if killed:
+            a.signal_group(signal.SIGKILL)  # and A is gone too: B adopts the answer
         page = open_chat(browser, url_b, bundle, "replica-chat", resume=True, settings=settings)  # and B resumes it
         state = wait_settled(page)
         assert state["status"] == "ready", state["error"]
         assert answer(state) == control
         assert metric(url_b, "tokenfan_requests_total", {"endpoint": "/api/chat/{id}/stream", "status": "200"}) == 1
+        assert metric(url_b, "tokenfan_adoptions_total", {"outcome": "adopted"}) == killed
         wait_until(lambda: httpx.get(url_b + "/api/chat/replica-chat/stream").status_code == 204, timeout=10,
                    what="replica B learns the answer ended")
         page.context.close()
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        stop_all(procs)
         redis.kill()
         redis.wait()
 

@@ -100,3 +100,38 @@ def test_previous_response_id_resolves_on_either_worker(two_workers: tuple[Proc,
                        json={"input": "two", "previous_response_id": first["id"], "max_output_tokens": 2})
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+
+
+def test_a_ui_chat_answer_running_on_one_worker_resumes_on_the_other(two_workers: tuple[Proc, str]) -> None:
+    """``POST /api/chat`` on worker 0, ``GET /api/chat/{id}/stream`` (useChat's resume) on worker 1: the same
+    parts, from the first, to the end."""
+    from gateway.scaleout.workers import worker_socket
+
+    _, url = two_workers
+    port = int(url.rsplit(":", 1)[1])
+    clients = [httpx.Client(transport=httpx.HTTPTransport(uds=str(worker_socket(port, k))), timeout=30)
+               for k in (0, 1)]
+    body = {"id": "workers-chat", "max_tokens": 60, "messages": [
+        {"id": "u1", "role": "user", "parts": [{"type": "text", "text": "hello"}]}]}
+
+    def parts(lines: Iterator[str]) -> list[dict]:
+        out = []
+        for line in lines:
+            if line.startswith("data: {"):
+                out.append(json.loads(line[6:]))
+        return out
+
+    try:
+        with clients[0].stream("POST", "http://w/api/chat", json=body) as posted:
+            assert posted.status_code == 200
+            lines = posted.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            with clients[1].stream("GET", "http://w/api/chat/workers-chat/stream") as resumed:
+                assert resumed.status_code == 200, resumed.read()
+                other = parts(resumed.iter_lines())
+            own = [json.loads(first[6:]), *parts(lines)]
+        assert other == own and own[-1]["type"] == "finish"
+        assert "".join(p.get("delta", "") for p in own if p["type"] == "text-delta")
+    finally:
+        for c in clients:
+            c.close()

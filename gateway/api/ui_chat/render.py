@@ -18,6 +18,7 @@ from a byte template per part (:class:`DeltaTemplate`): only the text is spliced
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -70,6 +71,25 @@ class UiMessageRenderer:
         self.finish_reason: str | None = None  # the chunks' own (``tool_calls`` where the delta says ``stop``)
         self.done = False
         self.held = 0  # tokens of steps that added no part, counted with the next one
+
+    @classmethod
+    def from_log(cls, payloads: Iterable[dict[str, Any]], openai: bool) -> UiMessageRenderer:
+        """The renderer of the rest of an answer whose parts so far are ``payloads`` (a stream adopted from
+        its log: :mod:`gateway.api.adoption`): the same message id, part ids continuing, the open part open."""
+        r = cls("", openai)
+        for part in payloads:
+            kind = part.get("type", "")
+            if kind == "start":
+                r.message_id = part.get("messageId", "")
+            elif kind in ("text-start", "reasoning-start"):
+                r.open = kind.removesuffix("-start")  # type: ignore[assignment]
+                r.template = DeltaTemplate(r.open, part["id"])  # type: ignore[arg-type]
+                r.parts += 1
+            elif kind in ("text-end", "reasoning-end"):
+                r.open = r.template = None
+            elif kind in ("finish", "error", "abort"):
+                r.done = True
+        return r
 
     def opening(self) -> list[ChunkEvent]:
         now = p.now_ns()

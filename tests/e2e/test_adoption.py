@@ -320,8 +320,7 @@ def test_two_replicas_racing_to_adopt_exactly_one_continues_each_stream(
             return readers
 
         readers = asyncio.run(scenario())
-        check(readers, {i: httpx.post(url_y + "/v1/chat/completions", json=body(10 + i), timeout=30).json()
-                    ["choices"][0]["message"]["content"] for i in range(n)})
+        check(readers, control(url_y, [body(10 + i) for i in range(n)]))
         adopted = [metric(u, "tokenfan_adoptions_total", {"outcome": "adopted"}) for u in (url_y, url_z)]
         elsewhere = [metric(u, "tokenfan_adoptions_total", {"outcome": "elsewhere"}) for u in (url_y, url_z)]
         assert sum(adopted) == n and sum(elsewhere) <= n, (adopted, elsewhere)
@@ -363,13 +362,7 @@ def test_sigterm_hands_the_streams_over_and_exits_at_once(ipc_dir: Path, redis_s
         readers = asyncio.run(scenario())
         assert exit_s[0] < 2.0, exit_s
 
-        async def controls() -> list[str]:
-            async with httpx.AsyncClient(timeout=60) as c:
-                rs = await asyncio.gather(*(c.post(url_b + "/v1/chat/completions",
-                                                   json={**body(20 + i), "max_tokens": tokens}) for i in range(n)))
-            return [r.json()["choices"][0]["message"]["content"] for r in rs]
-
-        check(readers, asyncio.run(controls()))
+        check(readers, control(url_b, [{**body(20 + i), "max_tokens": tokens} for i in range(n)]))
         assert metric(url_b, "tokenfan_adoptions_total", {"outcome": "adopted"}) == n
         assert "handed 3 listed streams over" in gw_a.log()
     finally:

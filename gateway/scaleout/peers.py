@@ -173,8 +173,9 @@ class PeerLink:
     async def _records(self, stream_id: str, k: int, resp: PeerResponse | None) -> AsyncGenerator[Item, None]:
         """The owner's records; a connection that ends without the end is resumed after the last event got,
         on the owner or, once it no longer serves the stream (gone, restarted), on whichever peer does (the
-        one that adopted it: its header comes first). Meanwhile :class:`Quiet`, so the mirror asks the lease."""
-        last = -1
+        one that adopted it: its header comes first). Meanwhile :class:`Quiet`, so the mirror asks the lease.
+        Ends (without the end) if the owner is alive and no longer has the stream."""
+        last, owner = -1, ""
         try:
             while True:
                 if resp is not None:
@@ -186,7 +187,10 @@ class PeerLink:
                         for ev in decoder.feed(data):
                             if ev.id is not None:
                                 last = int(ev.id)
-                            yield codec.decode_line(ev.data)
+                            item = codec.decode_line(ev.data)
+                            if isinstance(item, codec.Header):
+                                owner = item.owner
+                            yield item
                     resp.close()
                 resp = None
                 for j in (k, *(j for j in self.peers if j != k)):
@@ -197,6 +201,8 @@ class PeerLink:
                             break
                         answer.close()
                 if resp is None:
+                    if (await self.lease(owner)).state == "held":
+                        return  # its owner lives and dropped it: nothing will come
                     yield Quiet()
                     await asyncio.sleep(self.poll)
         finally:

@@ -90,13 +90,14 @@ class Gateway:
         """Generations this gateway is still waiting on the engine for."""
         return sum(c.in_flight for c in self.engine.clients)
 
-    def end_all_streams(self) -> None:
-        """Shutdown deadline: fail every in-flight generation with an explicit error."""
+    def end_all_streams(self) -> int:
+        """Shutdown deadline: fail every in-flight generation with an explicit error; how many there were."""
         err = APIError(503, "The server is shutting down; retry on another instance.", type="server_error",
                        code="server_shutdown", retry_after=1.0)
         n = self.engine.fail_all(err)
         if n:
             log.warning("shutdown grace period over: ended %d in-flight generations with server_shutdown", n)
+        return n
 
     @property
     def model_id(self) -> str | None:

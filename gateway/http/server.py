@@ -68,8 +68,8 @@ async def drain(app: Any, grace: float) -> None:
     deadline = loop.time() + grace
     while gw.in_flight() and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    gw.end_all_streams()
-    await asyncio.sleep(0.2)  # let the error events reach the clients
+    if gw.end_all_streams():
+        await asyncio.sleep(0.2)  # let the error events reach the clients
 
 
 async def hand_over(gw: Any) -> None:

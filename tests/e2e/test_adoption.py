@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,8 +286,9 @@ def test_ten_listed_streams_of_a_killed_replica_are_adopted_and_fifty_readers_ge
         readers, seen = asyncio.run(scenario())
         assert len(readers) + len(seen) == 50
         check(readers, control(url_b, chat_bodies))
-        check_responses(seen, {i: httpx.post(url_b + "/v1/responses", json=b, timeout=60).json()
-                               for i, b in enumerate(response_bodies)})
+        with ThreadPoolExecutor(len(response_bodies)) as pool:  # all at once
+            done = [pool.submit(httpx.post, url_b + "/v1/responses", json=b, timeout=60) for b in response_bodies]
+            check_responses(seen, {i: d.result().json() for i, d in enumerate(done)})
         assert sum(r.reconnects for name, r in readers.items() if "sse-a" in name) >= chats
         assert sum(r.reconnects for name, r in readers.items() if "browser" in name) >= 1  # some were on A
         assert metric(url_b, "tokenfan_adoptions_total", {"outcome": "adopted"}) == chats + responses

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -266,13 +267,16 @@ def control(url: str) -> dict[str, Answer]:
         return Answer(choice["message"]["content"] if "message" in choice else choice["text"],
                       choice["finish_reason"], usage_of(obj["usage"]))
 
-    chat = {name: post("/v1/chat/completions", chat_body(i)) for name, i in (
-        ("chat-sse", 1), ("chat-sse-2", 3), ("chat-full", 4), ("ws-chat", 6), ("fanout", 8))}
-    completions = {name: post("/v1/completions", completions_body(i)) for name, i in (
-        ("completions-sse", 2), ("completions-full", 5), ("ws-completions", 7))}
-    responses = {name: post("/v1/responses", responses_body(i)) for name, i in (
-        ("responses-sse", 9), ("responses-ws", 10), ("responses-bg", 11))}
-    return {**chat, **completions, **responses}
+    requests = {
+        **{name: ("/v1/chat/completions", chat_body(i)) for name, i in (
+            ("chat-sse", 1), ("chat-sse-2", 3), ("chat-full", 4), ("ws-chat", 6), ("fanout", 8))},
+        **{name: ("/v1/completions", completions_body(i)) for name, i in (
+            ("completions-sse", 2), ("completions-full", 5), ("ws-completions", 7))},
+        **{name: ("/v1/responses", responses_body(i)) for name, i in (
+            ("responses-sse", 9), ("responses-ws", 10), ("responses-bg", 11))}}
+    with ThreadPoolExecutor(len(requests)) as pool:  # all at once: each takes a stream's time
+        answers = {name: pool.submit(post, *req) for name, req in requests.items()}
+        return {name: a.result() for name, a in answers.items()}
 
 
 def check(answers: dict[str, Answer], expected: dict[str, Answer]) -> None:

@@ -111,7 +111,7 @@ def wait_healthy(url: str, procs: Proc | Sequence[Proc], timeout: float) -> None
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.1)
+        time.sleep(0.03)
     raise TimeoutError(f"{url} not healthy after {timeout:g}s ({watched[-1].log_path}):\n{watched[-1].log()[-4000:]}")
 
 

@@ -248,3 +248,10 @@ def test_a_subscriber_cancelled_while_its_mirror_catches_up_ends_cancelled_at_an
         assert outcomes[-1] == (False, False)  # the sweep reaches past the catch-up
 
     asyncio.run(main())
+
+
+def test_a_lease_certainly_gone_is_owner_lost_at_the_first_check() -> None:
+    """A worker's socket that refuses (or answers with another pid) cannot come back as a Redis key can."""
+    idle = Idle(timeout=10.0, recheck=0.5, now=0.0)
+    lost = idle.check(10.0, Lease("missing", certain=True), "s")
+    assert lost is not None and lost.code == "owner_lost"

@@ -172,6 +172,8 @@ def _workers(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
                     "0", "--max-subscriptions-per-client", "0", "--log-level", "warning"], logs / "serve-workers.log")
     try:
         wait_healthy(f"http://127.0.0.1:{port}", [server], 60)
+        while httpx.get(f"http://127.0.0.1:{port}/health").json()["workers"]["ready"] < 2:  # both, not the first
+            time.sleep(0.05)
         worker0 = next(pid for pid in (int(p) for p in os.listdir("/proc") if p.isdigit())
                        if _child_with_env(pid, server.pid, f"{WORKER_INDEX_ENV}=0"))
         owner, reader = (httpx.AsyncHTTPTransport(uds=str(worker_socket(port, k))) for k in (0, 1))

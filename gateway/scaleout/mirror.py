@@ -68,10 +68,12 @@ Adopt = Callable[[Stream, codec.Header], Awaitable[Adoption]]
 @dataclass(frozen=True, slots=True)
 class Lease:
     """An owner's lease as its link sees it: ``held`` (for ``remaining`` s; None: no expiry), ``missing``,
-    or ``unknown`` (the link could not ask)."""
+    or ``unknown`` (the link could not ask). ``certain``: a missing lease that cannot come back (a worker's
+    socket that refuses, or answers with another pid), unlike a key a restarted Redis lost."""
 
     state: Literal["held", "missing", "unknown"]
     remaining: float | None = None
+    certain: bool = False
 
 
 class Claims(Protocol):
@@ -155,12 +157,12 @@ class Idle:
                         type="server_error", code="broker_unavailable", retry_after=1.0)
 
     def check(self, now: float, lease: Lease, stream_id: str) -> APIError | None:
-        """The lease asked when :meth:`due`: ``owner_lost`` when it is missing the second time in a row,
-        else None and the time of the next check (held: just after it would expire unless refreshed,
+        """The lease asked when :meth:`due`: ``owner_lost`` when it is missing the second time in a row (the
+        first, if it is certainly gone), else None and the time of the next check (held: just after it would expire unless refreshed,
         so a quiet mirror costs one question per lease period)."""
         if lease.state == "missing":
             self.misses += 1
-            if self.misses >= 2:
+            if self.misses >= 2 or lease.certain:
                 return owner_lost(stream_id, f"no record for {self.lease_check:g}s and its owner's lease expired")
             self.deadline = now + self.recheck + 0.25
             return None

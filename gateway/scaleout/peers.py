@@ -219,11 +219,15 @@ class PeerLink:
             async with asyncio.timeout(self.poll * 4):
                 resp = await request(path, "GET", "/internal/ready")
                 body = orjson.loads(await resp.body()) if resp.status == 200 else {}
-        except (OSError, ValueError):
+        except OSError:
+            return Lease("missing", certain=True)  # nobody listens on its socket: that process is gone
+        except ValueError:
             return Lease("missing")
         except TimeoutError:
             return Lease("unknown")  # alive but busy: asked again
-        return Lease("held" if pid is None or body.get("pid") == pid else "missing")
+        if pid is None or body.get("pid") == pid:
+            return Lease("held")
+        return Lease("missing", certain=True)  # another process (restarted) serves that index
 
     async def cancel(self, stream_id: str, owner: str) -> bool:
         index, _ = _owner(owner)

@@ -402,6 +402,8 @@ def test_the_owning_worker_of_a_workers_server_is_killed_and_its_streams_go_on(
     request = {"input": "tell me about rivers", "max_output_tokens": TOKENS, "metadata": {"seed": "1"}}
     try:
         wait_healthy(url, server, 60)
+        wait_until(lambda: httpx.get(url + "/health").json()["workers"]["ready"] == 2, timeout=60,
+                   what="both workers serving")
         engine_pid, worker0 = server_children(server)
         owner = httpx.AsyncHTTPTransport(uds=str(worker_socket(port, 0)))
 

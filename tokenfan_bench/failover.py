@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from tokenfan_bench.servers.processes import Proc, free_port, spawn, stop_all, wait_healthy
+from tokenfan_bench.servers.processes import Proc, children, free_port, spawn, stop_all, wait_healthy
 
 
 def parser() -> argparse.ArgumentParser:
@@ -174,8 +174,7 @@ def _workers(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
         wait_healthy(f"http://127.0.0.1:{port}", [server], 60)
         while httpx.get(f"http://127.0.0.1:{port}/health").json()["workers"]["ready"] < 2:  # both, not the first
             time.sleep(0.05)
-        worker0 = next(pid for pid in (int(p) for p in os.listdir("/proc") if p.isdigit())
-                       if _child_with_env(pid, server.pid, f"{WORKER_INDEX_ENV}=0"))
+        worker0 = next(c.pid for c in children(server.pid) if c.has_env(WORKER_INDEX_ENV, "0"))
         owner, reader = (httpx.AsyncHTTPTransport(uds=str(worker_socket(port, k))) for k in (0, 1))
 
         async def make(c: httpx.AsyncClient, i: int, arrivals: list[float], started: asyncio.Event) -> Any:
@@ -192,16 +191,6 @@ def _workers(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
     return {"scenario": "workers", "backend": "synthetic", "streams": args.streams, "ended_normally": sum(ended),
             "gaps_s": _gaps(arrivals, killed),
             "adoptions": [line for line in metrics.splitlines() if line.startswith("tokenfan_adoptions_total")]}
-
-
-def _child_with_env(pid: int, parent: int, entry: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return ppid == parent and entry.encode() in f.read().split(b"\0")
-    except OSError:
-        return False
 
 
 def _summary(results: list[dict[str, Any]], command: str) -> str:

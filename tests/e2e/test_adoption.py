@@ -28,7 +28,7 @@ from tests.e2e.helpers import metric, wait_until
 from tests.e2e.test_broker import RedisServer, redis_server  # noqa: F401  (the fixture)
 from tests.procs import NO_CLIENT_LIMITS, Proc, spawn, start_engine, start_gateway, stop_all, wait_healthy
 from tests.system import require
-from tokenfan_bench.servers.processes import free_port
+from tokenfan_bench.servers.processes import children, engine_child, free_port
 
 ENGINE_ARGS = ("--engine", "synthetic", "--synthetic-tokens-per-s", "20", "--synthetic-ttft-ms", "5")
 TOKENS = 60  # 3 s per stream: the kill lands mid-stream
@@ -372,18 +372,9 @@ def test_sigterm_hands_the_streams_over_and_exits_at_once(ipc_dir: Path, redis_s
 
 
 def _worker_pid(server: Proc, index: int) -> int:
-    """The pid of gateway worker ``index`` of a ``--workers`` server (a child with its index in its environment)."""
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if ppid == server.popen.pid and f"{WORKER_INDEX_ENV}={index}".encode() in env:
-            return pid
-    raise AssertionError(f"no worker {index} under {server.popen.pid}")
+    """The pid of gateway worker ``index`` of a ``--workers`` server."""
+    (pid,) = [c.pid for c in children(server.popen.pid) if c.has_env(WORKER_INDEX_ENV, str(index))]
+    return pid
 
 
 @pytest.mark.parametrize("broker", [False, True], ids=["peers", "broker"])
@@ -446,19 +437,7 @@ def test_the_owning_worker_of_a_workers_server_is_killed_and_its_streams_go_on(
 
 def server_children(server: Proc) -> tuple[int, int]:
     """(the engine's pid, worker 0's pid) under a ``tokenfan serve --workers`` process."""
-    engines = []
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-        except OSError:
-            continue
-        if ppid == server.popen.pid and b"engine_worker" in cmd:
-            engines.append(pid)
-    assert len(engines) == 1, engines
-    return engines[0], _worker_pid(server, 0)
+    return engine_child(server.popen.pid), _worker_pid(server, 0)
 
 
 def test_sigterm_with_nobody_to_hand_over_to_drains_the_streams_here(

@@ -24,7 +24,7 @@ import websockets
 
 from tests.e2e.helpers import sse_events, wait_until
 from tests.procs import spawn, start_engine, start_gateway
-from tokenfan_bench.servers.processes import Proc, free_port, wait_healthy
+from tokenfan_bench.servers.processes import Proc, engine_child, free_port, wait_healthy
 
 PER_TRANSPORT = 10
 LIMIT = 2 * PER_TRANSPORT  # --max-concurrent: exactly the in-flight clients
@@ -140,8 +140,7 @@ def test_serve_engine_killed_and_restarted_by_the_supervisor_fails_every_client_
         old_id = engine_status(url)["engine_id"]
 
         def kill() -> None:
-            children = Path(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children").read_text().split()
-            os.kill(int(children[0]), signal.SIGKILL)
+            os.kill(engine_child(proc.popen.pid), signal.SIGKILL)
 
         told = asyncio.run(clients_see_the_restart(url, kill))
         check_recovered(url, old_id, told)

@@ -15,7 +15,7 @@ import websockets
 
 from tests.e2e.helpers import sse_events, wait_until
 from tests.procs import spawn
-from tokenfan_bench.servers.processes import free_port, wait_healthy
+from tokenfan_bench.servers.processes import Proc, engine_child, free_port, wait_healthy
 
 
 @pytest.fixture()
@@ -30,10 +30,8 @@ def serve(ipc_dir):  # type: ignore[no-untyped-def]
     proc.stop()
 
 
-def engine_pid(proc) -> int:  # type: ignore[no-untyped-def]
-    children = Path(f"/proc/{proc.popen.pid}/task/{proc.popen.pid}/children").read_text().split()
-    assert children, "serve should have an engine child process"
-    return int(children[0])
+def engine_pid(proc: Proc) -> int:
+    return engine_child(proc.popen.pid)
 
 
 def test_sigterm_stops_gateway_and_engine(serve) -> None:  # type: ignore[no-untyped-def]

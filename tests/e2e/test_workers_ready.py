@@ -16,7 +16,7 @@ import pytest
 from gateway.scaleout.workers import worker_socket
 from tests.e2e.helpers import wait_until
 from tests.procs import spawn, start_engine
-from tokenfan_bench.servers.processes import Proc, free_port
+from tokenfan_bench.servers.processes import Proc, engine_child, free_port
 
 REQUESTS = 24
 
@@ -110,28 +110,10 @@ def test_after_the_engine_restarts_health_is_200_only_when_both_workers_can_serv
     try:
         _first_200(url, proc)
         assert _every_request_succeeds(url) == [200] * REQUESTS
-        os.kill(_engine_pid(proc), signal.SIGKILL)  # the supervisor restarts it; both workers' links drop
+        os.kill(engine_child(proc.popen.pid), signal.SIGKILL)  # the supervisor restarts it; both workers' links drop
         time.sleep(0.5)
         _first_200(url, proc)
         statuses = _every_request_succeeds(url)
         assert statuses == [200] * REQUESTS, statuses
     finally:
         proc.stop()
-
-
-def _engine_pid(proc: Proc) -> int:
-    """The engine child of ``tokenfan serve`` (worker 0 supervises it)."""
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_engine_of(int(p), proc.popen.pid)]
-    assert len(pids) == 1, pids
-    return pids[0]
-
-
-def _is_engine_of(pid: int, parent: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().split(b"\0")
-    except OSError:
-        return False
-    return ppid == parent and b"engine_worker" in cmd

@@ -86,6 +86,42 @@ def spawn(args: Sequence[str], log_path: Path, *, env: dict[str, str] | None = N
     return Proc(popen, log_path)
 
 
+@dataclass(frozen=True)
+class Child:
+    """A live child process (Linux ``/proc``): its pid, argv and environment."""
+
+    pid: int
+    argv: list[bytes]
+    environ: list[bytes]
+
+    def has_env(self, name: str, value: str) -> bool:
+        return f"{name}={value}".encode() in self.environ
+
+
+def children(parent: int) -> list[Child]:
+    """The live child processes of ``parent``, in pid order (what ``tokenfan serve`` runs: its engine, its workers)."""
+    out = []
+    for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != parent:
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        out.append(Child(pid, argv, environ))
+    return out
+
+
+def engine_child(parent: int) -> int:
+    """The pid of the one engine worker ``parent`` (``tokenfan serve``) runs."""
+    (pid,) = [c.pid for c in children(parent) if b"engine_worker" in c.argv]
+    return pid
+
+
 def stop_all(procs: Iterable[Proc], timeout: float = 20.0) -> None:
     """SIGTERM every process at once, then wait for each: they shut down side by side, not one after another."""
     procs = list(procs)

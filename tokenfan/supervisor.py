@@ -6,7 +6,8 @@
   engine (``serve``) and the N gateway workers as siblings, so the death of any worker stops neither the
   engine nor the other workers (the engine has no gateway for a parent). A killed worker is started again
   with the same index; its listed streams are adopted by a sibling meanwhile (``--broker``, docs/failures.md).
-  SIGTERM/SIGINT stops the workers first (each drains, ``--shutdown-grace``), then the engine.
+  SIGTERM/SIGINT stops the workers first (each drains, ``--shutdown-grace``), then the engine. A worker whose
+  first start fails at once (the port is taken, a bad setting) is not restarted: the server stops, with its code.
 
 Every child gets its own session (a terminal's Ctrl-C reaches only this process, which then stops the
 children in order) and, on Linux, a parent-death signal, so a killed supervisor never leaves an orphaned
@@ -23,13 +24,15 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
 
 log = logging.getLogger(__name__)
+
+FAILED_START_S = 10.0  # a worker that exits with an error this soon after its first start is not restarted
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec
@@ -43,8 +46,12 @@ class ChildSupervisor:
     """Start, watch and restart (with exponential backoff) one child process: ``python <argv>``."""
 
     def __init__(self, argv: list[str], *, name: str = "engine worker", env: dict[str, str] | None = None,
-                 backoff_initial: float = 1.0, backoff_max: float = 30.0, stop_timeout: float = 15.0) -> None:
+                 backoff_initial: float = 1.0, backoff_max: float = 30.0, stop_timeout: float = 15.0,
+                 on_failed_start: Callable[[int], None] | None = None) -> None:
         self.argv, self.name, self.env = argv, name, env
+        # called (and no restart) if the first start exits with an error within FAILED_START_S: a setting or
+        # the port is wrong, and restarting would only repeat it
+        self.on_failed_start = on_failed_start
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.stop_timeout = stop_timeout
@@ -66,6 +73,11 @@ class ChildSupervisor:
             assert self.proc is not None
             code = await self.proc.wait()
             if self._stopping:
+                return
+            if (self.on_failed_start is not None and self.restarts == 0 and code > 0
+                    and time.monotonic() - started < FAILED_START_S):
+                log.error("%s exited with %s right after its start: not restarting it", self.name, code)
+                self.on_failed_start(code)
                 return
             if time.monotonic() - started > 60:
                 backoff = self.backoff_initial  # it ran fine for a while: start the backoff over
@@ -121,12 +133,19 @@ def run_workers(config: GatewayConfig, engine_argv: list[str] | None) -> int:
 
     argv = ["-m", "tokenfan.cli", "gateway", *to_argv(config, "gateway")]
     stop_timeout = config.shutdown_grace + 5.0
+    stop = asyncio.Event()
+    failed: list[int] = []
+
+    def failed_start(code: int) -> None:  # e.g. the port is taken: stop everything, exit with its code
+        failed.append(code)
+        stop.set()
+
     workers = [ChildSupervisor(argv, name=f"gateway worker {k}", env={**os.environ, WORKER_INDEX_ENV: str(k)},
-                               backoff_initial=0.5, stop_timeout=stop_timeout) for k in range(config.workers)]
+                               backoff_initial=0.5, stop_timeout=stop_timeout, on_failed_start=failed_start)
+               for k in range(config.workers)]
     engine = engine_supervisor(engine_argv) if engine_argv is not None else None
 
     async def main() -> None:
-        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
@@ -145,4 +164,4 @@ def run_workers(config: GatewayConfig, engine_argv: list[str] | None) -> int:
             await engine.stop()
 
     asyncio.run(main())
-    return 0
+    return failed[0] if failed else 0

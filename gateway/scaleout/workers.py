@@ -83,7 +83,10 @@ def bind_sockets(config: GatewayConfig) -> list[Any]:
     public = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
     public.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     public.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    public.bind((config.host, config.port))
+    try:
+        public.bind((config.host, config.port))
+    except OSError as exc:
+        raise SystemExit(f"tokenfan: cannot listen on {config.host}:{config.port}: {exc.strerror}") from None
     path = worker_socket(config.port, worker_index())
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)

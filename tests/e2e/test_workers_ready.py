@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -117,3 +118,14 @@ def test_after_the_engine_restarts_health_is_200_only_when_both_workers_can_serv
         assert statuses == [200] * REQUESTS, statuses
     finally:
         proc.stop()
+
+
+def test_a_workers_server_whose_port_is_taken_exits_with_an_error_instead_of_restarting() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _serve(port, "serve-workers-port-taken")
+        code = proc.wait(60)
+    assert code == 1, proc.log()[-3000:]
+    assert "cannot listen on 127.0.0.1" in proc.log() and "restarting in" not in proc.log()

@@ -17,13 +17,16 @@ headless Chromium against:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
+import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -44,6 +47,10 @@ from tests.procs import (
     wait_healthy,
 )
 from tests.system import require
+from tokenfan_bench.servers.processes import children, engine_child
+
+if TYPE_CHECKING:
+    from tests.conftest import VllmBoot
 
 UI_NODE_DIR = NODE_DIR / "ui_chat"
 PAGE_PATH = "/ui-chat-test/"  # where Playwright serves the bundle, under the gateway's origin
@@ -417,12 +424,50 @@ def test_tiny_model_tool_loop_runs_the_tool_and_sends_the_next_turn(browser: Bro
     page.context.close()
 
 
+def engine_core(serve: Proc) -> int:
+    """The pid of vLLM's EngineCore process under ``tokenfan serve``'s engine worker."""
+    found, todo = [], [engine_child(serve.popen.pid)]
+    while todo:
+        for c in children(todo.pop()):
+            todo.append(c.pid)
+            if c.argv and c.argv[0].startswith(b"VLLM::EngineCore"):
+                found.append(c.pid)
+    (pid,) = found
+    return pid
+
+
+@contextlib.contextmanager
+def engine_stepped(page: Page, pid: int, chars: int) -> Iterator[str]:
+    """vLLM's EngineCore stopped (SIGSTOP) and let run 10 ms at a time until the page shows ``chars`` characters
+    of the answer; yields them with the engine stopped, so the answer is certainly still running inside the
+    block, however fast the tiny model writes (400 tokens can end within a page's reload). The engine worker
+    and its heartbeats go on meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            state = chat_state(page)
+            if state["status"] == "streaming" and state["messages"][-1]["role"] == "assistant" and \
+                    len(text := answer(state)) >= chars:
+                break
+            assert time.monotonic() < deadline, state
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.01)
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.05)  # what it wrote reaches the page
+        yield text
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 @pytest.mark.vllm
 @pytest.mark.browser
 def test_tiny_model_a_reload_resumes_the_answer_and_stop_aborts_it(browser: Browser, parser_gateway: str,
-                                                                    bundle: Path) -> None:
+                                                                    vllm_boot: VllmBoot, bundle: Path) -> None:
     """On vLLM: a reload mid-answer resumes it (the text equals an uninterrupted greedy run), and Stop aborts
-    the generation in the engine (the page keeps a proper prefix of that text)."""
+    the generation in the engine (the page keeps a proper prefix of that text). The engine is stepped to the
+    middle of the answer and held there across the reload and the Stop (:func:`engine_stepped`)."""
+    core = engine_core(vllm_boot.get("parser_gateway")[0])
     long = {**TINY, "max_tokens": 400, "ignore_eos": True}
     question = "Tell a long story about rivers."
     control = httpx.post(parser_gateway + "/v1/chat/completions", timeout=300, json={
@@ -430,9 +475,10 @@ def test_tiny_model_a_reload_resumes_the_answer_and_stop_aborts_it(browser: Brow
     assert len(control) > 200, control
     page = open_chat(browser, parser_gateway, bundle, "tiny-reload-chat", resume=True, settings=long)
     send(page, question)
-    before = wait_partial(page, 10)
-    assert len(before) < len(control)
-    page.reload()
+    with engine_stepped(page, core, 10) as before:
+        page.reload()
+        resumed = wait_partial(page, len(before))  # the log replayed: what the page had before, and streaming
+    assert len(resumed) < len(control)
     state = wait_settled(page)
     assert state["status"] == "ready", state["error"]
     assert answer(state) == control
@@ -440,8 +486,8 @@ def test_tiny_model_a_reload_resumes_the_answer_and_stop_aborts_it(browser: Brow
 
     page = open_chat(browser, parser_gateway, bundle, "tiny-stop-chat", resume=True, settings=long)
     send(page, question)
-    wait_partial(page, 10)
-    assert page.evaluate("window.stop()")["cancelled"] is True
+    with engine_stepped(page, core, 10):
+        assert page.evaluate("window.stop()")["cancelled"] is True
     wait_until(lambda: httpx.get(parser_gateway + "/health").json()["engine"]["running"] == 0, timeout=30,
                what="the engine runs nothing")
     state = wait_settled(page)

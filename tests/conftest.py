@@ -92,8 +92,16 @@ def _start_vllm_serve(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
+def _start_spare_engine(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
+    """A second vLLM engine for test_vllm_migration, which kills it (booted with the others, not in the test)."""
+    address = f"ipc://{ipc_dir / 'vllm-spare.sock'}"
+    return start_engine(address, "--engine", "vllm", "--model", str(model), "--max-model-len", "512",
+                        name="engine-vllm-spare", nice=BOOT_NICE), address
+
+
 VLLM_STARTS: dict[str, Callable[[Path, Path], tuple[Proc, str]]] = {
-    "vllm_engine": _start_vllm_engine, "parser_gateway": _start_parser_gateway, "vllm_serve": _start_vllm_serve}
+    "vllm_engine": _start_vllm_engine, "parser_gateway": _start_parser_gateway, "vllm_serve": _start_vllm_serve,
+    "vllm_spare_engine": _start_spare_engine}
 
 
 def needs_vllm(item: pytest.Item) -> bool:
@@ -191,6 +199,12 @@ def _boot_vllm_first(request: pytest.FixtureRequest) -> None:
 @pytest.fixture(scope="session")
 def vllm_engine(vllm_boot: VllmBoot) -> tuple[str, Proc]:
     proc, address = vllm_boot.get("vllm_engine")
+    return address, proc
+
+
+@pytest.fixture(scope="session")
+def vllm_spare_engine(vllm_boot: VllmBoot) -> tuple[str, Proc]:
+    proc, address = vllm_boot.get("vllm_spare_engine")
     return address, proc
 
 

@@ -331,9 +331,9 @@ def test_two_replicas_racing_to_adopt_exactly_one_continues_each_stream(
 
 
 def test_sigterm_hands_the_streams_over_and_exits_at_once(ipc_dir: Path, redis_server: RedisServer) -> None:  # noqa: F811
-    """A rolling restart: SIGTERM the owner while its streams need 10 s more. It exits within 2 s; its
+    """A rolling restart: SIGTERM the owner while its streams need nearly 4 s more. It exits within 2 s; its
     readers, reconnecting to B, and B's readers get every event once, the normal end, the control text."""
-    n, tokens = 3, 600
+    n, tokens = 3, 400  # 4 s at 100 tokens/s: well over the 2 s A gets to exit
     engine, gateways = replicas(ipc_dir, redis_server.url, "st", ("--engine", "synthetic", "--synthetic-tokens-per-s",
                                                                   "100", "--synthetic-ttft-ms", "5"))
     (gw_a, url_a), (_, url_b) = gateways

@@ -16,7 +16,6 @@ import asyncio
 import os
 import signal
 import uuid
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,7 +27,7 @@ import zmq.asyncio
 from engine_worker import protocol as p
 from tests.e2e.helpers import metric, wait_until
 from tests.e2e.test_migration import GATEWAY_ARGS, Answer, Run
-from tests.procs import Proc, start_engine, start_gateway, stop_all
+from tests.procs import Proc, start_gateway, stop_all
 
 pytestmark = pytest.mark.vllm
 
@@ -101,11 +100,9 @@ def test_a_continuation_from_any_delta_decodes_exactly_the_rest(vllm_engine: tup
 
 
 def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrupted_answer(
-        vllm_engine: tuple[str, Proc], vllm_gateway_url: str, tiny_model: Path, ipc_dir: Path) -> None:
+        vllm_engine: tuple[str, Proc], vllm_spare_engine: tuple[str, Proc], vllm_gateway_url: str) -> None:
     shared, _ = vllm_engine
-    private = f"ipc://{ipc_dir / 'vllm-migrate.sock'}"
-    engine = start_engine(private, "--engine", "vllm", "--model", str(tiny_model), "--max-model-len", "512",
-                          name="engine-vllm-migrate")
+    private, engine = vllm_spare_engine  # killed here: no other test uses it
     gateway: Proc | None = None
     try:
         gateway, url = start_gateway(f"{private},{shared}", *GATEWAY_ARGS, name="gateway-vllm-migrate", timeout=300)

@@ -93,10 +93,12 @@ def _start_vllm_serve(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
 
 
 def _start_spare_engine(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
-    """A second vLLM engine for test_vllm_migration, which kills it (booted with the others, not in the test)."""
+    """A second vLLM engine for test_vllm_migration, which kills it (booted with the others, not in the test):
+    the same as :func:`_start_vllm_engine` (float32: a continuation on the other engine must decode the same)."""
     address = f"ipc://{ipc_dir / 'vllm-spare.sock'}"
     return start_engine(address, "--engine", "vllm", "--model", str(model), "--max-model-len", "512",
-                        name="engine-vllm-spare", nice=BOOT_NICE), address
+                        "--dtype", "float32", "--served-model-name", "tiny", name="engine-vllm-spare",
+                        nice=BOOT_NICE), address
 
 
 VLLM_STARTS: dict[str, Callable[[Path, Path], tuple[Proc, str]]] = {

@@ -37,7 +37,7 @@ test-deps:
 browser: test-deps
 
 # CI (.ci/run) runs exactly `make test`: the lint first, so a finding fails the build before the suite runs.
-# One process, about 14 min on 2 cores (docs/tests.md). Two pytest-xdist workers (PYTEST_ARGS="-n 2 --dist
+# One process, about 15 min of pytest on 2 cores (docs/tests.md). Two pytest-xdist workers (PYTEST_ARGS="-n 2 --dist
 # loadgroup --no-loadscope-reorder") are opt-in: on 2 cores their contention fails timing-sensitive tests.
 test: setup test-deps lint
 	$(PY) -m pytest $(PYTEST_ARGS)

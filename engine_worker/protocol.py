@@ -18,7 +18,7 @@ from typing import Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 3: ChatMessage.content may be a list of text parts; Delta.token_ids, Submit.resume
+PROTOCOL_VERSION = 4  # 3: list content parts, Delta.token_ids, Submit.resume; 4: Delta.steps, Submit.resume_steps
 MAGIC = b"tokenfan/%d" % PROTOCOL_VERSION
 
 Endpoint = Literal["chat.completions", "completions"]
@@ -80,6 +80,7 @@ class Submit(msgspec.Struct, tag="submit", array_like=True, frozen=True):
     stream: bool = True
     resume: list[int] = []
     resume_chars: int = 0
+    resume_steps: list[list[list[int]]] = []
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, frozen=True):
@@ -110,7 +111,10 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     the engine's wall clock (``time.time_ns()``) when the delta left the backend. ``chunk`` (requests
     served by vLLM's OpenAI layer) is one whole OpenAI chunk, exactly as vllm serve writes it after
     ``data:``, or the whole response of a non-streamed request; ``text`` is then empty. ``token_ids``:
-    the output token ids of the step (the plain path; what a continuation resumes from).
+    the output token ids of the step (the plain path; what a continuation resumes from). ``steps``
+    (vLLM's OpenAI layer): the engine steps whose chunks are complete with this delta, each a list of its
+    outputs as ``[choice_index, *token_ids]``; all deltas of one step travel in one :class:`DeltaBatch`, the
+    step on its last (a step that made no chunk rides on the next delta).
     """
 
     request_id: str
@@ -122,6 +126,7 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     usage: Usage | None = None
     chunk: bytes = b""
     token_ids: list[int] = []
+    steps: list[list[list[int]]] = []
 
 
 class DeltaBatch(msgspec.Struct, tag="deltas", array_like=True, frozen=True):

@@ -100,7 +100,8 @@ class Emitter:
     finish_reason: p.FinishReason | None = None
 
     def __call__(self, text: str, token_count: int, finish_reason: p.FinishReason | None = None,
-                 chunk: bytes = b"", token_ids: Sequence[int] = ()) -> None:
+                 chunk: bytes = b"", token_ids: Sequence[int] = (), steps: list[list[list[int]]] | None = None
+                 ) -> None:
         self.completion += token_count
         if self.merger is not None:
             step = self.merger.push(Step(text=text, token_count=token_count, finish_reason=finish_reason, chunk=chunk,
@@ -117,7 +118,7 @@ class Emitter:
         self.server.queue(self.identity, p.Delta(
             request_id=self.request_id, seq=self.seq, text=text, token_count=token_count,
             emit_ns=self.held_ns or self.server.step_ns(), finish_reason=finish_reason, usage=usage, chunk=chunk,
-            token_ids=token_ids if isinstance(token_ids, list) else list(token_ids)))
+            token_ids=token_ids if isinstance(token_ids, list) else list(token_ids), steps=steps or []))
         self.held_ns = 0
         self.seq += 1
 

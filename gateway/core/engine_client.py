@@ -77,8 +77,8 @@ class RequestHandle:
     engine can never mix in)."""
 
     __slots__ = ("_client", "_queue", "accepted", "closed", "done", "engine_rid", "generation", "lost_at",
-                 "migrations", "on_close", "openai", "output_chars", "output_ids", "rejoined", "request_id",
-                 "send_seq", "submit", "trace_id")
+                 "migrations", "on_close", "openai", "output_chars", "output_chunks", "output_ids", "rejoined",
+                 "request_id", "send_seq", "steps", "submit", "trace_id")
 
     def __init__(self, client: EngineClient, submit: p.Submit, send_seq: int = 0) -> None:
         self._client = client
@@ -89,6 +89,8 @@ class RequestHandle:
         self.send_seq = send_seq  # position of its Submit among this link's submits (vs. the pings)
         self.output_ids: list[int] = []
         self.output_chars = 0
+        self.output_chunks = 0  # chunks of vLLM's OpenAI layer received
+        self.steps: list[list[list[int]]] = []  # their engine steps (protocol.Delta.steps): what a continuation replays
         self.migrations = 0
         self.lost_at = 0.0  # monotonic time its engine was lost (0: not migrating)
         self.rejoined = False  # continued on another engine: its next payload is marked (Event.migrated)
@@ -114,6 +116,10 @@ class RequestHandle:
     def _push(self, item: p.Delta, step: Step) -> None:
         if item.token_ids:
             self.output_ids += item.token_ids
+        if item.chunk:
+            self.output_chunks += 1
+            if item.steps:
+                self.steps += item.steps
         self.output_chars += len(item.text)
         if self.lost_at:
             self._client.continued(self, step.now)
@@ -333,7 +339,7 @@ class EngineClient:
             return False
         rid = f"{handle.request_id}.m{handle.migrations}"
         submit = msgspec.structs.replace(handle.submit, request_id=rid, resume=list(handle.output_ids),
-                                         resume_chars=handle.output_chars)
+                                         resume_chars=handle.output_chars, resume_steps=list(handle.steps))
         previous = handle._client, handle.engine_rid, handle.send_seq
         handle._client, handle.engine_rid, handle.send_seq = self, rid, self._submit_seq
         if self._send_handle(handle, submit):

@@ -122,12 +122,11 @@ class EnginePool:
         if h.migrations >= policy.limit:
             return "migration is off" if not policy.limit else f"it was continued {h.migrations} times already"
         if h.openai:
-            return "it is served by vLLM's OpenAI layer (tools, parsers, structured outputs, logprobs, n > 1)"
-        if sampling.presence_penalty or sampling.frequency_penalty:
-            return "its presence or frequency penalty depends on the output so far"
-        if h.output_chars and not h.output_ids:
+            if h.output_chunks and not h.steps:
+                return "its chunks carried no engine steps"
+        elif h.output_chars and not h.output_ids:
             return "its deltas carried no token ids"
-        if len(h.output_ids) >= sampling.max_tokens:
+        elif len(h.output_ids) >= sampling.max_tokens:
             return "its token budget is spent"
         accepted = h.accepted
         prompt = accepted.result() if accepted.done() and not accepted.cancelled() and accepted.exception() is None \

@@ -274,14 +274,17 @@ class EngineServer:
                 return
             await self._send(identity, p.Accepted(request_id=rid, prompt_tokens=prepared.prompt_tokens,
                                                   openai=prepared.openai))
-            if submit.resume:
+            # a continuation reports usage as one request: the output it resumes from counts
+            resumed = sum(len(out) - 2 for step in submit.resume_steps for out in step) if prepared.openai \
+                else len(submit.resume)
+            if submit.resume or submit.resume_steps:
                 log.info("accepted %s trace=%s prompt_tokens=%d: a continuation after %d output tokens", rid,
-                         submit.trace_id, prepared.prompt_tokens, len(submit.resume))
+                         submit.trace_id, prepared.prompt_tokens, resumed)
             else:
                 log.info("accepted %s trace=%s prompt_tokens=%d", rid, submit.trace_id, prepared.prompt_tokens)
             emitter = Emitter(self, identity, rid, prepared.prompt_tokens,
                               IntervalMerger(self.stream_interval) if self.stream_interval > 1 else None,
-                              completion=len(submit.resume))
+                              completion=resumed)
             await self.backend.stream(prepared, emitter)
             if emitter.finish_reason is None:  # the backend ended without a last step: stopped from outside
                 emitter("", 0, "abort")

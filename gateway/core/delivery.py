@@ -41,9 +41,9 @@ from gateway.errors import APIError, error_class
 
 if TYPE_CHECKING:
     from gateway.core.conn import Step
-    from gateway.core.engine_client import RequestHandle
     from gateway.core.metrics import HotHistogram, Metrics, TransportMetrics
     from gateway.core.ports import Publisher, RemoteStreams
+    from gateway.core.request import RequestHandle
 
 log = logging.getLogger(__name__)
 

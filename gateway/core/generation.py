@@ -1,6 +1,6 @@
 """One generation: engine deltas in, the stream's events out, in the engine step that produced them.
 
-The engine link (:meth:`gateway.core.engine_client.EngineClient._on_batch`) hands each delta of a
+The engine link (:meth:`gateway.core.engine_link.EngineLink.deliver`) hands each delta of a
 ``DeltaBatch`` to its request's :class:`Generation` (``on_delta``), synchronously: the generation asks its
 API's :class:`Renderer` for the step's payloads (chat chunks, Responses events, … — the core knows no
 payload shape), appends them to its :class:`gateway.core.streams.Stream`, which writes them to every
@@ -20,9 +20,9 @@ from gateway.errors import APIError
 
 if TYPE_CHECKING:
     from gateway.core.conn import Step
-    from gateway.core.engine_client import RequestHandle
     from gateway.core.metrics import HotCounter
     from gateway.core.ports import Publisher
+    from gateway.core.request import RequestHandle
     from gateway.core.streams import Stream
 
 log = logging.getLogger(__name__)

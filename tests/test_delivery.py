@@ -16,11 +16,13 @@ from engine_worker import protocol as p
 from gateway.api.openai.framing import OPENAI_SSE, MuxWs
 from gateway.api.openai.render import ChatRenderer, ChunkTemplate
 from gateway.api.openai.request import ChunkBuilder
+from gateway.core.backpressure import SlowConsumerPolicy
 from gateway.core.conn import HttpConn, Step, WsConn
 from gateway.core.delivery import Reader, ReaderMeter
 from gateway.core.engine_client import EngineClient
 from gateway.core.engine_link import EngineLink
-from gateway.core.generation import ChunkEvent, Generation
+from gateway.core.follow import Watchdog, follow
+from gateway.core.generation import Generation
 from gateway.core.metrics import (
     _LAT_BUCKETS,
     INJECTED_DELAY,
@@ -31,7 +33,7 @@ from gateway.core.metrics import (
 )
 from gateway.core.request import RequestHandle
 from gateway.core.sse import decode
-from gateway.core.streams import Event, SlowConsumerPolicy, Stream, Watchdog, follow
+from gateway.core.streams import ChunkEvent, Event, Stream
 from gateway.errors import APIError
 from tests.test_engine_client import FakeEngine, run, submit, until
 from tokenfan_bench.cpu.step_pass_cost import HttpCycle, WsProto

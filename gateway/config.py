@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.core.backpressure import SlowConsumerPolicy
 from gateway.core.engine_pool import MigrationPolicy
-from gateway.core.streams import Retention, SlowConsumerPolicy
+from gateway.core.streams import Retention
 from tokenfan.settings import build, declared
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network

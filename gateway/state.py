@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING
 
 from gateway.admission import Admission, Holdings, LoopMonitor
 from gateway.config import GatewayConfig
+from gateway.core.backpressure import SlowConsumerPolicy
 from gateway.core.delivery import Delivery, cancel, hand_over
 from gateway.core.engine_pool import EnginePool
+from gateway.core.follow import Watchdog
 from gateway.core.metrics import Metrics
-from gateway.core.streams import SlowConsumerPolicy, StreamHub, Watchdog
+from gateway.core.streams import StreamHub
 from gateway.errors import APIError, engine_unavailable
 
 if TYPE_CHECKING:

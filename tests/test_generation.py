@@ -13,7 +13,7 @@ from gateway.api.openai.render import chunk_events
 from gateway.api.openai.request import ChunkBuilder
 from gateway.api.responses.events import ResponseEvents
 from gateway.api.responses.render import ResponseRenderer
-from gateway.core.generation import ChunkEvent
+from gateway.core.streams import ChunkEvent
 
 USAGE = p.Usage(prompt_tokens=3, completion_tokens=4)
 # A byte-fallback token whose text the detokenizer holds back, then the token completing it.

@@ -10,9 +10,11 @@ import pytest
 from gateway.api.openai.framing import FANOUT_SSE, FANOUT_WS
 from gateway.api.openai.render import CHUNK_MERGE
 from gateway.api.openai.request import ChunkBuilder
-from gateway.core.generation import ChunkEvent
-from gateway.core.streams import Event, Retention, SlowConsumerPolicy, StreamHub, Watchdog, coalesce
-from gateway.core.streams import follow as _follow
+from gateway.core.backpressure import SlowConsumerPolicy
+from gateway.core.follow import Watchdog
+from gateway.core.follow import follow as _follow
+from gateway.core.merge import coalesce
+from gateway.core.streams import ChunkEvent, Event, Retention, StreamHub
 from gateway.errors import APIError
 
 
@@ -176,7 +178,7 @@ def test_wake_order_rotates_within_a_transport() -> None:
 
 
 def test_a_stalled_writer_raises_slow_consumer() -> None:
-    from gateway.core.streams import SlowConsumer
+    from gateway.core.backpressure import SlowConsumer
 
     async def main() -> None:
         s = StreamHub(Retention()).create("completions", "m")

@@ -121,7 +121,7 @@ class Adopter:
         gw.metrics.adoptions.labels("adopted").inc()
         last_ns = stream.events[-1].timing.get("sent_ns", 0) if stream.events else 0
         log.warning("adopted stream %s from lost gateway %s after %d events (%d output tokens); continuing on "
-                    "engine %s", stream.id, header.owner, len(stream.events), len(ids), handle._client.address)
+                    "engine %s", stream.id, header.owner, len(stream.events), len(ids), handle.owner.address)
         asyncio.get_running_loop().create_task(self._gap(stream, len(stream.events), last_ns))
         return "adopted"
 

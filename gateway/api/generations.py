@@ -18,7 +18,7 @@ from gateway.core.generation import Renderer
 from gateway.errors import APIError, EngineError
 
 if TYPE_CHECKING:
-    from gateway.core.engine_client import RequestHandle
+    from gateway.core.request import RequestHandle
     from gateway.core.streams import Stream
     from gateway.state import Gateway
 

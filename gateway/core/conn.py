@@ -1,7 +1,7 @@
 """The write side of one client connection, as the delivery core needs it.
 
 Three operations: ``write`` (await until the server took the frame; a stalled client makes it block,
-which the :class:`gateway.core.streams.Watchdog` turns into a cut), ``write_now`` (the publisher's one pass:
+which the :class:`gateway.core.follow.Watchdog` turns into a cut), ``write_now`` (the publisher's one pass:
 take a frame without awaiting while the transport is writable, else refuse it and let the reader's loop
 send it) and ``cut`` (end the connection with a final frame *without waiting on the stalled peer*).
 

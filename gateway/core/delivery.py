@@ -11,7 +11,7 @@
   token) and turns a cancel of its task into the generation's cancel.
 - :func:`read` is the only reader, for every path: a :class:`Reader` writes the :mod:`gateway.core.framing`
   frames to a :mod:`gateway.core.conn` connection, in the publisher's pass while it is caught up
-  (:meth:`Reader.write_now`) and from its own loop (:func:`gateway.core.streams.follow`: replay, live tail,
+  (:meth:`Reader.write_now`) and from its own loop (:func:`gateway.core.follow.follow`: replay, live tail,
   coalescing when behind, keep-alives) otherwise, with one :class:`ReaderMeter` for both. A write blocked
   longer than ``--send-timeout`` ends the reader with the framing's cut
   (SSE ``event: error`` slow_consumer, WebSocket close 1013), never with a normal end.
@@ -33,17 +33,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import msgspec
 
 from gateway.core import sse
+from gateway.core.backpressure import SlowConsumer, SlowConsumerPolicy
 from gateway.core.conn import HttpConn, WsConn
+from gateway.core.follow import Watchdog, follow
 from gateway.core.framing import Ending, Framing
 from gateway.core.generation import Generation, Renderer
-from gateway.core.streams import Event, SlowConsumer, SlowConsumerPolicy, Stream, StreamHub, Watchdog, follow
+from gateway.core.streams import Event, Stream, StreamHub
 from gateway.errors import APIError, error_class
 
 if TYPE_CHECKING:
     from gateway.core.conn import Step
-    from gateway.core.engine_client import RequestHandle
     from gateway.core.metrics import HotHistogram, Metrics, TransportMetrics
     from gateway.core.ports import Publisher, RemoteStreams
+    from gateway.core.request import RequestHandle
 
 log = logging.getLogger(__name__)
 
@@ -214,8 +216,8 @@ class ReaderMeter:
 class Reader:
     """One reader of a stream on one connection: its framing, its connection and its meter.
 
-    :meth:`write_now` is called by the publisher's pass (:meth:`gateway.core.streams.Stream._wake`) while the
-    reader is caught up; :meth:`write` by the reader's own loop (:func:`gateway.core.streams.follow`) for
+    :meth:`write_now` is called by the publisher's pass (:meth:`gateway.core.streams.Stream.append`) while the
+    reader is caught up; :meth:`write` by the reader's own loop (:func:`gateway.core.follow.follow`) for
     replay, resume and back-pressure. ``clock`` is read for writes outside an engine step.
 
     ``delay`` (``--inject-delay``, bench calibration): every write of the loop sleeps first, timed into

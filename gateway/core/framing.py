@@ -14,13 +14,12 @@ names the API's merge rules for a lagging reader (``merge``; None: never merged)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from gateway.core import sse
-from gateway.core.streams import Event, MergeRules, Stream
+from gateway.core.merge import MergeRules
+from gateway.core.streams import Event, Stream, Transport
 from gateway.errors import APIError
 
-Transport = Literal["sse", "ws"]
 
 def slow_consumer_error(send_timeout: float, resumable: bool) -> APIError:
     hint = " Resume with Last-Event-ID (or ?after=) to continue." if resumable else ""

@@ -16,7 +16,8 @@ import orjson
 from gateway.api.openai.render import CHUNK_MERGE
 from gateway.core import sse
 from gateway.core.framing import Ending, Framing, Transport
-from gateway.core.streams import Event, MergeRules, Stream
+from gateway.core.merge import MergeRules
+from gateway.core.streams import Event, Stream
 
 END_CANCELLED = sse.event(b'{"reason":"cancelled"}', event="end") + sse.DONE
 

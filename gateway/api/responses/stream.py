@@ -26,7 +26,7 @@ from gateway.errors import APIError
 
 
 class ResponsesMerge:
-    """Responses events for a lagging reader (:class:`gateway.core.streams.MergeRules`): consecutive
+    """Responses events for a lagging reader (:class:`gateway.core.merge.MergeRules`): consecutive
     ``response.output_text.delta`` events of one item merge; every other event keeps its own."""
 
     def group(self, payload: dict[str, Any]) -> object | None:

@@ -32,7 +32,7 @@ def part_frame(part: dict[str, Any]) -> bytes:
 
 
 class UiMessageMerge:
-    """Parts for a lagging reader (:class:`gateway.core.streams.MergeRules`): consecutive ``text-delta`` (or
+    """Parts for a lagging reader (:class:`gateway.core.merge.MergeRules`): consecutive ``text-delta`` (or
     ``reasoning-delta``) parts of one part id merge into one; every other part keeps its own event."""
 
     def group(self, payload: dict[str, Any]) -> object | None:

@@ -66,7 +66,7 @@ class _Run:
     steps: list[list[list[int]]] = field(default_factory=list)  # steps not yet reported with a chunk
 
 
-_CONTINUATION = re.compile(r"\.m\d+$")
+_CONTINUATION = re.compile(r"(\.[am]\d+)+$")  # a continuation's suffixes: .m<k> (migrated), .a<k> (adopted)
 _RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("tokenfan_openai_run", default=None)
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "error": "error",
                                     "tool_calls": "stop", "repetition": "stop"}
@@ -233,7 +233,7 @@ class OpenAILayer:
         if submit.stream:  # /v1/ws and /v1/streams always stream, whatever the body says
             obj["stream"] = True
         # vLLM's ids are "chatcmpl-<this>" / "cmpl-<this>": the gateway's generation id, as vllm serve's (a
-        # continuation's engine request id is "<generation id>.m<k>": its chunks keep the generation's id).
+        # continuation's engine request id is "<generation id>.m<k>" or ".a<k>": its chunks keep the generation's id).
         obj["request_id"] = _CONTINUATION.sub("", submit.request_id.split("-", 1)[-1])
         obj["model"] = self.model_name  # the gateway checked the name the client sent
         if obj.get("max_tokens") is None and obj.get("max_completion_tokens") is None:

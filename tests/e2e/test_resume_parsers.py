@@ -26,15 +26,19 @@ import httpx
 import pytest
 import websockets
 
+from gateway.scaleout.workers import worker_socket
 from tests.e2e.helpers import metric, sse_events, wait_until
-from tests.procs import NO_CLIENT_LIMITS, Proc, start_engine, start_gateway, stop_all
+from tests.e2e.test_adoption import LEASE, Reader, server_children, sse_reader, until_killed
+from tests.e2e.test_broker import RedisServer, redis_server  # noqa: F401  (the fixture)
+from tests.procs import NO_CLIENT_LIMITS, Proc, spawn, start_engine, start_gateway, stop_all, wait_healthy
+from tokenfan_bench.servers.processes import free_port
 
 pytestmark = pytest.mark.vllm  # imports vLLM's layer (no weights, no engine core)
 
 THINK = "<think>The user wants the weather, so I will call two tools and compare them.</think>"
 CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
          '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
-LONG_THOUGHT = ("<think>" + " ".join(f"step {i} of the argument holds." for i in range(24)) + "</think>"
+LONG_THOUGHT = ("<think>" + " ".join(f"step {i} of the argument holds." for i in range(16)) + "</think>"
                 "The answer is forty-two, as every step above shows.")
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {
     key: {"type": "string"} for key in keys}}}} for name, keys in (("get_weather", ("city", "unit")),
@@ -47,8 +51,8 @@ def pieces(text: str, size: int) -> list[str]:
 
 SCRIPT = [{"match": "weather", "reply": pieces(THINK + CALLS, 3)},
           {"match": "think long", "reply": pieces(LONG_THOUGHT, 4)}]
-# ~25 engine steps a second: an answer takes 3-4 s, the kill lands in its middle
-ENGINE_ARGS = ("--engine", "synthetic", "--synthetic-tokens-per-s", "25", "--synthetic-ttft-ms", "5",
+# ~50 tokens a second: an answer takes 2-3 s, the kill lands in its middle
+ENGINE_ARGS = ("--engine", "synthetic", "--synthetic-tokens-per-s", "50", "--synthetic-ttft-ms", "5",
                "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
 
 
@@ -331,3 +335,79 @@ def test_tool_calls_and_reasoning_continue_exactly_when_their_engine_is_killed(
         print(f"in flight on the killed engine: {in_flight} of {len(CASES)}")
     finally:
         stop_all([p for p in (gateway, *engines) if p is not None])
+
+
+@dataclass
+class PartsReader(Reader):
+    """An EventSource reader (tests.e2e.test_adoption.sse_reader) assembling tool calls and reasoning too."""
+
+    answer: Answer = field(default_factory=Answer)
+
+
+def fold_parts(reader: Reader, seq: int, chunk: dict[str, Any]) -> None:
+    assert isinstance(reader, PartsReader)
+    reader.seqs.append(seq)
+    reader.answer.fold(chunk)
+
+
+@pytest.mark.parametrize("broker", [False, True], ids=["peers", "broker"])
+def test_tool_call_and_reasoning_streams_of_a_killed_worker_are_adopted_exactly(
+        redis_server: RedisServer, script: tuple[Path, Path], broker: bool) -> None:  # noqa: F811
+    """``tokenfan serve --workers 2`` on the scripted engine (with ``--broker``, or the workers' own standbys):
+    fan-out streams that think and call tools are created on worker 0 and read on the public port; worker 0
+    is killed mid-stream. Worker 1 adopts each stream from its log (the engine steps behind its chunks) and
+    the engine replays them through the parsers: every reader gets each event once and the control's answer."""
+    path, model = script
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    scaleout = ("--broker", redis_server.url, *LEASE) if broker else ("--broker-lease-interval", "0.2")
+    server = spawn(["-m", "tokenfan.cli", "serve", *ENGINE_ARGS, "--synthetic-script", str(path), "--model",
+                    str(model), "--served-model-name", "tiny", "--workers", "2", *scaleout, *NO_CLIENT_LIMITS,
+                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], "serve-resume-workers")
+    questions = ["What is the weather in Paris?", "think long about it", "weather, again"]
+    try:
+        wait_healthy(url, server, 300)
+        wait_until(lambda: httpx.get(url + "/health").json()["workers"]["ready"] == 2, timeout=60,
+                   what="both workers serving")
+        worker0 = server_children(server)[1]
+        owner = httpx.AsyncHTTPTransport(uds=str(worker_socket(port, 0)))
+
+        async def scenario() -> dict[str, PartsReader]:
+            readers: dict[str, PartsReader] = {}
+            async with httpx.AsyncClient(timeout=60) as c, httpx.AsyncClient(transport=owner, timeout=60) as w0:
+                jobs, started = [], []
+                for i, question in enumerate(questions):
+                    r = await w0.post("http://worker/v1/streams", json=chat(question))
+                    assert r.status_code == 201, r.text
+                    for k in range(2):
+                        reader = readers[f"{i}/sse-{k}"] = PartsReader()
+                        ev = asyncio.Event()
+                        started.append(ev)
+                        jobs.append(sse_reader(c, [url], r.json()["id"], reader, ev, fold_parts))
+                await until_killed(jobs, started, lambda: os.kill(worker0, signal.SIGKILL))
+            return readers
+
+        t0 = time.monotonic()
+        readers = asyncio.run(scenario())
+        t1 = time.monotonic()
+
+        def control(question: str) -> Answer:
+            answer = Answer()
+            answer.fold(httpx.post(url + "/v1/chat/completions", json=chat(question), timeout=60).json())
+            return answer
+
+        with ThreadPoolExecutor(len(questions)) as pool:
+            expected = list(pool.map(control, questions))
+        print(f"scenario {t1 - t0:.1f} s, control {time.monotonic() - t1:.1f} s")
+        for name, reader in readers.items():
+            want = expected[int(name.split("/")[0])]
+            got = reader.answer
+            assert not reader.errors and reader.ended, (name, reader.errors)
+            assert reader.seqs == list(range(len(reader.seqs))), (name, reader.seqs)  # each event once
+            assert (got.content, got.reasoning, got.tools, got.finish) == \
+                (want.content, want.reasoning, want.tools, want.finish), name
+        assert readers["0/sse-0"].answer.tools[1]["headers"] == 1 and readers["1/sse-0"].answer.reasoning
+        # every stream was in flight on worker 0 at the kill, and was adopted
+        assert metric(url, "tokenfan_adoptions_total", {"outcome": "adopted"}) == len(questions)
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]

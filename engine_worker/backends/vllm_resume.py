@@ -106,11 +106,14 @@ async def resumed(engine: Any, prompt: Any, params: Any, request_id: str, replay
     texts = [Retext(engine.renderer.tokenizer, original, params) for _ in range(params.n)]
     logprobs = params.logprobs is not None
 
-    def output(outputs: list[Any], finished: bool) -> Any:
-        return RequestOutput(request_id=request_id, prompt=prompt_text, prompt_token_ids=original,
-                             prompt_logprobs=None, outputs=outputs, finished=finished)
+    # the prompt's logprobs (completions' echo) are written with the first step: placeholders, not sent
+    prompt_logprobs = cast("Any", [None] * len(original)) if params.prompt_logprobs is not None else None
 
-    for step in replay.steps:
+    def output(outputs: list[Any], finished: bool, first: bool = False) -> Any:
+        return RequestOutput(request_id=request_id, prompt=prompt_text, prompt_token_ids=original,
+                             prompt_logprobs=prompt_logprobs if first else None, outputs=outputs, finished=finished)
+
+    for k, step in enumerate(replay.steps):
         outs = []
         for index, done, *ids in step:
             # A choice finished before the loss is done: any finish reason puts its parser to rest.
@@ -119,7 +122,7 @@ async def resumed(engine: Any, prompt: Any, params: Any, request_id: str, replay
                                          # placeholders: the chunks of a replayed step are not sent
                                          logprobs=cast("Any", [None] * len(ids)) if logprobs else None,
                                          finish_reason="length" if done else None))
-        yield output(outs, False)
+        yield output(outs, False, first=k == 0)
     run.live = True
     open_ = [i for i in range(params.n) if not replay.finished(i)]
     spent = [i for i in open_ if params.max_tokens is not None and len(replay.ids(i)) >= params.max_tokens]
@@ -137,6 +140,7 @@ async def resumed(engine: Any, prompt: Any, params: Any, request_id: str, replay
             child.max_tokens -= len(ids)
         child.min_tokens = max(0, child.min_tokens - len(ids))
         child.stop = []  # stop strings are found by Retext, over the whole output
+        child.prompt_logprobs = None  # the client had them with the first chunk
         child.extra_args = {**(child.extra_args or {}), RESUME_KEY: ids}
         child_id = request_id if len(open_) == 1 else f"{request_id}-{i}"
         children.append(engine.generate({**prompt, "prompt_token_ids": original + ids}, child, child_id, **kwargs))

@@ -49,6 +49,8 @@ BODIES: dict[str, dict[str, Any]] = {
     "logprobs-penalties": chat("Tell me about rivers.", 40, logprobs=True, top_logprobs=2, presence_penalty=0.8,
                                frequency_penalty=0.5, repetition_penalty=1.2, min_tokens=20),
     "completions-logprobs": {"prompt": "Rivers run to", "temperature": 0, "max_tokens": 30, "logprobs": 2, **USAGE},
+    "completions-echo": {"prompt": "Lakes are", "temperature": 0, "max_tokens": 30, "logprobs": 1, "echo": True,
+                         **USAGE},
     "n2": chat("Tell me about lakes.", 24, temperature=1.0, seed=7, n=2, logprobs=True),
 }
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}

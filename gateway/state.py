@@ -15,7 +15,7 @@ from gateway.core.engine_pool import EnginePool
 from gateway.core.follow import Watchdog
 from gateway.core.metrics import Metrics
 from gateway.core.streams import StreamHub
-from gateway.errors import APIError, engine_unavailable
+from gateway.errors import APIError, ClientError, Refusal, engine_unavailable
 
 if TYPE_CHECKING:
     from gateway.core.ports import Publisher, RemoteStreams
@@ -94,7 +94,7 @@ class Gateway:
 
     def end_all_streams(self) -> int:
         """Shutdown deadline: fail every in-flight generation with an explicit error; how many there were."""
-        err = APIError(503, "The server is shutting down; retry on another instance.", type="server_error",
+        err = Refusal(503, "The server is shutting down; retry on another instance.", type="server_error",
                        code="server_shutdown", retry_after=1.0)
         n = self.engine.fail_all(err)
         if n:
@@ -107,13 +107,13 @@ class Gateway:
 
     def check_model(self, requested: str | None) -> str:
         if self.draining:
-            raise APIError(503, "The server is shutting down.", type="server_error", code="server_shutdown",
+            raise Refusal(503, "The server is shutting down.", type="server_error", code="server_shutdown",
                            retry_after=1.0)
         served = self.model_id
         if served is None or not self.engine.healthy:
             raise engine_unavailable()
         if requested is not None and requested != served:
-            raise APIError(404, f"The model `{requested}` does not exist. This server serves `{served}`.",
+            raise ClientError(404, f"The model `{requested}` does not exist. This server serves `{served}`.",
                            param="model", code="model_not_found")
         return served
 

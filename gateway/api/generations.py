@@ -15,7 +15,7 @@ from gateway.api.openai.render import chat_renderer
 from gateway.api.openai.request import ChunkBuilder, ParsedRequest, new_id
 from gateway.core import delivery
 from gateway.core.generation import Renderer
-from gateway.errors import APIError, EngineError
+from gateway.errors import APIError, ClientError, EngineError
 
 if TYPE_CHECKING:
     from gateway.core.request import RequestHandle
@@ -46,7 +46,7 @@ async def open_request(gw: Gateway, parsed: ParsedRequest, scope: Any = None) ->
         prompt_tokens = await handle.wait_accepted(gw.config.accept_timeout)
         limit = gw.config.max_prompt_tokens
         if limit and prompt_tokens > limit:
-            raise APIError(400, f"The prompt has {prompt_tokens} tokens; this server accepts at most {limit}.",
+            raise ClientError(400, f"The prompt has {prompt_tokens} tokens; this server accepts at most {limit}.",
                            param="messages" if parsed.endpoint == "chat.completions" else "prompt",
                            code="prompt_too_long")
     except EngineError as exc:

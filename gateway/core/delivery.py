@@ -39,7 +39,7 @@ from gateway.core.follow import Watchdog, follow
 from gateway.core.framing import Ending, Framing
 from gateway.core.generation import Generation, Renderer
 from gateway.core.streams import Event, Stream, StreamHub
-from gateway.errors import APIError, error_class
+from gateway.errors import bad_resume_point, error_class
 
 if TYPE_CHECKING:
     from gateway.core.conn import Step
@@ -171,8 +171,7 @@ def resume_point(raw: str | None, param: str) -> int:
     try:
         value = sse.parse_last_event_id(raw)
     except ValueError as exc:
-        raise APIError(400, f"{param} must be an integer event id >= -1 (-1: from the start), got {raw!r}.",
-                       param=param, code="invalid_value") from exc
+        raise bad_resume_point(param, raw) from exc
     return -1 if value is None else value
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import orjson
 
 from engine_worker import protocol as p
-from gateway.errors import APIError, stream_expired, stream_lost, stream_not_found
+from gateway.errors import APIError, stream_expired, stream_lost, stream_not_found, too_many_streams
 
 if TYPE_CHECKING:
     from gateway.core.conn import Step
@@ -315,8 +315,7 @@ class StreamHub:
         """Raise the 429 if no stream can be created now (after evicting what is due)."""
         self.evict()
         if len(self.streams) >= self.retention.max_streams:
-            raise APIError(429, f"Too many streams ({len(self.streams)}); the limit is {self.retention.max_streams}.",
-                           type="rate_limit_error", code="too_many_streams", retry_after=1.0)
+            raise too_many_streams(len(self.streams), self.retention.max_streams)
 
     def create(self, endpoint: str, model: str, stream_id: str | None = None, *, listed: bool = True) -> Stream:
         """A new running stream (call :meth:`check_capacity` first to refuse early). An unlisted

@@ -43,7 +43,7 @@ from gateway.core.delivery import (
     until_disconnect,
 )
 from gateway.core.streams import Stream
-from gateway.errors import APIError
+from gateway.errors import APIError, ClientError, Refusal
 from gateway.state import Gateway
 
 log = logging.getLogger(__name__)
@@ -55,12 +55,12 @@ async def create_stream(request: Request) -> Response:
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
+        raise ClientError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(obj, dict):
-        raise APIError(400, "Request body must be a JSON object.", code="invalid_value")
+        raise ClientError(400, "Request body must be a JSON object.", code="invalid_value")
     endpoint = obj.pop("endpoint", "chat.completions")
     if endpoint not in ("chat.completions", "completions"):
-        raise APIError(400, '`endpoint` must be "chat.completions" or "completions".', param="endpoint",
+        raise ClientError(400, '`endpoint` must be "chat.completions" or "completions".', param="endpoint",
                        code="invalid_value")
     obj["stream"] = True
     parsed = parse_request(endpoint, obj, gw.config.limits)
@@ -104,7 +104,7 @@ async def delete_stream(request: Request) -> Response:
 async def _subscribe_check(gw: Gateway, stream_id: str) -> Stream:
     stream = await find_stream(gw, stream_id)
     if stream.subscriber_count() >= gw.hub.retention.max_subscribers:
-        raise gw.refused(APIError(429, f"Stream {stream_id} has {stream.subscriber_count()} subscribers; the limit is "
+        raise gw.refused(Refusal(429, f"Stream {stream_id} has {stream.subscriber_count()} subscribers; the limit is "
                             f"{gw.hub.retention.max_subscribers}.", type="rate_limit_error",
                        code="too_many_subscribers", retry_after=1.0))
     return stream

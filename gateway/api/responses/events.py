@@ -26,7 +26,7 @@ from gateway.api.responses.objects import (
 )
 from gateway.api.responses.request import CANCELLED_CODE, ResponsesRequest, Status
 from gateway.api.responses.templates import TextDeltaTemplate, text_delta_event
-from gateway.errors import APIError
+from gateway.errors import APIError, ClientError
 
 ItemKind = Literal["message", "reasoning", "function_call"]
 
@@ -335,7 +335,7 @@ class ResponseEvents:
         code ``response_cancelled``; :meth:`response` has status ``cancelled``."""
         events = self._close("incomplete")
         self._end("cancelled")
-        err = APIError(400, f"Response '{self.id}' was cancelled.", code=CANCELLED_CODE)
+        err = ClientError(400, f"Response '{self.id}' was cancelled.", code=CANCELLED_CODE)
         return events + [self._event("error", code=err.code, message=err.message, param=None)]
 
 

@@ -37,7 +37,7 @@ from gateway.api.responses.request import (
 from gateway.api.responses.stream import RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesSse
 from gateway.core.delivery import SseResponse, resume_point, stop
 from gateway.core.streams import Stream, StreamHub
-from gateway.errors import APIError, EngineError
+from gateway.errors import APIError, ClientError, TokenfanError
 from gateway.state import Gateway
 
 ENDPOINT = "responses"
@@ -80,7 +80,7 @@ async def start_response(gw: Gateway, rr: ResponsesRequest, scope: Any, *, lane:
         stream = await start_generation(gw, rr.chat, scope, listed=rr.store, detached=rr.background,
                                         source=lambda _handle, _builder: ResponseRenderer(events, keep),
                                         stream_id=rid, endpoint=ENDPOINT)
-    except (APIError, EngineError) as exc:
+    except TokenfanError as exc:
         exc.param = responses_param(exc.param)  # the engine validated the chat body: name the Responses field
         raise
     stream.meta["events"] = events
@@ -103,7 +103,7 @@ async def create_response(request: Request) -> Any:
     req = decode_create(body)
     rr = build_request(req, gw.config.limits, await history(gw, req.previous_response_id))
     if rr.background and not rr.store:
-        raise APIError(400, "background responses must be stored: remove store=false or background.",
+        raise ClientError(400, "background responses must be stored: remove store=false or background.",
                        param="store", code="invalid_value")
     stream, events = await start_response(gw, rr, request.scope)
     gw.metrics.requests.labels("/v1/responses", "200").inc()
@@ -157,7 +157,7 @@ async def cancel_response(request: Request) -> Response:
     gw: Gateway = gateway_of(request)
     s = await _find(gw, request.path_params["id"])
     if not s.detached:
-        raise APIError(400, "Only background responses can be cancelled.", param="response_id",
+        raise ClientError(400, "Only background responses can be cancelled.", param="response_id",
                        code="invalid_value")
     await stop(gw.delivery, s)
     return JSONResponse(response_from_events(e.payload for e in s.events))

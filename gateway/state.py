@@ -34,7 +34,7 @@ class Gateway:
     hub: StreamHub = field(init=False)
     policy: SlowConsumerPolicy = field(init=False)
     watchdog: Watchdog = field(init=False)
-    delivery: Delivery = field(init=False)  # the core's parts: hub, metrics, policy, watchdog, publisher, broker
+    delivery: Delivery = field(init=False)  # the core's parts: hub, metrics, policy, watchdog, publisher, remote
     admission: Admission = field(init=False)
     peers: Peers | None = None  # --workers: the other workers (their metrics merged into /metrics)
     draining: bool = False
@@ -52,17 +52,18 @@ class Gateway:
         self.admission = Admission(self.config)
 
     @property
-    def broker(self) -> RemoteStreams | None:
-        """Other gateways' streams: Redis (``--broker``) or the peer workers (``--workers``)."""
+    def remote(self) -> RemoteStreams | None:
+        """Other gateways' streams: through Redis (``--broker``) or the peer workers (``--workers``)."""
         return self.delivery.remote
 
-    @broker.setter
-    def broker(self, value: RemoteStreams | None) -> None:
+    @remote.setter
+    def remote(self, value: RemoteStreams | None) -> None:
         self.delivery.remote = value
 
     @property
     def publisher(self) -> Publisher | None:
-        """``--broker``: this gateway's listed streams, written to Redis."""
+        """Where this gateway's listed streams are written for the others: Redis (``--broker``) or, for
+        ``--workers`` without one, the peer workers (they keep standbys and adopt each other's streams)."""
         return self.delivery.publisher
 
     @publisher.setter

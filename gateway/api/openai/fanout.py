@@ -82,9 +82,9 @@ async def find_stream(gw: Gateway, stream_id: str) -> Stream:
     try:
         return gw.hub.get(stream_id)
     except APIError:
-        if gw.broker is None:
+        if gw.remote is None:
             raise
-        return await gw.broker.mirror(stream_id)
+        return await gw.remote.mirror(stream_id)
 
 
 async def stream_status(request: Request) -> Response:

@@ -57,7 +57,7 @@ def _fanout_frames(ev: Event) -> tuple[bytes, bytes]:
     WebSocket one is kept as UTF-8 bytes, what the direct write sends, and decoded only for the slow path."""
     payload = ev.json  # a JSON object: the timing object is spliced in before its closing brace
     data = payload[:-1] + b',"tokenfan":' + orjson.dumps(ev.timing) + b"}" if len(payload) > 2 \
-        else orjson.dumps(ev.chunk)
+        else orjson.dumps(ev.timed_payload)
     sse_frame = ev.frames[FanoutSse.name] = sse.numbered(ev.seq, data)
     ws_frame = ev.frames[FanoutWs.name] = b'{"type":"chunk","seq":%d,"data":%b}' % (ev.seq, data)
     return sse_frame, ws_frame

@@ -59,8 +59,8 @@ async def history(gw: Gateway, previous_response_id: str | None) -> list[Message
     if transcript is not None:
         return list(transcript)
     # Only response ids: the broker's store also holds other APIs' entries (gateway.api.ui_chat.chats).
-    if gw.broker is not None and previous_response_id.startswith(RESPONSE_ID_PREFIX) \
-            and (data := await gw.broker.transcript(previous_response_id)) is not None:
+    if gw.remote is not None and previous_response_id.startswith(RESPONSE_ID_PREFIX) \
+            and (data := await gw.remote.transcript(previous_response_id)) is not None:
         return decode_transcript(data)
     raise previous_response_not_found(previous_response_id)
 

@@ -9,8 +9,8 @@ from typing import Any
 import orjson
 
 from engine_worker import protocol as p
-from gateway.api.openai.render import chunk_events
-from gateway.api.openai.request import ChunkBuilder
+from gateway.api.chat_render import chunk_events
+from gateway.api.chat_request import ChunkBuilder
 from gateway.api.responses.events import ResponseEvents
 from gateway.api.responses.render import ResponseRenderer
 from gateway.core.streams import ChunkEvent

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from gateway.api.chat_render import CHUNK_MERGE
+from gateway.api.chat_request import ChunkBuilder
 from gateway.api.openai.framing import FANOUT_SSE, FANOUT_WS
-from gateway.api.openai.render import CHUNK_MERGE
-from gateway.api.openai.request import ChunkBuilder
 from gateway.core.backpressure import SlowConsumerPolicy
 from gateway.core.follow import Watchdog
 from gateway.core.follow import follow as _follow

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from engine_worker import protocol as p
-from gateway.api.openai.render import ChatRenderer
-from gateway.api.openai.request import ChunkBuilder
+from gateway.api.chat_render import ChatRenderer
+from gateway.api.chat_request import ChunkBuilder
 from gateway.api.responses.events import ResponseEvents
 from gateway.api.responses.render import ResponseRenderer
 from gateway.api.responses.routes import ENDPOINT as RESPONSES

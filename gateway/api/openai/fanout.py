@@ -28,10 +28,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from gateway.api.chat_request import parse_request
 from gateway.api.edge import gateway_of, read_body, refuse
-from gateway.api.generations import start_generation
+from gateway.api.generations import find_stream, start_generation
 from gateway.api.openai.framing import FANOUT_SSE, FANOUT_WS
-from gateway.api.openai.request import parse_request
 from gateway.core import sse
 from gateway.core.conn import PEER_GONE, WsConn
 from gateway.core.delivery import (
@@ -75,16 +75,6 @@ async def create_stream(request: Request) -> Response:
         "events_url": f"{base}/v1/streams/{stream.id}/events{query}",
         "ws_url": f"{ws_base}/v1/streams/{stream.id}/ws{query}",
     }, status_code=201, headers={"Location": f"/v1/streams/{stream.id}"})
-
-
-async def find_stream(gw: Gateway, stream_id: str) -> Stream:
-    """The local stream, else (with a broker) a mirror of another replica's; APIError 404 / 410 / 503."""
-    try:
-        return gw.hub.get(stream_id)
-    except APIError:
-        if gw.remote is None:
-            raise
-        return await gw.remote.mirror(stream_id)
 
 
 async def stream_status(request: Request) -> Response:
@@ -165,7 +155,7 @@ async def stream_ws(ws: WebSocket) -> None:
             await ws.send_text(orjson.dumps({"type": "error", "error": exc.body()["error"]}).decode())
             await ws.close(4000 + exc.status if exc.status < 1000 else 1008, exc.code or "error")
         return
-    conn = WsConn(ws.scope, ws._send, gw.policy.linger)
+    conn = WsConn.of(ws, gw.policy.linger)
     gauge = gw.metrics.subscribers.labels("ws")
     gauge.inc()
     outcome = None

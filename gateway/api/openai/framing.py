@@ -6,14 +6,14 @@
   ``fanout_ws``      ``{"type":"chunk","seq","data"}``        ``{"type":"done"}``   ``{"type":"error"}``, close 1011
   ``mux_ws``         ``{"type":"chunk","id","data"}``         ``{"type":"done","id"}``  ``{"type":"error","id"}``
 
-A lagging reader gets content chunks merged by :data:`gateway.api.openai.render.CHUNK_MERGE`.
+A lagging reader gets content chunks merged by :data:`gateway.api.chat_render.CHUNK_MERGE`.
 """
 
 from __future__ import annotations
 
 import orjson
 
-from gateway.api.openai.render import CHUNK_MERGE
+from gateway.api.chat_render import CHUNK_MERGE
 from gateway.core import sse
 from gateway.core.framing import Ending, Framing, Transport
 from gateway.core.merge import MergeRules

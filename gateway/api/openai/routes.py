@@ -13,11 +13,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine_worker import protocol as p
+from gateway.api.chat_render import chunk_events
+from gateway.api.chat_request import ChunkBuilder, Endpoint, dumps, parse_request
 from gateway.api.edge import error_response, gateway_of, read_body
 from gateway.api.generations import open_request, start_generation
 from gateway.api.openai.framing import OPENAI_SSE
-from gateway.api.openai.render import chunk_events
-from gateway.api.openai.request import ChunkBuilder, Endpoint, dumps, parse_request
 from gateway.core.delivery import SseResponse
 from gateway.errors import TokenfanError, engine_unavailable, to_api_error
 from gateway.state import Gateway

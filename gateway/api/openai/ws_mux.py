@@ -29,11 +29,11 @@ from typing import Any, cast
 import orjson
 from starlette.websockets import WebSocket
 
+from gateway.api.chat_request import Endpoint, parse_request
 from gateway.api.edge import gateway_of
 from gateway.api.generations import start_generation
 from gateway.api.lanes import Lanes, WsClientError
 from gateway.api.openai.framing import MuxWs, mux_cancelled
-from gateway.api.openai.request import Endpoint, parse_request
 from gateway.api.ws_session import WsSession
 from gateway.core.delivery import read, release
 from gateway.errors import APIError, ClientError, Refusal, TokenfanError, to_api_error

@@ -93,11 +93,11 @@ class ResponseEvents:
         if not events or events[0].get("type") != "response.created":
             raise ValueError("a response log starts with response.created")
         first = events[0]["response"]
-        b = cls.__new__(cls)
-        b.id, b.seq, b.items, b._open, b.reasoning_tokens = first["id"], 0, [], None, 0
-        b._response = dict(first)
+        b = cls.__new__(cls)  # its own state, rebuilt: the private members are this class's
+        b.id, b.seq, b.items, b._open, b.reasoning_tokens = first["id"], 0, [], None, 0  # noqa: SLF001
+        b._response = dict(first)  # noqa: SLF001
         for ev in events:
-            b._apply(ev)
+            b._apply(ev)  # noqa: SLF001
         return b
 
     def _apply(self, ev: dict[str, Any]) -> None:

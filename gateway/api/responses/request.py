@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from gateway.api.openai.request import ParsedRequest, parse_request
+from gateway.api.chat_request import ParsedRequest, parse_request
 from gateway.api.responses import chat as rc
 from gateway.api.validation import (
     Limits,

@@ -20,8 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.api.edge import gateway_of, read_body
-from gateway.api.generations import start_generation
-from gateway.api.openai.fanout import find_stream
+from gateway.api.generations import find_stream, start_generation
 from gateway.api.responses.chat import Message, decode_transcript, encode_transcript, responses_param
 from gateway.api.responses.events import ResponseEvents, response_from_events
 from gateway.api.responses.render import ResponseRenderer

@@ -45,8 +45,8 @@ test: setup test-deps lint
 # ruff, mypy and import-linter (the layer contracts in pyproject.toml) at the versions pinned in the `dev`
 # extra (installed by setup); fails on any finding.
 lint: setup
-	$(VENV)/bin/ruff check tokenfan gateway engine_worker tokenfan_bench tools tests
-	$(VENV)/bin/mypy tokenfan gateway engine_worker tokenfan_bench
+	$(VENV)/bin/ruff check tokenfan_settings tokenfan gateway engine_worker tokenfan_bench tools tests
+	$(VENV)/bin/mypy tokenfan_settings tokenfan gateway engine_worker tokenfan_bench
 	$(VENV)/bin/lint-imports
 
 clean:

@@ -1,5 +1,5 @@
 """Gateway settings: the :class:`GatewayConfig` dataclass, filled from the table in
-:mod:`tokenfan.settings` (flags, ``TOKENFAN_*`` environment fallbacks and defaults are declared there)."""
+:mod:`tokenfan_settings` (flags, ``TOKENFAN_*`` environment fallbacks and defaults are declared there)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 from gateway.core.backpressure import SlowConsumerPolicy
 from gateway.core.engine_pool import MigrationPolicy
 from gateway.core.streams import Retention
-from tokenfan.settings import build, declared
+from tokenfan_settings import build, declared
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -139,5 +139,5 @@ class GatewayConfig:
 
 
 def gateway_config(values: Mapping[str, Any]) -> GatewayConfig:
-    """A GatewayConfig from :func:`tokenfan.settings.resolve` values (of ``gateway`` or ``serve``)."""
+    """A GatewayConfig from :func:`tokenfan_settings.resolve` values (of ``gateway`` or ``serve``)."""
     return build(GatewayConfig, values, "gateway")

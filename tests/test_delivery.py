@@ -13,9 +13,9 @@ import orjson
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from engine_worker import protocol as p
+from gateway.api.chat_render import ChatRenderer, ChunkTemplate
+from gateway.api.chat_request import ChunkBuilder
 from gateway.api.openai.framing import OPENAI_SSE, MuxWs
-from gateway.api.openai.render import ChatRenderer, ChunkTemplate
-from gateway.api.openai.request import ChunkBuilder
 from gateway.core.backpressure import SlowConsumerPolicy
 from gateway.core.conn import HttpConn, Step, WsConn
 from gateway.core.delivery import Reader, ReaderMeter

@@ -13,8 +13,9 @@ import importlib.util
 import re
 from pathlib import Path
 
+import tokenfan_settings as settings
 from tests.procs import ROOT
-from tokenfan import cli, settings
+from tokenfan import cli
 from tokenfan_bench.cpu import client_cost
 from tokenfan_bench.report import matrix
 

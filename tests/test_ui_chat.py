@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from engine_worker import protocol as p
-from gateway.api.openai.request import parse_request
+from gateway.api.chat_request import parse_request
 from gateway.api.ui_chat.convert import chat_turn
 from gateway.api.ui_chat.framing import UI_MERGE, UI_MESSAGE_SSE
 from gateway.api.ui_chat.render import UiMessageRenderer

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from gateway.http.server import run_gateway
-from tokenfan.settings import SettingError, add_arguments, default_runtime_dir, given, resolve
+from tokenfan_settings import SettingError, add_arguments, default_runtime_dir, given, resolve
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig

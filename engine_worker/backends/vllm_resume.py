@@ -191,7 +191,8 @@ def advance_grammar(manager: Any, request: Any, grammar: Any) -> None:
         return
     original = list(request.prompt_token_ids or ())[:-len(ids)]
     start = 0
-    reasoner = None if manager.enable_in_reasoning else manager._get_reasoner(request)
+    # vLLM's own per-request reasoner, as the manager itself asks it (no public accessor)
+    reasoner = None if manager.enable_in_reasoning else manager._get_reasoner(request)  # noqa: SLF001
     if reasoner is not None and not reasoner.is_reasoning_end(original):
         start = next((j for j in range(1, len(ids) + 1) if reasoner.is_reasoning_end(original + ids[:j])),
                      len(ids) + 1)
@@ -207,7 +208,7 @@ def install_grammar_resume() -> None:
     ``tests/e2e/test_vllm_resume.py`` against the vLLM version the project pins."""
     from vllm.v1.structured_output import StructuredOutputManager
 
-    create = StructuredOutputManager._create_grammar
+    create = StructuredOutputManager._create_grammar  # noqa: SLF001  (vLLM's; no public hook)
     if getattr(create, "tokenfan_resume", False):
         return
 
@@ -217,4 +218,4 @@ def install_grammar_resume() -> None:
         return grammar
 
     _create_grammar.tokenfan_resume = True  # type: ignore[attr-defined]
-    StructuredOutputManager._create_grammar = _create_grammar  # type: ignore[method-assign]
+    StructuredOutputManager._create_grammar = _create_grammar  # type: ignore[method-assign]  # noqa: SLF001

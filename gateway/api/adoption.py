@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from engine_worker import protocol as p
-from gateway.api.openai.render import ChatRenderer, EngineChunkRenderer
-from gateway.api.openai.request import ChunkBuilder
+from gateway.api.chat_render import ChatRenderer, EngineChunkRenderer
+from gateway.api.chat_request import ChunkBuilder
 from gateway.api.responses.events import ResponseEvents
 from gateway.api.responses.render import ResponseRenderer
 from gateway.api.responses.routes import ENDPOINT as RESPONSES
@@ -36,7 +36,7 @@ from gateway.api.ui_chat.render import UiMessageRenderer
 from gateway.api.ui_chat.routes import ENDPOINT as UI_CHAT
 from gateway.core.delivery import pump
 from gateway.core.generation import Generation, Renderer
-from gateway.errors import APIError, EngineError
+from gateway.errors import TokenfanError
 
 if TYPE_CHECKING:
     from gateway.core.streams import Stream
@@ -125,7 +125,7 @@ class Adopter:
                     submit, request_id=f"{stream.id}.a{self._n}", resume=ids, resume_chars=chars))
                 handle.output_ids, handle.output_chars = list(ids), chars
             await handle.wait_accepted(gw.config.accept_timeout)
-        except (EngineError, APIError) as exc:
+        except TokenfanError as exc:
             gw.metrics.adoptions.labels("failed").inc()
             log.error("stream %s lost its owner %s: adoption failed (%s)", stream.id, header.owner, exc)
             return "no"

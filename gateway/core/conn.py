@@ -208,6 +208,13 @@ class WsConn:
         self._proto: Any = _writable_protocol(self.send)
         self._out: list[bytes] = []  # frame heads and payloads taken by write_now, written at flush
 
+    @classmethod
+    def of(cls, ws: Any, linger: float) -> WsConn:
+        """The connection of an accepted Starlette ``WebSocket``: its ASGI ``send`` (Starlette's own
+        ``WebSocket.send`` checks the socket's state on every message, which the delivery core's writes
+        do not need), or the server's raw one when the scope carries it."""
+        return cls(ws.scope, ws._send, linger)  # noqa: SLF001  (this module alone knows server internals)
+
     async def write(self, text: str) -> None:
         await self.send({"type": "websocket.send", "text": text})
 

@@ -46,7 +46,7 @@ import msgspec
 from engine_worker import protocol as p
 from gateway.core.conn import Step
 from gateway.core.request import Failure, Owner, RequestHandle
-from gateway.errors import APIError, EngineError
+from gateway.errors import EngineError, delivery_failed
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +193,7 @@ class EngineLink:
                 h.push(d, step)
             except Exception as exc:  # a bug rendering one request must not stop the link for all
                 log.exception("delivering a delta of %s failed", d.request_id)
-                h.fail(APIError(500, f"The gateway failed to deliver this generation: {exc!r}",
-                                type="server_error", code="internal_error"))
+                h.fail(delivery_failed(exc))
 
     def tick(self, now: float, sent_ns: int) -> None:
         """The pinger's beat, every ``heartbeat_interval``: if the heartbeats stopped since the last beat,

@@ -14,7 +14,7 @@ from gateway.core.streams import Event
 
 class MergeRules(Protocol):
     """An API's rule for merging a lagging reader's content events (:func:`coalesce`); the delivery core
-    knows no payload shape: the OpenAI chunks' rules are :data:`gateway.api.openai.render.CHUNK_MERGE`, the
+    knows no payload shape: the OpenAI chunks' rules are :data:`gateway.api.chat_render.CHUNK_MERGE`, the
     Responses events' :data:`gateway.api.responses.stream.RESPONSES_MERGE`."""
 
     def group(self, payload: dict[str, Any]) -> object | None:

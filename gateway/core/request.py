@@ -14,14 +14,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Protocol
 
 from engine_worker import protocol as p
-from gateway.errors import APIError, EngineError, to_api_error
+from gateway.errors import APIError, EngineError, TokenfanError, to_api_error
 
 if TYPE_CHECKING:
     from gateway.core.conn import Step
 
 # What a request can fail with: an EngineError from the engine link, or whatever the gateway passes to
 # ``fail_all`` (e.g. its shutdown error), delivered unchanged.
-Failure = EngineError | APIError
+Failure = TokenfanError
 
 
 class Sink(Protocol):
@@ -123,7 +123,7 @@ class RequestHandle:
         self.sink = sink
         while not self._queue.empty():
             item = self._queue.get_nowait()
-            if isinstance(item, (EngineError, APIError)):
+            if isinstance(item, TokenfanError):
                 sink.on_failure(to_api_error(item))
             else:
                 sink.on_delta(item, None)
@@ -155,7 +155,7 @@ class RequestHandle:
                 except TimeoutError:
                     yield None
                     continue
-            if isinstance(item, (EngineError, APIError)):
+            if isinstance(item, TokenfanError):
                 self.done = True
                 raise item
             yield item

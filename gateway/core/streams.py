@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import orjson
 
 from engine_worker import protocol as p
-from gateway.errors import APIError, stream_expired, stream_lost, stream_not_found
+from gateway.errors import APIError, stream_expired, stream_lost, stream_not_found, too_many_streams
 
 if TYPE_CHECKING:
     from gateway.core.conn import Step
@@ -46,8 +46,8 @@ class Template(Protocol):
 
 
 class ChunkEvent:
-    """One payload to append: its dict (``chunk``), or its ``template`` and text (the template renders the
-    JSON; the dict is parsed only if asked for), the engine emit time of the delta behind it, and its
+    """One payload to append: its dict (``payload``), or its ``template`` and text (the template renders the
+    JSON; :attr:`parsed` parses it only if asked for), the engine emit time of the delta behind it, and its
     accounting. ``seq``: the log position a payload that numbers itself names (the stream checks it)."""
 
     __slots__ = ("emit_ns", "finish_reason", "ids", "migrated", "payload", "seq", "template", "text", "tokens",
@@ -68,7 +68,7 @@ class ChunkEvent:
         self.migrated = False  # the first payload after the generation moved to another engine
 
     @property
-    def chunk(self) -> dict[str, Any] | None:
+    def parsed(self) -> dict[str, Any] | None:
         """The payload as a dict (rendered and parsed if it comes from a template)."""
         if self.payload is None and self.template is not None:
             self.payload = orjson.loads(self.template.render(self.text, self.seq or 0))
@@ -148,7 +148,7 @@ class Event:
         return orjson.dumps(self._payload)
 
     @property
-    def chunk(self) -> dict[str, Any]:
+    def timed_payload(self) -> dict[str, Any]:
         """The payload with the ``tokenfan`` timing object (what fan-out subscribers and the broker carry)."""
         return {**self.payload, "tokenfan": self.timing}
 
@@ -315,8 +315,7 @@ class StreamHub:
         """Raise the 429 if no stream can be created now (after evicting what is due)."""
         self.evict()
         if len(self.streams) >= self.retention.max_streams:
-            raise APIError(429, f"Too many streams ({len(self.streams)}); the limit is {self.retention.max_streams}.",
-                           type="rate_limit_error", code="too_many_streams", retry_after=1.0)
+            raise too_many_streams(len(self.streams), self.retention.max_streams)
 
     def create(self, endpoint: str, model: str, stream_id: str | None = None, *, listed: bool = True) -> Stream:
         """A new running stream (call :meth:`check_capacity` first to refuse early). An unlisted

@@ -113,7 +113,7 @@ def make_backend(plan: Plan, slots: int) -> Backend:
 
         backend: Backend = PythonBackend(slots, plan.timeout, plan.cafile)
     else:
-        from tokenfan_bench.clients.fast import FastBackend
+        from tokenfan_bench.clients.fast_backend import FastBackend
 
         backend = FastBackend(plan.cafile, plan.h2_streams_per_connection)
     missing = [t for t in plan.transports if t not in backend.transports and t not in RESPONSES_TRANSPORTS]

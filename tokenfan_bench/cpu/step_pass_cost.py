@@ -29,9 +29,9 @@ import numpy as np
 from uvicorn.protocols.http.flow_control import FlowControl
 
 from engine_worker import protocol as p
+from gateway.api.chat_render import ChatRenderer
+from gateway.api.chat_request import ChunkBuilder
 from gateway.api.openai.framing import FANOUT_SSE, OPENAI_SSE, MuxWs
-from gateway.api.openai.render import ChatRenderer
-from gateway.api.openai.request import ChunkBuilder
 from gateway.api.responses.events import ResponseEvents
 from gateway.api.responses.render import ResponseRenderer
 from gateway.api.responses.stream import RESPONSES_SSE

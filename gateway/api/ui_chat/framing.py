@@ -20,8 +20,9 @@ from typing import Any
 import orjson
 
 from gateway.core import sse
-from gateway.core.framing import Ending, Framing, slow_consumer_error
+from gateway.core.framing import Ending, Framing
 from gateway.core.streams import Event, Stream
+from gateway.errors import slow_consumer
 
 HEADER = (b"x-vercel-ai-ui-message-stream", b"v1")
 TERMINAL = {"finish", "error", "abort"}
@@ -73,7 +74,7 @@ class UiMessageSse(Framing):
         return Ending(sse.DONE)
 
     def cut(self, send_timeout: float) -> Ending:
-        err = slow_consumer_error(send_timeout, resumable=False)
+        err = slow_consumer(send_timeout, resumable=False)
         return Ending(part_frame({"type": "error", "errorText": err.message + " Reload to resume the answer."}))
 
 

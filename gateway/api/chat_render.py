@@ -21,7 +21,7 @@ from gateway.core.streams import ChunkEvent
 from gateway.errors import APIError
 
 if TYPE_CHECKING:
-    from gateway.api.openai.request import ChunkBuilder
+    from gateway.api.chat_request import ChunkBuilder
     from gateway.core.request import RequestHandle
     from gateway.core.streams import Event
 

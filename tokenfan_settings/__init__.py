@@ -6,13 +6,13 @@ arguments (:func:`add_arguments`), the values of a command line with environment
 (:func:`resolve`: the flag wins, then the environment, then the default), the config dataclasses
 (:func:`build`, and the defaults of their fields via :func:`declared`), the argv that reproduces a
 config (:func:`to_argv`, what ``tokenfan serve`` passes to its engine) and the reference table in
-docs/settings.md (``python -m tokenfan.settings --write docs/settings.md``).
+docs/settings.md (``python -m tokenfan_settings --write docs/settings.md``).
 
 ``--help`` shows the settings a user sets, in the groups of :data:`HELP_GROUPS`; every other one is
 *advanced*: it works the same (flag and environment), ``--help-all`` shows it, and docs/settings.md lists it.
 
-It lives in the engine package because the gateway imports the engine package and never the reverse;
-the engine reads only its own rows.
+It is the foundation both processes stand on: it imports nothing of tokenfan's, and the gateway, the
+engine worker and the umbrella CLI (:mod:`tokenfan.cli`) import it; the engine reads only its own rows.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -565,7 +564,7 @@ def replace_table(text: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m tokenfan.settings",
+    ap = argparse.ArgumentParser(prog="python -m tokenfan_settings",
                                  description=f"Print or update the settings reference ({SETTINGS_DOC}).")
     ap.add_argument("--markdown", action="store_true", help="print the tables")
     ap.add_argument("--write", type=Path, metavar="PAGE", help=f"replace the tables in this page ({SETTINGS_DOC})")
@@ -579,7 +578,3 @@ def main(argv: list[str] | None = None) -> int:
     if ns.markdown or not ns.write:
         print(markdown())
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -108,6 +108,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds one subscription may take")
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     ap.add_argument("--threshold-ms", type=float, default=50.0, help="p99 delivery latency defining saturation")
+    ap.add_argument("--wait-ready", type=float, default=60.0, metavar="S",
+                    help="seconds to wait for the gateway at --url to answer /health with 200 (default 60: it may "
+                         "still be starting)")
     ap.add_argument("--fit-limits", action="store_true",
                     help="when the run would pass a limit of the gateway (from its /health), run the most streams "
                          "that fit instead of stopping")
@@ -239,7 +242,7 @@ def fit_levels(ns: argparse.Namespace, url: str) -> list[int]:
     ``--fit-limits`` lowers it."""
     levels = ns.sweep or [ns.streams]
     try:
-        known = limits.read(url, cafile=ns.cafile)
+        known = limits.read(url, cafile=ns.cafile, wait=ns.wait_ready)
     except limits.LimitsUnknown as exc:
         raise DoesNotFit(f"tokenfan bench: {exc}") from None
     if known is None:

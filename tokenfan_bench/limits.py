@@ -19,6 +19,7 @@ requests: a slot's ``POST /v1/streams`` runs when its previous subscribers are d
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -107,9 +108,25 @@ def largest_fit(transports: tuple[str, ...], streams: int, separate: bool, max_t
     return lo
 
 
-def read(url: str, timeout: float = 5.0, cafile: str | None = None) -> dict[str, Any] | None:
+def read(url: str, timeout: float = 5.0, cafile: str | None = None, wait: float = 0.0) -> dict[str, Any] | None:
     """The ``limits`` of ``url``'s ``/health`` (``None``: the gateway does not say, e.g. an older one);
-    raises :class:`LimitsUnknown` when ``/health`` cannot be read or the gateway is not ready."""
+    raises :class:`LimitsUnknown` when ``/health`` cannot be read or the gateway is not ready. A gateway that
+    refuses connections or answers 503 (still starting) is asked again for up to ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return _read(url, timeout, cafile)
+        except _NotYet as exc:
+            if time.monotonic() >= deadline:
+                raise LimitsUnknown(str(exc)) from None
+            time.sleep(0.5)
+
+
+class _NotYet(LimitsUnknown):
+    """The gateway is not up or not ready yet."""
+
+
+def _read(url: str, timeout: float, cafile: str | None) -> dict[str, Any] | None:
     import ssl
 
     ctx = None
@@ -120,9 +137,13 @@ def read(url: str, timeout: float = 5.0, cafile: str | None = None) -> dict[str,
             body = json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         if exc.code == 503:
-            raise LimitsUnknown(f"{url}/health answers 503: the gateway is not ready yet (its engine is still "
-                                "starting, or down); run the bench once /health answers 200") from None
+            raise _NotYet(f"{url}/health answers 503: the gateway is not ready (its engine is still starting, "
+                          "or down); run the bench once /health answers 200") from None
         raise LimitsUnknown(f"{url}/health answers HTTP {exc.code}: is this a tokenfan gateway?") from None
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ConnectionRefusedError):
+            raise _NotYet(f"cannot reach {url}: connection refused (is the gateway running?)") from None
+        raise LimitsUnknown(f"cannot read {url}/health: {exc.reason}") from None
     except (OSError, ValueError) as exc:
         raise LimitsUnknown(f"cannot read {url}/health: {exc}") from None
     limits = body.get("limits") if isinstance(body, dict) else None

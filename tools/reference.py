@@ -158,6 +158,8 @@ ERRORS: dict[str, tuple[str, str, str]] = {
 INTERNAL = {
     "adopted": "an internal marker: a mirror's stream was adopted (the `outcome` of `tokenfan_adoptions_total`)",
     "stream_mirrored": "`/internal/streams/{id}` between workers: the worker mirrors the stream, it does not own it",
+    "version_mismatch": "the engine's answer to a gateway of another protocol version, which cannot decode it and "
+                        "logs both versions instead (CHANGELOG.md)",
     "bad_frame": "the engine's log and `tokenfan_engine_bad_frames`: a malformed frame it dropped",
 }
 

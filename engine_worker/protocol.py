@@ -29,6 +29,11 @@ class WireError(ValueError):
     """A frame that is not a valid message of this protocol version."""
 
 
+class VersionMismatch(WireError):
+    """A frame of another version of this protocol: the gateway and the engine are of releases that cannot
+    work together (CHANGELOG.md lists which can)."""
+
+
 class ChatMessage(msgspec.Struct, array_like=True, frozen=True):
     """One plain chat message. ``content`` is the string the client sent, or the texts of its text parts
     in order (``null`` content: no parts). The engine renders it with vLLM's chat layer, which joins parts
@@ -139,7 +144,8 @@ class Error(msgspec.Struct, tag="error", array_like=True, frozen=True):
     """A request failed (``request_id`` set) or the engine itself did (empty id).
 
     ``code`` is machine-readable: ``invalid_request``, ``context_length_exceeded``,
-    ``engine_error``, ``engine_overloaded``, ``bad_frame``.
+    ``engine_error``, ``engine_overloaded``, ``bad_frame``, ``version_mismatch`` (to a peer of another
+    protocol version, which can only log it).
     """
 
     request_id: str
@@ -181,6 +187,10 @@ def decode(frames: list[bytes]) -> Message:
         raise WireError(f"expected 2 frames, got {len(frames)}")
     magic, payload = frames
     if magic != MAGIC:
+        if magic[:9] == b"tokenfan/" and magic[9:].isdigit():
+            raise VersionMismatch(f"the peer speaks wire protocol {bytes(magic).decode()}, this process "
+                                  f"{MAGIC.decode()}: run a gateway and an engine of the same protocol version "
+                                  "(CHANGELOG.md); its frames are dropped")
         raise WireError(f"unsupported protocol header {bytes(magic[:32])!r}, expected {MAGIC!r}")
     try:
         return _decoder.decode(payload)

@@ -153,6 +153,7 @@ class EngineServer:
         self._step_ns = 0  # the clock of the deltas queued since the last flush (0: not read yet)
         self._last_ping: dict[bytes, float] = {}
         self._last_bad_log = 0.0
+        self._told: dict[bytes, float] = {}  # gateway identity -> when it was last told our protocol version
         # Preparing (chat template, tokenizer) is synchronous CPU work: one at a time, one per loop turn,
         # so a burst of submits never holds the loop for the whole burst (pings and deltas go between).
         self._prepare_turn = asyncio.Lock()
@@ -200,6 +201,10 @@ class EngineServer:
             identity, body = frames[0], frames[1:]
             try:
                 msg = p.decode(body)  # type: ignore[arg-type]
+            except p.VersionMismatch as exc:
+                self._bad_frame(identity, str(exc))
+                self._tell_other_version(identity)
+                continue
             except p.WireError as exc:
                 self._bad_frame(identity, str(exc))
                 continue
@@ -219,6 +224,15 @@ class EngineServer:
         if now - self._last_bad_log > 1.0:  # rate-limit: a flood of junk must not flood the log
             self._last_bad_log = now
             log.warning("dropped bad frame from %s: %s (total %d)", identity.hex(), reason, self.stats.bad_frames)
+
+    def _tell_other_version(self, identity: bytes) -> None:
+        """A gateway of another protocol version gets, at most once a second, an error frame of this one: it
+        cannot read it, but its log then names both versions (:class:`engine_worker.protocol.VersionMismatch`)
+        instead of waiting for a heartbeat that never comes."""
+        now = time.monotonic()
+        if now - self._told.get(identity, 0.0) >= 1.0:
+            self._told[identity] = now
+            self._reply_error(identity, "", "version_mismatch", f"this engine speaks {p.MAGIC.decode()}")
 
     def _heartbeat(self, ping_sent_ns: int) -> p.Heartbeat:
         running, waiting = self.backend.load()

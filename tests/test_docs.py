@@ -21,7 +21,7 @@ from tokenfan_bench.report import matrix
 
 README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").glob("*.md"))
-DOCS = [README, ROOT / "ARCHITECTURE.md", ROOT / "deploy" / "README.md", *PAGES]
+DOCS = [README, ROOT / "ARCHITECTURE.md", ROOT / "CHANGELOG.md", ROOT / "deploy" / "README.md", *PAGES]
 
 # Flags of other programs the docs quote: the clients and servers we measured with or configure. No parser
 # here can check them, so they are listed by program; a flag the docs stop naming must leave the list too.

@@ -12,6 +12,10 @@ stops it afterwards. Without ``--spawn`` a single ``--rates`` value only labels 
 ``--url`` (and paces the raw floor).
 
 Floor: ``--baseline raw`` repeats the (last) run against :mod:`tokenfan_bench.servers.raw_floor`.
+
+Limits: before it runs, the bench reads the gateway's limits from ``/health`` and stops (exit 2) naming the
+flags to lift when the run would not fit (``--fit-limits``: run fewer streams instead). A run in which any
+subscription failed prints its errors instead of figures and exits 1.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tokenfan_bench import limits
 from tokenfan_bench.clients.responses import RESPONSES_TRANSPORTS
 from tokenfan_bench.clients.workers import CLIENTS, TRANSPORTS, Plan
 from tokenfan_bench.network import shaping_proxy
@@ -103,6 +108,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds one subscription may take")
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     ap.add_argument("--threshold-ms", type=float, default=50.0, help="p99 delivery latency defining saturation")
+    ap.add_argument("--wait-ready", type=float, default=60.0, metavar="S",
+                    help="seconds to wait for the gateway at --url to answer /health with 200 (default 60: it may "
+                         "still be starting)")
+    ap.add_argument("--fit-limits", action="store_true",
+                    help="when the run would pass a limit of the gateway (from its /health), run the most streams "
+                         "that fit instead of stopping")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
@@ -115,8 +126,9 @@ def _profile(s: str) -> shaping_proxy.Profile:
 
 
 class Bench:
-    def __init__(self, ns: argparse.Namespace, argv: list[str]) -> None:
+    def __init__(self, ns: argparse.Namespace, argv: list[str], checked: list[int] | None = None) -> None:
         self.ns = ns
+        self.checked = checked  # --url: the levels fit_levels() allowed, checked before anything was created
         self.vias = tuple(split_arm(a)[1] or ns.via for a in ns.arms)
         ns.arms = tuple(split_arm(a)[0] for a in ns.arms)
         self.paths: Paths | None = None
@@ -185,6 +197,7 @@ class Bench:
         last: tuple[Run, dict[str, Any]] | None = None
         for rate in rates:
             with self.target(rate) as url, self.routes(url):
+                levels = self.checked if self.checked and not ns.spawn else fit_levels(ns, url)
                 if self.paths is not None:
                     network = self.paths.info
                 for n in levels:
@@ -215,9 +228,42 @@ class Bench:
                                                 raw_arms(ns.arms))
             results["baseline"] = run_outputs.baseline_result(results, raw_res, rate)
             run_outputs.plot_cdf(raw_run, self.out / "latency_cdf_raw.png", f"raw floor, N={run.plan.streams}")
+        errors = run_outputs.run_errors(results)
+        if errors is not None:
+            results = {"errors": errors, **run_outputs.withhold(results)}
         run_outputs.write_json(self.out / "results.json", results)
         (self.out / "summary.md").write_text(run_outputs.summary_md(results))
         return results
+
+
+def fit_levels(ns: argparse.Namespace, url: str) -> list[int]:
+    """The concurrency levels to run against ``url``, checked against its limits (see
+    :mod:`tokenfan_bench.limits`): raises :class:`DoesNotFit` when one would pass a limit, unless
+    ``--fit-limits`` lowers it."""
+    levels = ns.sweep or [ns.streams]
+    try:
+        known = limits.read(url, cafile=ns.cafile, wait=ns.wait_ready)
+    except limits.LimitsUnknown as exc:
+        raise DoesNotFit(f"tokenfan bench: {exc}") from None
+    if known is None:
+        print(f"tokenfan bench: {url}/health does not give its limits; the run is not checked against them",
+              file=sys.stderr)
+        return levels
+    arms, separate, worst = tuple(split_arm(a)[0] for a in ns.arms), ns.separate_streams, max(levels)
+    fit = limits.largest_fit(arms, worst, separate, ns.max_tokens, known)
+    problems = limits.over(limits.need(arms, worst, separate, ns.max_tokens), known)
+    if not problems:
+        return levels
+    if not ns.fit_limits or fit == 0:
+        raise DoesNotFit(limits.refusal(url, problems, worst, fit))
+    fitted = list(dict.fromkeys(min(n, fit) for n in levels))
+    print(f"tokenfan bench: --fit-limits: {worst} streams would pass {', '.join(p[0] for p in problems)} of "
+          f"{url}; running {','.join(map(str, fitted))} instead", file=sys.stderr)
+    return fitted
+
+
+class DoesNotFit(RuntimeError):
+    """The run would pass a limit of its gateway (or the gateway's limits cannot be read): it is not started."""
 
 
 def raw_arms(arms: tuple[str, ...]) -> tuple[str, ...]:
@@ -239,6 +285,9 @@ def _observed_rate(results: dict[str, Any]) -> float:
 
 
 def _brief(r: dict[str, Any]) -> str:
+    if run_outputs.run_errors(r) is not None:
+        return "; ".join(f"{a['transport']}: {a['errors']} of {a['subscribers']} subscriptions failed"
+                         for a in r["arms"].values()) + " (figures withheld)"
     parts = [f"{a['transport']} p50/p99 {a['delivery_ms']['p50'] or 0:.2f}/{a['delivery_ms']['p99'] or 0:.2f} ms"
              f" err {a['errors']}" for a in r["arms"].values()]
     return "; ".join(parts) + f"; diff {r['diff_ms']['median']:+.3f} ms"
@@ -282,8 +331,24 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("several --rates need --spawn: the bench cannot change the token rate of the engine at --url")
     if ns.client != "fast" and any(t in RESPONSES_TRANSPORTS for t in ns.arms):
         ap.error("the resp-sse and resp-ws arms need --client fast")
-    bench = Bench(ns, argv)
-    results = bench.run()
+    checked = None
+    if not ns.spawn:  # before anything is created: a run that cannot fit stops here
+        try:
+            checked = fit_levels(ns, ns.url)
+        except DoesNotFit as exc:
+            print(exc, file=sys.stderr)
+            return 2
+    bench = Bench(ns, argv, checked)
+    try:
+        results = bench.run()
+    except DoesNotFit as exc:
+        print(exc, file=sys.stderr)
+        return 2
     print(run_outputs.summary_md(results))
     print(f"\nwrote {bench.out / 'results.json'}, {bench.out / 'summary.md'} and plots", file=sys.stderr)
+    if results.get("errors"):
+        e = results["errors"]
+        print(f"tokenfan bench: {e['failed']} of {e['subscribers']} subscriptions failed: no figures (exit 1)",
+              file=sys.stderr)
+        return 1
     return 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -352,9 +353,11 @@ def parser() -> argparse.ArgumentParser:
                     "profile (default 2)")
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("docs/ab-report.md"), help="the markdown report")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the markdown report (default bench-results/report-<time>/ab-report.md); never a file "
+                         "git tracks: write elsewhere and copy it over on purpose")
     ap.add_argument("--plots", type=Path, default=None, help="plot directory (default: beside --out, its stem)")
-    ap.add_argument("--data", type=Path, default=None, help="raw results and logs (default bench-results/report-<time>)")
+    ap.add_argument("--data", type=Path, default=None, help="raw results and logs (default: --out's folder)")
     return ap
 
 
@@ -363,10 +366,35 @@ def _profiles(text: str) -> list[Profile]:
     return [parse_profile(p.strip()) for p in text.split(sep) if p.strip()]
 
 
-def main(argv: list[str]) -> int:
+def tracked(paths: list[Path]) -> list[Path]:
+    """Those of ``paths`` (files, or folders: anything under them) that git tracks in the repository they are
+    in; none outside a repository or without git."""
+    out = []
+    for path in paths:
+        where = path.resolve().parent if not path.is_dir() else path.resolve()
+        while not where.exists():
+            where = where.parent
+        try:
+            listed = subprocess.run(["git", "-C", str(where), "ls-files", "--", str(path.resolve())],
+                                    check=False, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if listed.returncode == 0 and listed.stdout.strip():
+            out.append(path)
+    return out
 
-    ns = parser().parse_args(argv)
-    data = ns.data or Path("bench-results") / time.strftime("report-%Y%m%d-%H%M%S")
+
+def main(argv: list[str]) -> int:
+    ap = parser()
+    ns = ap.parse_args(argv)
+    folder = Path("bench-results") / time.strftime("report-%Y%m%d-%H%M%S")
+    ns.out = ns.out or folder / "ab-report.md"
+    data = ns.data or ns.out.parent
+    clash = tracked([ns.out, ns.plots or ns.out.with_suffix("")])
+    if clash:
+        ap.error(f"{', '.join(map(str, clash))}: tracked by git; the report never writes over a tracked file. "
+                 "Give --out a new path (the default is a new folder under bench-results/) and copy the result "
+                 "over on purpose.")
     data.mkdir(parents=True, exist_ok=True)
     s = Settings(profiles=_profiles(ns.profiles), via_profiles=_profiles(ns.via_profiles) if ns.via_profiles else [],
                  levels=[int(x) for x in ns.levels.split(",")], max_tokens=ns.max_tokens, rate=ns.rate,

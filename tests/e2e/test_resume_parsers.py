@@ -28,7 +28,7 @@ import websockets
 
 from gateway.scaleout.workers import worker_socket
 from tests.e2e.helpers import in_flight, metric, sse_events, wait_until
-from tests.e2e.test_adoption import LEASE, Reader, server_children, sse_reader, until_killed
+from tests.e2e.test_adoption import LEASE, Reader, responses_reader, server_children, sse_reader, until_killed
 from tests.e2e.test_broker import RedisServer, redis_server  # noqa: F401  (the fixture)
 from tests.procs import NO_CLIENT_LIMITS, Proc, spawn, start_engine, start_gateway, stop_all, wait_healthy
 from tokenfan_bench.servers.processes import free_port
@@ -373,6 +373,9 @@ def test_tool_call_and_reasoning_streams_of_a_killed_worker_are_adopted_exactly(
         worker0 = server_children(server)[1]
         owner = httpx.AsyncHTTPTransport(uds=str(worker_socket(port, 0)))
 
+        background = responses("weather in the background", background=True, store=True)
+        events: list[dict[str, Any]] = []
+
         async def scenario() -> dict[str, PartsReader]:
             readers: dict[str, PartsReader] = {}
             async with httpx.AsyncClient(timeout=60) as c, httpx.AsyncClient(transport=owner, timeout=60) as w0:
@@ -385,6 +388,10 @@ def test_tool_call_and_reasoning_streams_of_a_killed_worker_are_adopted_exactly(
                         ev = asyncio.Event()
                         started.append(ev)
                         jobs.append(sse_reader(c, [url], r.json()["id"], reader, ev, fold_parts))
+                r = await w0.post("http://worker/v1/responses", json=background)
+                assert r.status_code == 200, r.text
+                started.append(asyncio.Event())
+                jobs.append(responses_reader(c, [url], r.json()["id"], events, started[-1]))
                 await until_killed(jobs, started, lambda: os.kill(worker0, signal.SIGKILL))
             return readers
 
@@ -408,7 +415,16 @@ def test_tool_call_and_reasoning_streams_of_a_killed_worker_are_adopted_exactly(
             assert (got.content, got.reasoning, got.tools, got.finish) == \
                 (want.content, want.reasoning, want.tools, want.finish), name
         assert readers["0/sse-0"].answer.tools[1]["headers"] == 1 and readers["1/sse-0"].answer.reasoning
+        # the background response: each event once, and the control's function calls and reasoning
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        got_response, want_response = Answer(), Answer()
+        got_response.fold_response(events[-1]["response"])
+        want_response.fold_response(httpx.post(url + "/v1/responses", timeout=60, json=responses(
+            "weather in the background")).json())
+        assert (got_response.tools, got_response.reasoning, got_response.finish) == \
+            (want_response.tools, want_response.reasoning, "completed"), events[-1]
+        assert len(got_response.tools) == 2
         # every stream was in flight on worker 0 at the kill, and was adopted
-        assert metric(url, "tokenfan_adoptions_total", {"outcome": "adopted"}) == len(questions)
+        assert metric(url, "tokenfan_adoptions_total", {"outcome": "adopted"}) == len(questions) + 1
     finally:
         assert server.stop() == 0, server.log()[-3000:]

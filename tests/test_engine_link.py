@@ -277,7 +277,7 @@ def test_the_migrator_parks_lost_requests_places_them_on_the_least_loaded_engine
     migrations = Migrations()
     migrator = Migrator(MigrationPolicy(limit=2, wait=5.0), migrations)
     migrator.lost(lost_link.address, lost.handles, lost.error, 0.5)
-    assert pen.done and migrations.outcomes["refused"] == 1
+    assert pen.done and migrations.outcomes["refused"] == 1 and migrations.refusals["no_token_ids"] == 1
     assert [h for h, _, _ in migrator.parked] == [a] and a.migrations == 1 and a.lost_at == 0.5
 
     migrator.place(0.6, [busy, idle])

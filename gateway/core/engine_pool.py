@@ -69,20 +69,21 @@ class Migrator:
         self.migrations = migrations
         self.parked: list[tuple[RequestHandle, EngineError, float]] = []  # (handle, its loss, deadline)
 
-    def refusal(self, h: RequestHandle) -> str | None:
-        """Why a lost request cannot be continued exactly, or None."""
+    def refusal(self, h: RequestHandle) -> tuple[str, str] | None:
+        """Why a lost request cannot be continued exactly (a reason code, its words), or None."""
         policy, sampling = self.policy, h.submit.sampling
         if h.migrations >= policy.limit:
-            return "migration is off" if not policy.limit else f"it was continued {h.migrations} times already"
+            return ("limit", "migration is off" if not policy.limit else
+                    f"it was continued {h.migrations} times already")
         if h.openai:  # vLLM's OpenAI layer: the engine replays its steps (Submit.resume_steps)
             pass
         elif h.output_chars and not h.output_ids:
-            return "its deltas carried no token ids"
+            return "no_token_ids", "its deltas carried no token ids"
         elif len(h.output_ids) >= sampling.max_tokens:
-            return "its token budget is spent"
+            return "budget_spent", "its token budget is spent"
         prompt = h.prompt_tokens or 0
         if policy.max_tokens and prompt + len(h.output_ids) > policy.max_tokens:
-            return f"its sequence ({prompt + len(h.output_ids)} tokens) is over --migration-max-tokens"
+            return "max_tokens", f"its sequence ({prompt + len(h.output_ids)} tokens) is over --migration-max-tokens"
         return None
 
     def lost(self, address: str, handles: list[RequestHandle], err: EngineError, now: float) -> None:
@@ -90,9 +91,11 @@ class Migrator:
         for h in handles:
             if h.closed:
                 continue
-            why = self.refusal(h)
-            if why is not None:
+            refused = self.refusal(h)
+            if refused is not None:
+                reason, why = refused
                 self.migrations.outcomes["refused"] += 1
+                self.migrations.refusals[reason] += 1
                 log.warning("request %s lost with engine %s: not continued (%s)", h.request_id, address, why)
                 h.done = True
                 h.fail(err)
@@ -213,8 +216,8 @@ class EnginePool:
 
     # -- migration (the rules: :class:`Migrator`) --------------------------------------------------
 
-    def refusal(self, h: RequestHandle) -> str | None:
-        """Why a lost request cannot be continued exactly, or None."""
+    def refusal(self, h: RequestHandle) -> tuple[str, str] | None:
+        """Why a lost request cannot be continued exactly (a reason code, its words), or None."""
         return self.migrator.refusal(h)
 
     def _lost(self, client: EngineClient, handles: list[RequestHandle], err: EngineError) -> None:

@@ -135,14 +135,19 @@ class DeliveryCollector(Collector):
 
 
 MIGRATION_OUTCOMES = ("continued", "refused", "timeout", "failed")
+# why a refused request was not continued (docs/failures.md): --migration-limit, --migration-max-tokens, deltas
+# without token ids, a plain request whose budget was spent
+MIGRATION_REFUSALS = ("limit", "max_tokens", "no_token_ids", "budget_spent")
 
 
 class Migrations:
     """What migration did: counts by outcome and the gap each continued request saw, from the loss to its
-    next delta (``tokenfan_migrations_total``, ``tokenfan_migration_gap_seconds``)."""
+    next delta (``tokenfan_migrations_total``, ``tokenfan_migration_refusals_total``,
+    ``tokenfan_migration_gap_seconds``)."""
 
     def __init__(self) -> None:
         self.outcomes = dict.fromkeys(MIGRATION_OUTCOMES, 0)
+        self.refusals = dict.fromkeys(MIGRATION_REFUSALS, 0)
         self.gap = HotHistogram()
 
 
@@ -161,6 +166,12 @@ class MigrationCollector(Collector):
         for outcome, n in self.migrations.outcomes.items():
             family.add_metric([outcome], float(n))
         yield family
+        refused = CounterMetricFamily("tokenfan_migration_refusals_total", "Requests whose engine was lost that "
+                                      "were not continued, by reason: limit (--migration-limit), max_tokens "
+                                      "(--migration-max-tokens), no_token_ids, budget_spent", labels=["reason"])
+        for reason, n in self.migrations.refusals.items():
+            refused.add_metric([reason], float(n))
+        yield refused
         gap: HotHistogram = self.migrations.gap
         hist = HistogramMetricFamily("tokenfan_migration_gap_seconds", "Loss of a request's engine to its next "
                                      "delta from the engine it continues on")

@@ -356,5 +356,6 @@ def test_with_migration_off_the_clients_are_told(ipc_dir: Path, limit: str) -> N
 
         assert asyncio.run(one()) == ["engine_unavailable"]
         assert metric(url, "tokenfan_migrations_total", {"outcome": "refused"}) == 1
+        assert metric(url, "tokenfan_migration_refusals_total", {"reason": "limit"}) == 1
     finally:
         stop_all([p for p in (gateway, engine) if p is not None])

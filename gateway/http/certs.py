@@ -58,11 +58,27 @@ def generate(directory: Path, names: tuple[str, ...] = (), days: int = 365) -> t
     return cert_path, key_path
 
 
+def sha256_of(cert_path: Path) -> str:
+    """The SHA-256 of a PEM certificate's DER bytes, hex: what WebTransport's ``serverCertificateHashes``
+    takes (browsers accept such a certificate without a CA if it is valid for at most 14 days)."""
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    return cert.fingerprint(hashes.SHA256()).hex()
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0].startswith("-"):
-        print("usage: tokenfan certs DIR [NAME ...]   (self-signed cert.pem + key.pem for localhost, "
-              "127.0.0.1, ::1 and NAMEs)", file=sys.stderr)
+    days = 365
+    if len(argv) >= 2 and argv[0] == "--days":
+        try:
+            days = int(argv[1])
+        except ValueError:
+            days = 0
+        argv = argv[2:]
+    if not argv or argv[0].startswith("-") or days < 1:
+        print("usage: tokenfan certs [--days N] DIR [NAME ...]   (self-signed cert.pem + key.pem for localhost, "
+              "127.0.0.1, ::1 and NAMEs, valid N days, default 365; N <= 13 for WebTransport by hash)",
+              file=sys.stderr)
         return 2
-    cert, key = generate(Path(argv[0]), tuple(argv[1:]))
+    cert, key = generate(Path(argv[0]), tuple(argv[1:]), days=days)
     print(f"--ssl-certfile {cert} --ssl-keyfile {key}")
+    print(f"sha256 {sha256_of(cert)}")
     return 0

@@ -192,3 +192,61 @@ def test_gateway_refuses_http3_without_a_certificate(tmp_path: Path) -> None:
     finally:
         proc.stop()
     assert "--http3-port needs a certificate" in proc.log_path.read_text()
+
+
+# -- the bench's sse-h3 and wt arms ------------------------------------------------------------------
+
+BENCH_RUN = ["--streams", "8", "--max-tokens", "40", "--ramp", "0.5", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def delayed_h3_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(TCP URL, HTTP/3 URL) of a gateway whose every WebTransport write sleeps 1 ms (bench calibration)."""
+    from tokenfan_bench.clients.quic import h3_gateway_args
+
+    d = tmp_path_factory.mktemp("h3-bench")
+    address = f"ipc://{d / 'engine.sock'}"
+    engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "50",
+                          "--synthetic-ttft-ms", "20", name="engine-h3-bench")
+    args, h3_url = h3_gateway_args(d / "tls")
+    try:
+        gateway, url = start_gateway(address, *args, "--inject-delay", "wt:1", "--max-subscriptions-per-client", "0",
+                                     "--max-connections-per-client", "0", name="gateway-h3-bench")
+    except BaseException:
+        engine.stop()
+        raise
+    yield url, h3_url
+    stop_all([gateway, engine])
+
+
+def bench(out: Path, *args: str) -> dict[str, object]:
+    import json
+
+    from tokenfan_bench.cli import main as bench_main
+
+    assert bench_main([*args, "--out", str(out)]) == 0
+    return json.loads((out / "results.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_bench_quic_arms_recover_an_injected_1ms_webtransport_delay(delayed_h3_gateway: tuple[str, str],
+                                                                     tmp_path: Path) -> None:
+    url, h3 = delayed_h3_gateway
+    r = bench(tmp_path, "--url", url, "--h3-url", h3, "--arms", "sse-h3,wt", *BENCH_RUN)
+    d = r["diff_ms"]
+    assert isinstance(d, dict) and d["paired"]
+    assert 0.7 <= d["median"] <= 2.2, d  # an asyncio.sleep(0.001) lasts 1.1-1.8 ms on 2 busy cores
+    lo, hi = d["ci95"]
+    assert lo <= d["median"] <= hi and lo <= 2.2 and hi >= 0.7, d
+    arms = r["arms"]
+    assert isinstance(arms, dict) and arms["A"]["errors"] == 0 and arms["B"]["errors"] == 0
+
+
+@pytest.mark.parametrize("arms", ["sse-h3,sse-h3", "wt,wt"])
+def test_bench_quic_aa_interval_contains_zero(delayed_h3_gateway: tuple[str, str], tmp_path: Path,
+                                              arms: str) -> None:
+    url, h3 = delayed_h3_gateway
+    r = bench(tmp_path, "--url", url, "--h3-url", h3, "--arms", arms, *BENCH_RUN)
+    d = r["diff_ms"]
+    assert isinstance(d, dict)
+    lo, hi = d["ci95"]
+    assert lo <= 0.0 <= hi, d

@@ -16,6 +16,7 @@ import asyncio
 import ssl
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -215,6 +216,28 @@ class QuicClient(QuicConnectionProtocol):
         self.transmit()
 
 
+def free_udp_port(host: str = "127.0.0.1") -> int:
+    """A UDP port free on ``host`` now (for a gateway's ``--http3-port``)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def h3_gateway_args(cert_dir: Path, host: str = "127.0.0.1", port: int | None = None) -> tuple[list[str], str]:
+    """Gateway flags for an HTTP/3 listener with a fresh self-signed certificate in ``cert_dir`` (valid 13
+    days: browsers take it by hash for WebTransport), and the URL the QUIC arms connect to."""
+    from gateway.http.certs import generate
+
+    cert, key = (cert_dir / "cert.pem", cert_dir / "key.pem")
+    if not cert.exists():
+        cert, key = generate(cert_dir, days=13)
+    port = port or free_udp_port(host)
+    return ([f"--http3-port={port}", f"--http3-certfile={cert}", f"--http3-keyfile={key}"],
+            f"https://{host}:{port}")
+
+
 def client_configuration(cafile: str | None) -> QuicConfiguration:
     qc = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, max_datagram_frame_size=65536)
     if cafile:
@@ -292,36 +315,40 @@ async def read_events(client: QuicClient, transport: str, authority: str, target
 
 
 class QuicBackend:
-    """The ``sse-h3`` and ``wt`` arms of the fast client: one :class:`QuicOrigin` per gateway address."""
+    """The ``sse-h3`` and ``wt`` arms of the fast client: per gateway address, QUIC connections that carry
+    up to ``k`` subscriptions each (``--h2-streams-per-connection``, as the HTTP/2 arms share theirs)."""
 
     transports = ("sse-h3", "wt")
     errors = QUIC_ERRORS
 
-    def __init__(self, cafile: str | None) -> None:
-        self.cafile = cafile
-        self.origins: dict[tuple[str, int], QuicOrigin] = {}
+    def __init__(self, cafile: str | None, k: int = 1) -> None:
+        self.cafile, self.k = cafile, max(1, k)
+        self.pools: dict[tuple[str, int, str], list[tuple[QuicOrigin, list[int]]]] = {}
 
-    def origin(self, url: str) -> tuple[QuicOrigin, str]:
+    async def _acquire(self, transport: str, url: str) -> tuple[QuicOrigin, list[int], str]:
         u = urlsplit(url)
         host, port = u.hostname or "127.0.0.1", u.port or 443
-        origin = self.origins.get((host, port))
-        if origin is None:
-            origin = self.origins[host, port] = QuicOrigin(host, port, self.cafile)
-        return origin, (u.path or "/") + (f"?{u.query}" if u.query else "")
+        target = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        pool = self.pools.setdefault((host, port, transport), [])
+        for origin, active in pool:
+            if active[0] < self.k:
+                break
+        else:
+            origin, active = QuicOrigin(host, port, self.cafile), [0]
+            pool.append((origin, active))
+        active[0] += 1
+        return origin, active, target
 
     async def subscribe(self, transport: str, info: dict[str, Any], rec: Recorder) -> None:
-        origin, target = self.origin(info["events_url"])  # rebased on the arm's https://host:--http3-port
-        client = await origin.client()
-        await read_events(client, transport, origin.authority, target, rec)
-
-    async def post(self, url: str, body: bytes) -> tuple[int, bytes]:
-        origin, target = self.origin(url)
-        client = await origin.client()
-        _, resp = client.request("POST", origin.authority, target, {"content-type": "application/json"}, body)
-        await resp.done
-        assert resp.status is not None
-        return resp.status, b"".join(resp.chunks)
+        # events_url is rebased on the arm's https://host:<--http3-port> (Plan.arm_urls)
+        origin, active, target = await self._acquire(transport, info["events_url"])
+        try:
+            client = await origin.client()
+            await read_events(client, transport, origin.authority, target, rec)
+        finally:
+            active[0] -= 1
 
     async def aclose(self) -> None:
-        for origin in self.origins.values():
-            await origin.close()
+        for pool in self.pools.values():
+            for origin, _ in pool:
+                await origin.close()

@@ -47,7 +47,7 @@ def test_iptables_counts_and_measured_loss_per_protocol() -> None:
     assert rules == {"tokenfan-seen-up-tcp": 100, "tokenfan-drop-up-tcp": 2, "tokenfan-seen-up-udp": 50,
                      "tokenfan-drop-up-udp": 1}
     tcp0 = {"Tcp.OutSegs": 10, "Tcp.RetransSegs": 1}
-    wire = {"packets": {}, "burst_drops": {}, "queue_drops": {}}
+    wire: dict[str, dict[str, dict[str, int]]] = {"packets": {}, "burst_drops": {}, "queue_drops": {}}
     before = {"iptables": {}, "wire": wire, "tcp": {"client": tcp0, "gateway": tcp0}}
     after = {"iptables": rules, "wire": wire, "tcp": {"client": tcp0, "gateway": {"Tcp.OutSegs": 110,
                                                                                   "Tcp.RetransSegs": 5}}}

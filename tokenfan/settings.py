@@ -188,7 +188,7 @@ SETTINGS: tuple[Setting, ...] = (
         "(--http3-certfile, else --ssl-certfile)", minimum=0),
     _gw("http3_certfile", PATH, None, "TLS certificate chain (PEM) for --http3-port (default: --ssl-certfile); "
         "browsers accept a self-signed one for WebTransport by its hash if it is valid for at most 14 days "
-        "(`tokenfan certs DIR --days 13`)"),
+        "(`tokenfan certs --days 13 DIR`)"),
     _gw("http3_keyfile", PATH, None, "TLS private key (PEM) for --http3-certfile (default: --ssl-keyfile)"),
     _gw("http_header_timeout", FLOAT, 10.0, "seconds a client may take to send its request headers"),
     _gw("http_body_timeout", FLOAT, 30.0, "seconds a client may take to send a request body"),

@@ -8,10 +8,10 @@ Chromium with ``--ignore-certificate-errors`` for local tests.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import ipaddress
 import os
-import sys
 from pathlib import Path
 
 from cryptography import x509
@@ -65,20 +65,24 @@ def sha256_of(cert_path: Path) -> str:
     return cert.fingerprint(hashes.SHA256()).hex()
 
 
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tokenfan certs", description="A self-signed cert.pem + key.pem for localhost, "
+                                 "127.0.0.1, ::1 and the NAMEs given, for --ssl-certfile/--http3-certfile.")
+    ap.add_argument("dir", type=Path, help="where to write cert.pem and key.pem (refuses to overwrite)")
+    ap.add_argument("names", nargs="*", help="more host names or addresses the certificate is valid for")
+    ap.add_argument("--days", type=int, default=365, help="validity in days (default 365; at most 13 for "
+                    "WebTransport by certificate hash, which browsers accept only for certificates valid ≤ 14 days)")
+    return ap
+
+
 def main(argv: list[str]) -> int:
-    days = 365
-    if len(argv) >= 2 and argv[0] == "--days":
-        try:
-            days = int(argv[1])
-        except ValueError:
-            days = 0
-        argv = argv[2:]
-    if not argv or argv[0].startswith("-") or days < 1:
-        print("usage: tokenfan certs [--days N] DIR [NAME ...]   (self-signed cert.pem + key.pem for localhost, "
-              "127.0.0.1, ::1 and NAMEs, valid N days, default 365; N <= 13 for WebTransport by hash)",
-              file=sys.stderr)
-        return 2
-    cert, key = generate(Path(argv[0]), tuple(argv[1:]), days=days)
+    ns = parser().parse_args(argv)
+    if ns.days < 1:
+        parser().error("--days must be at least 1")
+    try:
+        cert, key = generate(ns.dir, tuple(ns.names), days=ns.days)
+    except FileExistsError as exc:
+        parser().error(str(exc))
     print(f"--ssl-certfile {cert} --ssl-keyfile {key}")
     print(f"sha256 {sha256_of(cert)}")
     return 0

@@ -1,5 +1,5 @@
 """The report's packet-loss section end to end: namespaces, the packet wire, iptables drops, two gateways
-with HTTP/3, every arm on the same streams (needs root, ip, iptables; skipped otherwise)."""
+with HTTP/3, every arm on the same streams (needs root, as the suite runs, and `make test-deps`'s iptables)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.system import require
 from tokenfan_bench.network.lossy import available
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(available() is not None, reason=f"loss profiles: {available()}")]
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_loss_section_runs_every_arm_under_kernel_drops_and_reports_what_was_lost(tmp_path: Path) -> None:
     from tokenfan_bench.report.matrix import main as report_main
 
+    require("iptables")
+    assert available() is None, available()
     out = tmp_path / "report.md"
     out.write_text("# report\n\nearlier sections\n")
     assert report_main(["--loss-only", "--loss", "5%", "--loss-streams", "3", "--min-streams", "3",

@@ -9,7 +9,8 @@ uvicorn transport behind it), so its readers write through their own loop, and t
 - **HTTP/3** (:class:`H3Protocol`, ALPN ``h3``): request streams as in RFC 9114; a streamed response is
   SSE over HTTP/3 (DATA frames, the same bytes).
 - **WebTransport** (draft-02, what Chromium speaks): an extended CONNECT to :data:`WT_PATH` opens a
-  session; each bidirectional stream the client opens on it carries one exchange, framed as in
+  session (a browser's ``Origin`` is checked as for a WebSocket: the gateway's own host or
+  ``--allowed-origins``, else 403); each bidirectional stream the client opens on it carries one exchange, framed as in
   :mod:`gateway.http3.wire` (a JSON head line each way, then the body: for a stream, the SSE bytes).
 
 Back-pressure: aioquic buffers whatever it is given, so ``send`` waits while a stream holds more than
@@ -26,7 +27,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3Connection
@@ -226,13 +227,27 @@ class H3Protocol(QuicConnectionProtocol):
     def _open_session(self, stream_id: int, target: str, authority: bytes,
                       headers: list[tuple[bytes, bytes]]) -> None:
         assert self.h3 is not None
+        origin = next((v.decode("latin-1") for k, v in headers if k == b"origin"), None)
         status = b"200" if target.partition("?")[0] == WT_PATH else b"404"
+        if status == b"200" and not self._origin_allowed(origin, authority.decode("latin-1")):
+            log.info("WebTransport session refused: Origin %s is not allowed", origin)
+            status = b"403"
         self.h3.send_headers(stream_id, [(b":status", status), (b"sec-webtransport-http3-draft", b"draft02")],
                              end_stream=status != b"200")
         if status == b"200":
             self.sessions[stream_id] = set()
             self.session_authority[stream_id] = authority
         self.transmit()
+
+    def _origin_allowed(self, origin: str | None, authority: str) -> bool:
+        """The WebSocket rule (``--allowed-origins``, :class:`gateway.http.auth.Auth`) for a session: a page of
+        the gateway's own host passes whatever its port (the page comes from the TCP port, the session goes
+        to the UDP one), as does a client that sends no Origin (not a browser)."""
+        auth = getattr(getattr(self.app, "state", None), "auth", None)
+        if auth is None or origin is None:
+            return True
+        own = urlsplit(origin).hostname == urlsplit("//" + authority).hostname
+        return bool(auth.origin_ok(origin, urlsplit(origin).netloc if own else authority))
 
     def _wt_data(self, event: WebTransportStreamDataReceived) -> None:
         ex = self.exchanges.get(event.stream_id)

@@ -200,6 +200,29 @@ def test_webtransport_bad_head_and_limits_answer_openai_errors(h3_gateway: tuple
     assert orjson.loads(over_body)["error"]["code"] == "client_subscription_limit"
 
 
+def test_webtransport_session_from_a_foreign_origin_is_refused(h3_gateway: tuple[str, int]) -> None:
+    """As for a WebSocket: a page of another site gets 403; the gateway's own host on another port passes."""
+    _, port = h3_gateway
+
+    async def main() -> tuple[str, int]:
+        origin = QuicOrigin("127.0.0.1", port, None)
+        try:
+            client = await origin.client()
+            with pytest.raises(ConnectionError) as refused:
+                await client.open_session(origin.authority, origin="https://evil.example")
+        finally:
+            await origin.close()
+        origin = QuicOrigin("127.0.0.1", port, None)
+        try:
+            client = await origin.client()
+            return str(refused.value), await client.open_session(origin.authority, origin="http://127.0.0.1:8000")
+        finally:
+            await origin.close()
+
+    refused, session = asyncio.run(main())
+    assert "HTTP 403" in refused and session >= 0
+
+
 def test_gateway_refuses_http3_without_a_certificate(tmp_path: Path) -> None:
     from tests.procs import spawn
 

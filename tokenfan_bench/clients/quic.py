@@ -175,7 +175,7 @@ class QuicClient(QuicConnectionProtocol):
         return sid, resp
 
     # -- WebTransport
-    async def open_session(self, authority: str, path: str = WT_PATH) -> int:
+    async def open_session(self, authority: str, path: str = WT_PATH, origin: str | None = None) -> int:
         if self.session is not None:
             assert self._session_ready is not None
             await self._session_ready
@@ -184,7 +184,7 @@ class QuicClient(QuicConnectionProtocol):
         self._session_ready = asyncio.get_running_loop().create_future()
         self.h3.send_headers(sid, [(b":method", b"CONNECT"), (b":protocol", b"webtransport"), (b":scheme", b"https"),
                                    (b":authority", authority.encode()), (b":path", path.encode()),
-                                   (b"origin", f"https://{authority}".encode())])
+                                   (b"origin", (origin or f"https://{authority}").encode())])
         self.transmit()
         await self._session_ready
         return sid

@@ -37,6 +37,7 @@ from tokenfan_bench.stats.loss_table import arm_row, lowest
 from tokenfan_bench.stats.report_estimates import applied_delay, contains_zero, injected_sleeps, recovered
 
 LOSS_ARMS = ("sse", "sse", "sse-h2", "ws", "sse-h3", "wt")
+BROWSER_LOSS_ARMS = ("es", "es", "ws", "wt")  # Chromium: EventSource (HTTP/2, shared), WebSocket, WebTransport
 QUIC_CAL = ("sse-h3", "sse-h3", "wt")
 QUIC = ("sse-h3", "wt")
 DEFAULT_LEVELS = "0%,0.5%,2%,5%,2%-burst"
@@ -58,6 +59,8 @@ class LossSettings:
     n_boot: int
     seed: int
     logs: Path
+    browser: bool = False  # Chromium in the client namespace: es, es, ws, wt on streams of their own
+    browser_streams: int = 8
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,25 @@ def measure(s: LossSettings, tcp: str, h3: str, arms: tuple[str, ...], tag: str)
     return run, result
 
 
+def browser_run(s: LossSettings, g: LossGateways, cert: Path, tag: str) -> dict[str, Any]:
+    """Chromium (started in the calling thread's namespace) on the answer gateway's ``/ab`` page: each stream
+    read by one of :data:`BROWSER_LOSS_ARMS`, at least ``min_streams`` streams per arm."""
+    from gateway.http.certs import sha256_of
+    from tokenfan_bench.clients.browser import chromium, run_browser
+
+    rounds = -(-s.min_streams * len(BROWSER_LOSS_ARMS) // s.browser_streams)
+    with chromium(quic=True) as browser:
+        result = run_browser(g.tcp, BROWSER_LOSS_ARMS, streams=s.browser_streams, rounds=rounds,
+                             max_tokens=s.max_tokens, ramp=s.ramp / 2, n_boot=s.n_boot, seed=s.seed, browser=browser,
+                             separate=True, wt={"url": g.h3 + "/v1/wt", "hash": sha256_of(cert)})
+    run = result.pop("_run")
+    result["loss_rows"] = {k: arm_row(a, s.n_boot, s.seed) for k, a in run.arms.items()}
+    brief = " ".join(f"{k}={r['transport']} p50 {r['p50']['value'] or 0:.1f} p99 {r['p99']['value'] or 0:.1f} "
+                     f"err {r['errors']}" for k, r in result["loss_rows"].items())
+    print(f"{tag}: {brief}", file=sys.stderr, flush=True)
+    return result
+
+
 def scrape_wt_sleeps(url: str) -> Any:
     import httpx
 
@@ -131,6 +153,9 @@ def run_loss(s: LossSettings) -> dict[str, Any]:
                     applied = applied_delay(scrape_wt_sleeps(g.cal_tcp) - sleeps0)
                 cal.update(applied=applied, expected_ms=applied["median_ms"])
                 level["calibration"] = cal
+                if s.browser:
+                    with net.inside("client"):
+                        level["browser"] = browser_run(s, g, cert, f"loss {loss.name} browser")
                 out["levels"][loss.name] = level
     return out
 
@@ -162,6 +187,12 @@ def answer_rows(level: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["transport"]: r for k, r in rows.items() if k != "B"}
 
 
+def browser_rows(level: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The browser run's rows, one per API (its A/A's second EventSource left out)."""
+    rows = level.get("browser", {}).get("loss_rows", {})
+    return {r["transport"]: r for k, r in rows.items() if k != "B"}
+
+
 def section(loss: dict[str, Any]) -> list[str]:
     """The loss section of docs/ab-report.md."""
     lines = ["## Under real packet loss (network namespaces)", "",
@@ -172,8 +203,11 @@ def section(loss: dict[str, Any]) -> list[str]:
              f"streams: `sse` (HTTP/1.1 over TLS, a connection each), `sse-h2` ({loss['k']} subscribers per HTTP/2 "
              f"connection, as a page shares one), `ws` (a connection each), `sse-h3` ({loss['k']} per QUIC "
              f"connection), `wt` ({loss['k']} WebTransport streams per session); {loss['streams']} concurrent "
-             "streams. Each cell: value [95% interval over streams]; a stall is a gap > 5 × the stream's median "
-             "gap and > 250 ms."), "",
+             "streams." + (" Then headless Chromium in the client namespace on the gateway's `/ab` page: `browser-es` "
+             "(EventSource, the page's HTTP/2 connection), `browser-ws`, `browser-wt` (WebTransport, one session), "
+             "each stream read by one API (unpaired)." if any("browser" in lv for lv in loss["levels"].values())
+                           else "") + " Each cell: value [95% interval over streams]; a stall is a "
+             "gap > 5 × the stream's median gap and > 250 ms."), "",
              ("| loss | measured loss TCP · UDP | TCP retransmitted / sent (gateway) | "
              "transport | delivery p50 ms | delivery p99 ms | stalls /1000 gaps | errors |"),
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -182,7 +216,7 @@ def section(loss: dict[str, Any]) -> list[str]:
         lost = f"{_pct(m['protocols']['tcp']['loss'])} · {_pct(m['protocols']['udp']['loss'])}"
         gw = m["tcp"]["gateway"]
         retrans = f"{gw.get('Tcp.RetransSegs', 0)} / {gw.get('Tcp.OutSegs', 0)} ({_pct(gw['retrans_per_segment'])})"
-        for i, (t, r) in enumerate(answer_rows(level).items()):
+        for i, (t, r) in enumerate({**answer_rows(level), **browser_rows(level)}.items()):
             head = f"| {name} | {lost} | {retrans} |" if i == 0 else "| | | |"
             lines.append(f"{head} {t} | {_v(r['p50'], 2)} | {_v(r['p99'])} | {_v(r['stalls'], 2)} | {r['errors']} |")
     lines += ["", ("Which transport is lowest (its interval below every other transport's; else none resolved), "
@@ -197,9 +231,14 @@ def section(loss: dict[str, Any]) -> list[str]:
         qaa, qcal = cal["diffs_ms"]["B-A"], cal["diffs_ms"]["C-A"]
         ok = recovered(qcal, cal["expected_ms"])
         cells = [lowest(rows, m) or "none resolved" for m in ("p50", "p99", "stalls")]
+        browser = "–"
+        if "browser" in level:
+            baa = level["browser"]["diffs_ms"]["B-A"]
+            browser = (f"{lowest(browser_rows(level), 'p99') or 'none resolved'} · {_d(baa)} "
+                       f"{'✓' if contains_zero(baa) else '✗'}")
         lines.append(f"| {name} | {' | '.join(cells)} | {_d(aa)} {'✓' if contains_zero(aa) else '✗'} | "
                      f"{_d(qaa)} {'✓' if contains_zero(qaa) else '✗'} | {_d(qcal)} for {cal['expected_ms']:.3f} "
-                     f"{'✓ recovered' if ok else '✗ not recovered'} |")
+                     f"{'✓ recovered' if ok else '✗ not recovered'} | {browser} |")
     return lines + [""]
 
 

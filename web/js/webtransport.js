@@ -3,7 +3,8 @@
 // One WebTransport session per endpoint for the whole page, one bidirectional stream per subscription: the
 // page writes a JSON head line ({"method", "path", "headers"}) and closes its side; the gateway answers a
 // JSON head line ({"status", "headers"}) and then the same SSE bytes an EventSource reads, ending the
-// stream after `data: [DONE]`. Resume is a new stream with a `last-event-id` header.
+// stream after `data: [DONE]`. A subscription whose stream or session is lost resumes as EventSource does:
+// a new stream (on a new session if need be) with a `last-event-id` header, up to MAX_RESUMES times.
 //
 // `endpoint`: {url: "https://HOST:PORT/v1/wt", hash: "<sha-256 of the certificate, hex>"}; with a hash the
 // browser accepts a self-signed certificate valid for at most 14 days (`tokenfan certs --days 13`), as
@@ -13,6 +14,7 @@ import { authHeaders, epochMs } from "./api.js";
 import { SSEParser } from "./sse.js";
 
 const sessions = new Map(); // url -> Promise<WebTransport>
+const MAX_RESUMES = 3;
 
 function hexBytes(hex) {
   return new Uint8Array(hex.match(/../g).map((b) => parseInt(b, 16)));
@@ -50,7 +52,19 @@ export class WebTransportSubscription {
   }
 
   subscribe(stream) {
-    this.read(stream).then((reason) => this.resolve({ reason }), (err) => this.reject(err));
+    this.follow(stream).then((reason) => this.resolve({ reason }), (err) => this.reject(err));
+  }
+
+  async follow(stream) {
+    this.lastSeq = null;
+    for (;;) {
+      try {
+        return await this.read(stream, this.lastSeq);
+      } catch (err) {
+        if (this.stopped || err.httpStatus || this.reconnects >= MAX_RESUMES) throw err;
+        this.reconnects += 1; // the stream or its session was lost: resume after the last event seen
+      }
+    }
   }
 
   async read(stream, lastEventId = null) {
@@ -75,8 +89,12 @@ export class WebTransportSubscription {
       let failure = null;
       const parser = new SSEParser((ev) => {
         if (ev.data === "[DONE]") finished = true;
-        else if (ev.event === "error") failure = new Error(`WebTransport stream: ${ev.data}`);
-        else if (ev.event === "message") this.onChunk(JSON.parse(ev.data), recvMs);
+        else if (ev.event === "error") failure = Object.assign(new Error(`WebTransport stream: ${ev.data}`), { httpStatus: 200 });
+        else if (ev.event === "message") {
+          const chunk = JSON.parse(ev.data);
+          if (chunk.tokenfan) this.lastSeq = chunk.tokenfan.seq;
+          this.onChunk(chunk, recvMs);
+        }
       });
       while (!finished) {
         const { value, done } = await reader.read();
@@ -89,8 +107,10 @@ export class WebTransportSubscription {
           if (nl < 0) continue;
           head = JSON.parse(pending.slice(0, nl));
           text = pending.slice(nl + 1);
-          if (head.status !== 200) throw new Error(`WebTransport stream: HTTP ${head.status} ${text}`);
-          this.openMs = recvMs;
+          if (head.status !== 200) {
+            throw Object.assign(new Error(`WebTransport stream: HTTP ${head.status} ${text}`), { httpStatus: head.status });
+          }
+          if (this.openMs === null) this.openMs = recvMs;
         }
         parser.feed(text);
         if (failure) throw failure;
@@ -102,6 +122,7 @@ export class WebTransportSubscription {
   }
 
   async stop() {
+    this.stopped = true;
     if (this.stream) await this.stream.readable.cancel("stopped").catch(() => {});
     this.resolve({ reason: "cancelled" });
   }

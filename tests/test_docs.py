@@ -34,6 +34,8 @@ FOREIGN_FLAGS = {
     "vllm serve": {"--disable-log-stats", "--enable-prompt-embeds", "--trust-request-chat-template",
                    "--trust-request-mm-kwargs"},  # the last three: what tokenfan does not offer (api-fields.md)
     "chromium": {"--ignore-certificate-errors"},
+    "iptables": {"--mode", "--probability"},  # the loss rules of tokenfan_bench/network/lossy.py
+    "curl": {"--http3"},
     "docker": {"--build", "--build-arg", "--rm"},
     "pip": {"--no-deps"},
     "kubectl": {"--raw"},

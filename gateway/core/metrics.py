@@ -104,6 +104,14 @@ class DeliveryCollector(Collector):
         self.tokens = HotCounter()  # completion tokens received from the engine
         self.injected: dict[str, HotHistogram] = {}  # --inject-delay: transport -> the sleeps as timed
 
+    def transport(self, name: str) -> TransportMetrics:
+        """The metrics of connections labelled ``name`` (:data:`TRANSPORTS` from the start; another label,
+        a connection's own such as ``sse-h3``, from its first reader on)."""
+        m = self.transports.get(name)
+        if m is None:
+            m = self.transports[name] = TransportMetrics()
+        return m
+
     def inject(self, delays: dict[str, float]) -> None:
         """Time the sleeps of ``--inject-delay`` (transport -> seconds) into :data:`INJECTED_DELAY`."""
         self.injected = {t: HotHistogram(injected_delay_bounds(d)) for t, d in delays.items()}

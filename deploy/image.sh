@@ -3,21 +3,29 @@
 #
 #   deploy/image.sh [build] [cpu|gpu]   build deploy/docker/Dockerfile.<cpu|gpu> (default cpu) as tokenfan:<cpu|gpu>
 #   deploy/image.sh base                make the local base image from Debian's archive (buildah only)
+#   deploy/image.sh gpu-dry             build Dockerfile.gpu FROM a stand-in for the vLLM image (see below)
 #   deploy/image.sh tool                print the builder that would be used: docker, buildah, or none
 #   deploy/image.sh hash [cpu|gpu]      the hash of the build's inputs (the image's tokenfan.source-hash label)
 #   deploy/image.sh store               print the buildah storage directory
+#   deploy/image.sh buildah-args        print buildah's storage options (--root … --storage-driver …)
 #   deploy/image.sh clean               remove the build storage (buildah) and the build cache
 #
 # Builder: a working Docker daemon (`docker info` answers), else buildah (Debian's package; installed by
-# `make image-deps`). With buildah the images live in their own storage, never in the system's:
-# vfs driver under $TOKENFAN_IMAGE_STORE (default /var/tmp/tokenfan-image), so `make clean` can remove
-# them and a test can start them with `buildah --root … run --isolation chroot`.
+# `make image-deps`). With buildah the images live in their own storage, never in the system's: under
+# $TOKENFAN_IMAGE_STORE (default /var/tmp/tokenfan-image), so `make clean` can remove them and a test can
+# start them with `buildah --root … run --isolation chroot`.
 #
 # Base image: the official one (python:3.11-slim, vllm/vllm-openai) when its registry answers. Where no
 # registry is reachable, the CPU image is built FROM a base made here from Debian's archive with
 # mmdebstrap (bookworm, Debian's Python 3.11 in a virtual environment at /opt/python on PATH, so `python`
 # and `pip` behave as in python:3.11-slim). The GPU image has no such fallback (its base is the vLLM build
 # with CUDA): there it stops with the reason. TOKENFAN_IMAGE_BASE=official|debian forces a choice.
+#
+# GPU dry build (where vllm/vllm-openai cannot be pulled): Dockerfile.gpu, unchanged, built FROM a
+# stand-in made of the built CPU image with tokenfan, its user and its directories removed (so Python,
+# pip, torch and vLLM 0.32 are there, as in the vLLM image, but the CPU build of them, Python 3.11 and
+# Debian instead of the vLLM image's Ubuntu). It proves the Dockerfile's own steps (copy, the --no-deps
+# install and its dependency list, the import check, the user, the entrypoint), not CUDA or a GPU.
 #
 # torch comes from the PyTorch CPU index (the Dockerfile's default). Where that index is not reachable but
 # a local torch 2.13.0+cpu wheel is (pip's own find-links, e.g. /opt/wheels), that directory is mounted
@@ -40,11 +48,34 @@ TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
 log() { printf 'image.sh: %s\n' "$*" >&2; }
 die() { log "$*"; exit 1; }
 
-# buildah with its own storage (never the system's /var/lib/containers): vfs works without overlay
-# support or fuse; the build cache mounts go to $STORE/tmp (buildah puts them under TMPDIR).
+# buildah with its own storage (never the system's /var/lib/containers). The overlay driver where the
+# kernel mounts overlayfs here (a container is then a thin layer: seconds to make), else vfs (each
+# container a full copy of the image: about a minute for this one). TOKENFAN_IMAGE_DRIVER=vfs|overlay
+# chooses. The build cache mounts go to $STORE/tmp (buildah puts them under TMPDIR).
+driver() {
+    if [ -n "${TOKENFAN_IMAGE_DRIVER:-}" ]; then echo "$TOKENFAN_IMAGE_DRIVER"; return; fi
+    if [ -f "$STORE/driver" ]; then cat "$STORE/driver"; return; fi
+    local d="$STORE/overlay-probe" found=vfs
+    mkdir -p "$d"/{lower,upper,work,merged}
+    if mount -t overlay overlay -o "lowerdir=$d/lower,upperdir=$d/upper,workdir=$d/work" "$d/merged" 2>/dev/null; then
+        umount "$d/merged"
+        found=overlay
+    fi
+    rm -rf "$d"
+    echo "$found" > "$STORE/driver"
+    echo "$found"
+}
+
+buildah_args() {
+    local drv
+    drv=$(driver)
+    echo --root "$STORE/storage-$drv" --runroot "$STORE/run-$drv" --storage-driver "$drv"
+}
+
 bah() {
     mkdir -p "$STORE/tmp"
-    TMPDIR="$STORE/tmp" buildah --root "$STORE/storage" --runroot "$STORE/run" --storage-driver vfs "$@"
+    # shellcheck disable=SC2046
+    TMPDIR="$STORE/tmp" buildah $(buildah_args) "$@"
 }
 
 tool() {
@@ -183,11 +214,37 @@ image_size() {
     bah images --format '{{.Size}}' --filter "reference=$1" | head -1
 }
 
+gpu_dry() {
+    [ "$(tool)" = buildah ] || die "the GPU dry build uses buildah"
+    bah inspect --type image localhost/tokenfan:cpu >/dev/null 2>&1 || build cpu
+    local standin="localhost/tokenfan-gpu-standin:vllm-cpu" ctr started=$SECONDS args=()
+    ctr=$(bah from --pull=false localhost/tokenfan:cpu)
+    bah run --isolation chroot --network host --user 0:0 "$ctr" -- sh -c \
+        'pip uninstall -y -q tokenfan && userdel -r tokenfan 2>/dev/null; rm -rf /opt/tokenfan /run/tokenfan /var/cache/tokenfan'
+    bah config --user root --workingdir / --entrypoint '[]' --cmd '[]' \
+        --volume /run/tokenfan- --volume /var/cache/tokenfan- "$ctr"
+    bah commit --rm "$ctr" "$standin" >/dev/null
+    local cert="${PIP_CERT:-$(pip config get global.cert 2>/dev/null || true)}"
+    if [ -n "$cert" ] && [ -f "$cert" ]; then
+        args+=(-v "$cert:/mnt/pip-cert.pem:ro" --build-arg "PIP_CERT=/mnt/pip-cert.pem")
+    fi
+    cd "$ROOT"
+    bah bud --isolation chroot --network host --pull=false --layers=false \
+        --ignorefile deploy/docker/Dockerfile.gpu.dockerignore -f deploy/docker/Dockerfile.gpu \
+        --build-arg "VLLM_IMAGE=$standin" --label "tokenfan.source-hash=$(source_hash gpu)" \
+        -t localhost/tokenfan:gpu-dry "${args[@]}" .
+    bah rmi --prune >/dev/null 2>&1 || true
+    log "size: $(image_size localhost/tokenfan:gpu-dry) (uncompressed; the stand-in base is the CPU image)"
+    log "GPU dry build (FROM $standin) in $((SECONDS - started)) s"
+}
+
 clean() {
     if [ -d "$STORE" ]; then
-        if command -v buildah >/dev/null 2>&1 && [ -d "$STORE/storage" ]; then
+        if command -v buildah >/dev/null 2>&1 && [ -f "$STORE/driver" ]; then
             bah rm --all >/dev/null 2>&1 || true
-            bah unshare true >/dev/null 2>&1 || true
+            # overlay: buildah's own unmount of its layers before the files go
+            umount -R "$STORE/storage-overlay/overlay" 2>/dev/null || true
+            grep -o " $STORE/[^ ]*" /proc/mounts | sort -r | xargs -r -n1 umount 2>/dev/null || true
         fi
         # vfs layers hold read-only directories (and root-owned files): make them removable first
         chmod -R u+w "$STORE" 2>/dev/null || true
@@ -199,9 +256,11 @@ case "${1:-build}" in
     build) shift || true; build "${1:-cpu}" ;;
     cpu|gpu) build "$1" ;;
     base) make_base ;;
+    gpu-dry) gpu_dry ;;
     tool) tool ;;
     hash) source_hash "${2:-cpu}" ;;
     store) echo "$STORE" ;;
+    buildah-args) mkdir -p "$STORE"; buildah_args ;;
     clean) clean ;;
-    *) die "usage: $0 [build [cpu|gpu]|base|tool|store|clean]" ;;
+    *) die "usage: $0 [build [cpu|gpu]|base|gpu-dry|tool|hash|store|buildah-args|clean]" ;;
 esac

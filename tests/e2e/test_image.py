@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import itertools
 import json
 import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -72,11 +74,14 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(WHY is not None, reas
 # --------------------------------------------------------------------------- buildah
 
 
-def bah(*args: str, timeout: float = 120) -> str:
-    store = Path(_image_sh("store"))
-    out = subprocess.run(["buildah", "--root", str(store / "storage"), "--runroot", str(store / "run"),
-                          "--storage-driver", "vfs", *args], check=True, capture_output=True, text=True,
-                         timeout=timeout, env={**os.environ, "TMPDIR": str(store / "tmp")})
+@functools.cache
+def buildah() -> list[str]:
+    """buildah with the storage ``make image`` built into (``deploy/image.sh buildah-args``)."""
+    return ["buildah", *_image_sh("buildah-args").split()]
+
+
+def bah(*args: str, timeout: float = 180) -> str:
+    out = subprocess.run([*buildah(), *args], check=True, capture_output=True, text=True, timeout=timeout)
     return out.stdout.strip()
 
 
@@ -263,9 +268,7 @@ class Running:
 def run_in(c: Container, ns: Netns, argv: list[str], log: Path, *, env: dict[str, str] | None = None,
            volumes: dict[Path, str] | None = None, user: str | None = None) -> Running:
     """``argv`` run in ``c`` by ``buildah run --isolation chroot``, on ``ns``'s network."""
-    cmd = [*ns.prefix(), "buildah", "--root", f"{_image_sh('store')}/storage",
-           "--runroot", f"{_image_sh('store')}/run", "--storage-driver", "vfs", "run", "--isolation", "chroot",
-           "--network", "host"]
+    cmd = [*ns.prefix(), *buildah(), "run", "--isolation", "chroot", "--network", "host"]
     for k, v in (env or {}).items():
         cmd += ["-e", f"{k}={v}"]
     for host, target in (volumes or {}).items():
@@ -281,6 +284,11 @@ def run_in(c: Container, ns: Netns, argv: list[str], log: Path, *, env: dict[str
 
 def entry_argv(config: dict[str, Any]) -> list[str]:
     return [*(config.get("Entrypoint") or []), *(config.get("Cmd") or [])]
+
+
+def with_entrypoint(config: dict[str, Any], command: list[str]) -> list[str]:
+    """A command given by Compose (``command:``) or Kubernetes (``args:``): it replaces CMD, not ENTRYPOINT."""
+    return [*(config.get("Entrypoint") or []), *command]
 
 
 def volume_dir(path: Path, *, uid: int = UID, gid: int = UID, mode: int = 0o700) -> Path:
@@ -350,9 +358,11 @@ def test_the_image_names_a_non_root_user_and_holds_no_compiler_tests_or_pip_cach
 # --------------------------------------------------------------------------- the default entrypoint
 
 
-def _snapshot(rootfs: Path, skip: set[str]) -> dict[str, tuple[int, int, int]]:
-    """(mtime, size, mode) of every path in the container's root filesystem but the volumes and the kernel's."""
-    out: dict[str, tuple[int, int, int]] = {}
+def _snapshot(rootfs: Path, skip: set[str]) -> dict[str, tuple[int, int, int, int]]:
+    """(mtime, size, mode, uid) of every path in the container's root filesystem but the volumes and the
+    kernel's. A directory's mtime and size are left out: buildah itself makes and removes an entry in /run
+    at every run (seen with `true`); what a process creates or changes shows as the entry itself."""
+    out: dict[str, tuple[int, int, int, int]] = {}
     for dirpath, dirnames, filenames in os.walk(rootfs):
         rel = "/" + os.path.relpath(dirpath, rootfs).lstrip(".")
         dirnames[:] = [d for d in dirnames if os.path.join(rel, d) not in skip]
@@ -360,7 +370,9 @@ def _snapshot(rootfs: Path, skip: set[str]) -> dict[str, tuple[int, int, int]]:
             p = os.path.join(dirpath, name) if name else dirpath
             with contextlib.suppress(FileNotFoundError):
                 st = os.lstat(p)
-                out[os.path.join(rel, name) if name else rel] = (st.st_mtime_ns, st.st_size, st.st_mode)
+                is_dir = stat.S_ISDIR(st.st_mode)
+                out[os.path.join(rel, name) if name else rel] = (
+                    0 if is_dir else st.st_mtime_ns, 0 if is_dir else st.st_size, st.st_mode, st.st_uid)
     return out
 
 
@@ -453,9 +465,12 @@ def test_compose_engine_gateway_and_redis_serve_a_stream_through_the_shared_sock
     procs: list[Running] = []
     redis_proc = redis_in(netns, redis["command"], tmp_path / "redis.log")
     try:
-        procs.append(run_in(eng_c, netns, engine["command"], tmp_path / "engine.log", user=engine["user"],
+        # `command:` replaces the image's CMD; its ENTRYPOINT stays
+        procs.append(run_in(eng_c, netns, with_entrypoint(image, engine["command"]), tmp_path / "engine.log",
+                            user=engine["user"],
                             env=compose_env(engine, TOKENFAN_ENGINE="synthetic"), volumes=mounts(engine)))
-        procs.append(run_in(gw_c, netns, gateway["command"], tmp_path / "gateway.log", user=gateway["user"],
+        procs.append(run_in(gw_c, netns, with_entrypoint(image, gateway["command"]), tmp_path / "gateway.log",
+                            user=gateway["user"],
                             env=compose_env(gateway), volumes=mounts(gateway)))
         url = netns.relay(PORT)
         wait_health(url, procs)
@@ -534,7 +549,9 @@ def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_pre
         for name, c in ((("engine", eng_c)), ("gateway", gw_c)):
             mounts = {ipc if m["name"] == "ipc" else models: m["mountPath"]
                       for m in spec[name]["volumeMounts"] if m["name"] in ("ipc", "models")}
-            procs.append(run_in(c, netns, spec[name]["args"], tmp_path / f"{name}.log", user=user,
+            # `args:` replace the image's CMD; its ENTRYPOINT stays
+            procs.append(run_in(c, netns, with_entrypoint(image, spec[name]["args"]), tmp_path / f"{name}.log",
+                                user=user,
                                 env=env_engine if name == "engine" else env, volumes=mounts))
         engine, gateway = procs
         url = netns.relay(PORT)
@@ -597,10 +614,10 @@ def test_readiness_drops_and_gateway_liveness_holds_when_the_engine_is_gone(
     eng_c, gw_c = Container(), Container()
     procs: list[Running] = []
     try:
-        procs.append(run_in(eng_c, netns, spec["engine"]["args"], tmp_path / "engine.log", user=user, env=env_engine,
-                            volumes={ipc: "/run/tokenfan"}))
-        procs.append(run_in(gw_c, netns, spec["gateway"]["args"], tmp_path / "gateway.log", user=user, env=env,
-                            volumes={ipc: "/run/tokenfan"}))
+        procs.append(run_in(eng_c, netns, with_entrypoint(image, spec["engine"]["args"]), tmp_path / "engine.log",
+                            user=user, env=env_engine, volumes={ipc: "/run/tokenfan"}))
+        procs.append(run_in(gw_c, netns, with_entrypoint(image, spec["gateway"]["args"]), tmp_path / "gateway.log",
+                            user=user, env=env, volumes={ipc: "/run/tokenfan"}))
         url = netns.relay(PORT)
         wait_health(url, procs)
         procs[0].stop()  # SIGKILL: a dead engine

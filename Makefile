@@ -24,13 +24,15 @@ run: setup
 	$(VENV)/bin/tokenfan serve $(ARGS)
 
 # Debian packages the tests drive: chromium (Playwright's own browser download does not work here),
-# redis-server (the broker of the scale-out test) and nginx (tests/e2e/test_nginx.py runs
-# deploy/nginx/tokenfan.conf; its service is never started).
+# redis-server (the broker of the scale-out test), nginx (tests/e2e/test_nginx.py runs
+# deploy/nginx/tokenfan.conf; its service is never started) and iptables (the bench's packet-loss rules,
+# inside network namespaces of its own: tests/e2e/test_bench_loss.py).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 test-deps:
 	@missing=""; command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	test -x /usr/sbin/nginx || missing="$$missing nginx"; \
+	command -v iptables >/dev/null 2>&1 || test -x /usr/sbin/iptables || missing="$$missing iptables"; \
 	if [ -n "$$missing" ]; then $(SUDO) apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; fi
 

@@ -29,6 +29,11 @@ class WireError(ValueError):
     """A frame that is not a valid message of this protocol version."""
 
 
+class VersionMismatch(WireError):
+    """A frame of another version of this protocol: the gateway and the engine are of releases that cannot
+    work together (CHANGELOG.md lists which can)."""
+
+
 class ChatMessage(msgspec.Struct, array_like=True, frozen=True):
     """One plain chat message. ``content`` is the string the client sent, or the texts of its text parts
     in order (``null`` content: no parts). The engine renders it with vLLM's chat layer, which joins parts
@@ -139,7 +144,8 @@ class Error(msgspec.Struct, tag="error", array_like=True, frozen=True):
     """A request failed (``request_id`` set) or the engine itself did (empty id).
 
     ``code`` is machine-readable: ``invalid_request``, ``context_length_exceeded``,
-    ``engine_error``, ``engine_overloaded``, ``bad_frame``.
+    ``engine_error``, ``engine_overloaded``, ``bad_frame``, ``version_mismatch`` (to a peer of another
+    protocol version, which can only log it).
     """
 
     request_id: str
@@ -181,11 +187,47 @@ def decode(frames: list[bytes]) -> Message:
         raise WireError(f"expected 2 frames, got {len(frames)}")
     magic, payload = frames
     if magic != MAGIC:
+        if magic[:9] == b"tokenfan/" and magic[9:].isdigit():
+            raise VersionMismatch(f"the peer speaks wire protocol {bytes(magic).decode()}, this process "
+                                  f"{MAGIC.decode()}: run a gateway and an engine of the same protocol version "
+                                  "(CHANGELOG.md); its frames are dropped")
         raise WireError(f"unsupported protocol header {bytes(magic[:32])!r}, expected {MAGIC!r}")
     try:
         return _decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise WireError(f"undecodable payload: {exc}") from exc
+
+
+def pack_steps(steps: list[list[list[int]]]) -> list[int]:
+    """:attr:`Delta.steps` as one flat list of ints (what a stream log's token ids field holds for a request
+    of vLLM's OpenAI layer): per step its number of outputs, per output its length, then the output."""
+    out: list[int] = []
+    for step in steps:
+        out.append(len(step))
+        for entry in step:
+            out.append(len(entry))
+            out += entry
+    return out
+
+
+def unpack_steps(flat: list[int]) -> list[list[list[int]]]:
+    """The inverse of :func:`pack_steps`; raises :class:`WireError` on a list it did not make."""
+    steps: list[list[list[int]]] = []
+    i = 0
+    try:
+        while i < len(flat):
+            n, i = flat[i], i + 1
+            step = []
+            for _ in range(n):
+                size, i = flat[i], i + 1
+                if size < 2 or i + size > len(flat):
+                    raise WireError("packed steps: an output runs past the end")
+                step.append(flat[i:i + size])
+                i += size
+            steps.append(step)
+    except IndexError:
+        raise WireError("packed steps: truncated") from None
+    return steps
 
 
 def now_ns() -> int:

@@ -100,7 +100,8 @@ class Emitter:
     finish_reason: p.FinishReason | None = None
 
     def __call__(self, text: str, token_count: int, finish_reason: p.FinishReason | None = None,
-                 chunk: bytes = b"", token_ids: Sequence[int] = ()) -> None:
+                 chunk: bytes = b"", token_ids: Sequence[int] = (), steps: list[list[list[int]]] | None = None
+                 ) -> None:
         self.completion += token_count
         if self.merger is not None:
             step = self.merger.push(Step(text=text, token_count=token_count, finish_reason=finish_reason, chunk=chunk,
@@ -117,7 +118,7 @@ class Emitter:
         self.server.queue(self.identity, p.Delta(
             request_id=self.request_id, seq=self.seq, text=text, token_count=token_count,
             emit_ns=self.held_ns or self.server.step_ns(), finish_reason=finish_reason, usage=usage, chunk=chunk,
-            token_ids=token_ids if isinstance(token_ids, list) else list(token_ids)))
+            token_ids=token_ids if isinstance(token_ids, list) else list(token_ids), steps=steps or []))
         self.held_ns = 0
         self.seq += 1
 
@@ -152,6 +153,7 @@ class EngineServer:
         self._step_ns = 0  # the clock of the deltas queued since the last flush (0: not read yet)
         self._last_ping: dict[bytes, float] = {}
         self._last_bad_log = 0.0
+        self._told: dict[bytes, float] = {}  # gateway identity -> when it was last told our protocol version
         # Preparing (chat template, tokenizer) is synchronous CPU work: one at a time, one per loop turn,
         # so a burst of submits never holds the loop for the whole burst (pings and deltas go between).
         self._prepare_turn = asyncio.Lock()
@@ -199,6 +201,10 @@ class EngineServer:
             identity, body = frames[0], frames[1:]
             try:
                 msg = p.decode(body)  # type: ignore[arg-type]
+            except p.VersionMismatch as exc:
+                self._bad_frame(identity, str(exc))
+                self._tell_other_version(identity)
+                continue
             except p.WireError as exc:
                 self._bad_frame(identity, str(exc))
                 continue
@@ -218,6 +224,15 @@ class EngineServer:
         if now - self._last_bad_log > 1.0:  # rate-limit: a flood of junk must not flood the log
             self._last_bad_log = now
             log.warning("dropped bad frame from %s: %s (total %d)", identity.hex(), reason, self.stats.bad_frames)
+
+    def _tell_other_version(self, identity: bytes) -> None:
+        """A gateway of another protocol version gets, at most once a second, an error frame of this one: it
+        cannot read it, but its log then names both versions (:class:`engine_worker.protocol.VersionMismatch`)
+        instead of waiting for a heartbeat that never comes."""
+        now = time.monotonic()
+        if now - self._told.get(identity, 0.0) >= 1.0:
+            self._told[identity] = now
+            self._reply_error(identity, "", "version_mismatch", f"this engine speaks {p.MAGIC.decode()}")
 
     def _heartbeat(self, ping_sent_ns: int) -> p.Heartbeat:
         running, waiting = self.backend.load()
@@ -273,14 +288,17 @@ class EngineServer:
                 return
             await self._send(identity, p.Accepted(request_id=rid, prompt_tokens=prepared.prompt_tokens,
                                                   openai=prepared.openai))
-            if submit.resume:
+            # a continuation reports usage as one request: the output it resumes from counts
+            resumed = sum(len(out) - 2 for step in submit.resume_steps for out in step) if prepared.openai \
+                else len(submit.resume)
+            if submit.resume or submit.resume_steps:
                 log.info("accepted %s trace=%s prompt_tokens=%d: a continuation after %d output tokens", rid,
-                         submit.trace_id, prepared.prompt_tokens, len(submit.resume))
+                         submit.trace_id, prepared.prompt_tokens, resumed)
             else:
                 log.info("accepted %s trace=%s prompt_tokens=%d", rid, submit.trace_id, prepared.prompt_tokens)
             emitter = Emitter(self, identity, rid, prepared.prompt_tokens,
                               IntervalMerger(self.stream_interval) if self.stream_interval > 1 else None,
-                              completion=len(submit.resume))
+                              completion=resumed)
             await self.backend.stream(prepared, emitter)
             if emitter.finish_reason is None:  # the backend ended without a last step: stopped from outside
                 emitter("", 0, "abort")

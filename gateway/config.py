@@ -81,6 +81,9 @@ class GatewayConfig:
     workers: int = declared("workers")
     ssl_certfile: Path | None = declared("ssl_certfile")
     ssl_keyfile: Path | None = declared("ssl_keyfile")
+    http3_port: int = declared("http3_port")
+    http3_certfile: Path | None = declared("http3_certfile")
+    http3_keyfile: Path | None = declared("http3_keyfile")
     http_header_timeout: float = declared("http_header_timeout")
     http_body_timeout: float = declared("http_body_timeout")
     engine_address: str = declared("engine_address")  # comma-separated: several engines

@@ -21,7 +21,7 @@ from tokenfan_bench.report import matrix
 
 README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").glob("*.md"))
-DOCS = [README, ROOT / "ARCHITECTURE.md", ROOT / "deploy" / "README.md", *PAGES]
+DOCS = [README, ROOT / "ARCHITECTURE.md", ROOT / "CHANGELOG.md", ROOT / "deploy" / "README.md", *PAGES]
 
 # Flags of other programs the docs quote: the clients and servers we measured with or configure. No parser
 # here can check them, so they are listed by program; a flag the docs stop naming must leave the list too.
@@ -34,6 +34,8 @@ FOREIGN_FLAGS = {
     "vllm serve": {"--disable-log-stats", "--enable-prompt-embeds", "--trust-request-chat-template",
                    "--trust-request-mm-kwargs"},  # the last three: what tokenfan does not offer (api-fields.md)
     "chromium": {"--ignore-certificate-errors"},
+    "iptables": {"--mode", "--probability"},  # the loss rules of tokenfan_bench/network/lossy.py
+    "curl": {"--http3"},
     "docker": {"--build", "--build-arg", "--rm"},
     "pip": {"--no-deps"},
     "kubectl": {"--raw"},

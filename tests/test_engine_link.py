@@ -269,14 +269,15 @@ def test_the_migrator_parks_lost_requests_places_them_on_the_least_loaded_engine
     open_request(busy, "x", 0.0)
     lost_link = up("gone", address="ipc://gone")
     a, _ = open_request(lost_link, "a", 0.0)
-    pen = lost_link.submit(p.Submit("pen", "completions", p.Sampling(presence_penalty=0.5), prompt="x"), 0.0)
+    pen, _ = open_request(lost_link, "pen", 0.0)
+    lost_link.receive(delta("pen", 0, "z", []), 0.1, 0)  # text without token ids: nothing to continue from
     lost_link.disconnected()
     [lost] = lost_link.events_received()
 
     migrations = Migrations()
     migrator = Migrator(MigrationPolicy(limit=2, wait=5.0), migrations)
     migrator.lost(lost_link.address, lost.handles, lost.error, 0.5)
-    assert pen.done and migrations.outcomes["refused"] == 1  # a penalty depends on the output so far
+    assert pen.done and migrations.outcomes["refused"] == 1 and migrations.refusals["no_token_ids"] == 1
     assert [h for h, _, _ in migrator.parked] == [a] and a.migrations == 1 and a.lost_at == 0.5
 
     migrator.place(0.6, [busy, idle])

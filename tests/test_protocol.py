@@ -27,8 +27,10 @@ def test_every_message_round_trips() -> None:
 
 def test_wrong_version_header_is_rejected() -> None:
     frames = p.encode(p.Ping(sent_ns=1))
-    with pytest.raises(p.WireError, match="unsupported protocol header"):
+    with pytest.raises(p.VersionMismatch, match="speaks wire protocol tokenfan/999, this process tokenfan/"):
         p.decode([b"tokenfan/999", frames[1]])
+    with pytest.raises(p.WireError, match="unsupported protocol header"):
+        p.decode([b"HTTP/1.1 200", frames[1]])
 
 
 @pytest.mark.parametrize("payload", [b"", b"\xc1", b"\x93\x01\x02\x03", msgspec.msgpack.encode(["nope", 1]),

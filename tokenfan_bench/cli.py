@@ -12,6 +12,10 @@ stops it afterwards. Without ``--spawn`` a single ``--rates`` value only labels 
 ``--url`` (and paces the raw floor).
 
 Floor: ``--baseline raw`` repeats the (last) run against :mod:`tokenfan_bench.servers.raw_floor`.
+
+Limits: before it runs, the bench reads the gateway's limits from ``/health`` and stops (exit 2) naming the
+flags to lift when the run would not fit (``--fit-limits``: run fewer streams instead). A run in which any
+subscription failed prints its errors instead of figures and exits 1.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tokenfan_bench import limits
 from tokenfan_bench.clients.responses import RESPONSES_TRANSPORTS
-from tokenfan_bench.clients.workers import CLIENTS, TRANSPORTS, Plan
+from tokenfan_bench.clients.workers import CLIENTS, QUIC_TRANSPORTS, TRANSPORTS, Plan
 from tokenfan_bench.network import shaping_proxy
 from tokenfan_bench.network.paths import VIAS, Paths, open_paths, split_arm
 from tokenfan_bench.report import run_outputs
@@ -61,7 +66,8 @@ def parser() -> argparse.ArgumentParser:
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--url", help="gateway base URL, e.g. http://127.0.0.1:8000 (or use --spawn)")
     ap.add_argument("--arms", type=_arms, default=("sse", "ws"),
-                    help="one transport per arm A,B(,C…): sse (HTTP/1.1), ws, sse-h2, ws-h2 (RFC 8441); default sse,ws; "
+                    help="one transport per arm A,B(,C…): sse (HTTP/1.1), ws, sse-h2, ws-h2 (RFC 8441), sse-h3 (SSE over "
+                         "HTTP/3), wt (WebTransport; both to --h3-url); default sse,ws; "
                          "resp-sse, resp-ws: the Responses API over SSE / WebSocket mode, one response per "
                          "subscriber (implies --separate-streams); TRANSPORT@VIA routes one arm another way "
                          "(e.g. sse,sse@nginx)")
@@ -79,6 +85,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--h2-streams-per-connection", type=int, default=1, metavar="K",
                     help="HTTP/2 arms: subscribers multiplexed on one connection (default 1: one connection each, "
                          "like the other arms; a browser puts all of a page's streams on one)")
+    ap.add_argument("--h3-url", default=None, metavar="URL",
+                    help="where the sse-h3 and wt arms connect: https://HOST:PORT of the gateway's --http3-port "
+                         "(with --spawn: set up by the bench)")
     ap.add_argument("--streams", type=int, default=10, help="concurrent streams (default 10)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (default 64)")
     ap.add_argument("--duration", type=float, default=None,
@@ -103,6 +112,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds one subscription may take")
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     ap.add_argument("--threshold-ms", type=float, default=50.0, help="p99 delivery latency defining saturation")
+    ap.add_argument("--wait-ready", type=float, default=60.0, metavar="S",
+                    help="seconds to wait for the gateway at --url to answer /health with 200 (default 60: it may "
+                         "still be starting)")
+    ap.add_argument("--fit-limits", action="store_true",
+                    help="when the run would pass a limit of the gateway (from its /health), run the most streams "
+                         "that fit instead of stopping")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
@@ -115,22 +130,28 @@ def _profile(s: str) -> shaping_proxy.Profile:
 
 
 class Bench:
-    def __init__(self, ns: argparse.Namespace, argv: list[str]) -> None:
+    def __init__(self, ns: argparse.Namespace, argv: list[str], checked: list[int] | None = None) -> None:
         self.ns = ns
+        self.checked = checked  # --url: the levels fit_levels() allowed, checked before anything was created
         self.vias = tuple(split_arm(a)[1] or ns.via for a in ns.arms)
         ns.arms = tuple(split_arm(a)[0] for a in ns.arms)
         self.paths: Paths | None = None
         self.out: Path = ns.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
         self.out.mkdir(parents=True, exist_ok=True)
         self.meta = run_outputs.meta(argv, ns.seed)
+        self.h3_url: str | None = ns.h3_url
 
     def plan(self, url: str, streams: int, arms: tuple[str, ...] | None = None) -> Plan:
         ns = self.ns
         arms = arms or ns.arms
         separate = ns.separate_streams or any(t in RESPONSES_TRANSPORTS for t in arms)  # a response is one client's
         routed = self.paths if arms == ns.arms else None  # the raw floor is measured directly
+        arm_urls = routed.arm_urls if routed else ()
+        if not routed and any(t in QUIC_TRANSPORTS for t in arms):
+            assert self.h3_url is not None
+            arm_urls = tuple(self.h3_url if t in QUIC_TRANSPORTS else url.rstrip("/") for t in arms)
         return Plan(url=routed.post_url if routed else url.rstrip("/"),
-                    arm_urls=routed.arm_urls if routed else (), metrics_url=url.rstrip("/"), transports=arms, streams=streams, max_tokens=ns.max_tokens,
+                    arm_urls=arm_urls, metrics_url=url.rstrip("/"), transports=arms, streams=streams, max_tokens=ns.max_tokens,
                     duration=ns.duration, separate=separate, endpoint=ns.endpoint, ramp=ns.ramp,
                     seed=ns.seed, timeout=ns.timeout, client=ns.client, cafile=ns.cafile,
                     h2_streams_per_connection=ns.h2_streams_per_connection)
@@ -173,7 +194,13 @@ class Bench:
         if not self.ns.spawn:
             yield self.ns.url
             return
-        with processes.spawn_synthetic(rate or 20.0, self.ns.ttft_ms, self.out / "logs", self.ns.gateway_arg) as s:
+        extra: list[str] = []
+        if any(t in QUIC_TRANSPORTS for t in self.ns.arms):  # a listener for the QUIC arms
+            from tokenfan_bench.clients.quic import h3_gateway_args
+
+            extra, self.h3_url = h3_gateway_args(self.out / "tls")
+        with processes.spawn_synthetic(rate or 20.0, self.ns.ttft_ms, self.out / "logs",
+                                       [*self.ns.gateway_arg, *extra]) as s:
             yield s.url
 
     def run(self) -> dict[str, Any]:
@@ -185,6 +212,7 @@ class Bench:
         last: tuple[Run, dict[str, Any]] | None = None
         for rate in rates:
             with self.target(rate) as url, self.routes(url):
+                levels = self.checked if self.checked and not ns.spawn else fit_levels(ns, url)
                 if self.paths is not None:
                     network = self.paths.info
                 for n in levels:
@@ -215,9 +243,42 @@ class Bench:
                                                 raw_arms(ns.arms))
             results["baseline"] = run_outputs.baseline_result(results, raw_res, rate)
             run_outputs.plot_cdf(raw_run, self.out / "latency_cdf_raw.png", f"raw floor, N={run.plan.streams}")
+        errors = run_outputs.run_errors(results)
+        if errors is not None:
+            results = {"errors": errors, **run_outputs.withhold(results)}
         run_outputs.write_json(self.out / "results.json", results)
         (self.out / "summary.md").write_text(run_outputs.summary_md(results))
         return results
+
+
+def fit_levels(ns: argparse.Namespace, url: str) -> list[int]:
+    """The concurrency levels to run against ``url``, checked against its limits (see
+    :mod:`tokenfan_bench.limits`): raises :class:`DoesNotFit` when one would pass a limit, unless
+    ``--fit-limits`` lowers it."""
+    levels = ns.sweep or [ns.streams]
+    try:
+        known = limits.read(url, cafile=ns.cafile, wait=ns.wait_ready)
+    except limits.LimitsUnknown as exc:
+        raise DoesNotFit(f"tokenfan bench: {exc}") from None
+    if known is None:
+        print(f"tokenfan bench: {url}/health does not give its limits; the run is not checked against them",
+              file=sys.stderr)
+        return levels
+    arms, separate, worst = tuple(split_arm(a)[0] for a in ns.arms), ns.separate_streams, max(levels)
+    fit = limits.largest_fit(arms, worst, separate, ns.max_tokens, known)
+    problems = limits.over(limits.need(arms, worst, separate, ns.max_tokens), known)
+    if not problems:
+        return levels
+    if not ns.fit_limits or fit == 0:
+        raise DoesNotFit(limits.refusal(url, problems, worst, fit))
+    fitted = list(dict.fromkeys(min(n, fit) for n in levels))
+    print(f"tokenfan bench: --fit-limits: {worst} streams would pass {', '.join(p[0] for p in problems)} of "
+          f"{url}; running {','.join(map(str, fitted))} instead", file=sys.stderr)
+    return fitted
+
+
+class DoesNotFit(RuntimeError):
+    """The run would pass a limit of its gateway (or the gateway's limits cannot be read): it is not started."""
 
 
 def raw_arms(arms: tuple[str, ...]) -> tuple[str, ...]:
@@ -239,6 +300,9 @@ def _observed_rate(results: dict[str, Any]) -> float:
 
 
 def _brief(r: dict[str, Any]) -> str:
+    if run_outputs.run_errors(r) is not None:
+        return "; ".join(f"{a['transport']}: {a['errors']} of {a['subscribers']} subscriptions failed"
+                         for a in r["arms"].values()) + " (figures withheld)"
     parts = [f"{a['transport']} p50/p99 {a['delivery_ms']['p50'] or 0:.2f}/{a['delivery_ms']['p99'] or 0:.2f} ms"
              f" err {a['errors']}" for a in r["arms"].values()]
     return "; ".join(parts) + f"; diff {r['diff_ms']['median']:+.3f} ms"
@@ -282,8 +346,32 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("several --rates need --spawn: the bench cannot change the token rate of the engine at --url")
     if ns.client != "fast" and any(t in RESPONSES_TRANSPORTS for t in ns.arms):
         ap.error("the resp-sse and resp-ws arms need --client fast")
-    bench = Bench(ns, argv)
-    results = bench.run()
+    quic = any(split_arm(a)[0] in QUIC_TRANSPORTS for a in ns.arms)
+    if quic and ns.client != "fast":
+        ap.error("the sse-h3 and wt arms need --client fast")
+    if quic and not ns.spawn and not ns.h3_url:
+        ap.error("the sse-h3 and wt arms need --h3-url (the gateway's --http3-port), or --spawn")
+    if quic and (ns.net is not None or any(split_arm(a)[1] for a in ns.arms) or ns.via != "direct"):
+        ap.error("the shaping proxy and nginx carry TCP only: run the QUIC arms straight, or under loss and a "
+                 "profile with `tokenfan bench report --loss` (network namespaces)")
+    checked = None
+    if not ns.spawn:  # before anything is created: a run that cannot fit stops here
+        try:
+            checked = fit_levels(ns, ns.url)
+        except DoesNotFit as exc:
+            print(exc, file=sys.stderr)
+            return 2
+    bench = Bench(ns, argv, checked)
+    try:
+        results = bench.run()
+    except DoesNotFit as exc:
+        print(exc, file=sys.stderr)
+        return 2
     print(run_outputs.summary_md(results))
     print(f"\nwrote {bench.out / 'results.json'}, {bench.out / 'summary.md'} and plots", file=sys.stderr)
+    if results.get("errors"):
+        e = results["errors"]
+        print(f"tokenfan bench: {e['failed']} of {e['subscribers']} subscriptions failed: no figures (exit 1)",
+              file=sys.stderr)
+        return 1
     return 0

@@ -67,7 +67,7 @@ def parse_bool(raw: str) -> bool:
 def parse_transport_delay(raw: str) -> tuple[str, float]:
     """``"sse:1"`` -> ``("sse", 0.001)``: a transport and a delay in seconds."""
     transport, _, ms = raw.partition(":")
-    if transport not in ("sse", "ws") or not ms:
+    if transport not in ("sse", "ws", "sse-h3", "wt") or not ms:
         raise ValueError(raw)
     return transport, float(ms) / 1000.0
 
@@ -182,6 +182,13 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("workers", INT, 1, "gateway processes sharing the port", minimum=1),
     _gw("ssl_certfile", PATH, None, "TLS certificate chain (PEM); with --ssl-keyfile the gateway serves HTTPS"),
     _gw("ssl_keyfile", PATH, None, "TLS private key (PEM) for --ssl-certfile"),
+    _gw("http3_port", INT, 0, "UDP port for HTTP/3 and WebTransport (QUIC, on --host), 0 = off: SSE over "
+        "HTTP/3 on the same routes, WebTransport sessions at `/v1/wt` (docs/api.md); needs a certificate "
+        "(--http3-certfile, else --ssl-certfile)", minimum=0),
+    _gw("http3_certfile", PATH, None, "TLS certificate chain (PEM) for --http3-port (default: --ssl-certfile); "
+        "browsers accept a self-signed one for WebTransport by its hash if it is valid for at most 14 days "
+        "(`tokenfan certs --days 13 DIR`)"),
+    _gw("http3_keyfile", PATH, None, "TLS private key (PEM) for --http3-certfile (default: --ssl-keyfile)"),
     _gw("http_header_timeout", FLOAT, 10.0, "seconds a client may take to send its request headers"),
     _gw("http_body_timeout", FLOAT, 30.0, "seconds a client may take to send a request body"),
     Setting("served_model_name", STR, "model id shown in /v1/models, accepted in requests and written in "
@@ -231,7 +238,7 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("responses_ws_cache_chars", INT, 4_000_000, "Responses WebSocket mode: total text of those transcripts "
         "(oldest dropped first)"),
     _gw("shutdown_grace", FLOAT, 10.0, "seconds in-flight streams get to finish on SIGTERM"),
-    _gw("inject_delay", TRANSPORT_DELAY, None, "DIAGNOSTIC: delay every write of a transport (sse|ws) by MS ms, "
+    _gw("inject_delay", TRANSPORT_DELAY, None, "DIAGNOSTIC: delay every write of a transport (sse|ws|sse-h3|wt) by MS ms, "
         "for bench calibration (it also turns the one-pass write off, so both arms take the same path); off by "
         "default", default_factory=dict, repeat=True, collect=dict),
     _gw("max_concurrent", INT, 4096, "generations in flight in this gateway (429 above)"),

@@ -103,6 +103,8 @@ class HttpConn:
     def __init__(self, scope: MutableMapping[str, Any], send: Any, linger: float) -> None:
         self.send = scope.get("tokenfan.raw_send", send)  # the response has started: skip the wrappers
         self._safe_send = send
+        # what the metrics call this connection: "sse", or the label a server adapter put in the scope
+        self.label: str = scope.get("tokenfan.transport", self.transport)
         self.linger = linger
         self.closed = False
         self._cycle: Any = None  # uvicorn's request cycle, once write_now found it can write into it
@@ -200,6 +202,7 @@ class WsConn:
     """An accepted WebSocket."""
 
     transport = "ws"
+    label = "ws"  # what the metrics call it
 
     def __init__(self, scope: MutableMapping[str, Any], send: Any, linger: float) -> None:
         self.send = scope.get("tokenfan.raw_send", send)  # accepted already: skip the wrappers

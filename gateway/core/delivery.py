@@ -272,10 +272,11 @@ async def read(delivery: Delivery, stream: Stream, framing: Framing, after: int,
 
     The caller writes the returned ending (or :func:`finish_reader` does it for a whole connection)."""
     m = delivery.metrics
-    meter = ReaderMeter(m.hot.transports[framing.transport], time.monotonic() if t0 is None else t0)
-    reader = Reader(framing, conn, meter, delay=delivery.inject_delay.get(framing.transport, 0.0),
-                    slept=m.hot.injected.get(framing.transport))
-    active = m.active_streams.labels(framing.transport)
+    label = conn.label  # the metrics' transport: the framing's, or the connection's own (``sse-h3``, ``wt``)
+    meter = ReaderMeter(m.hot.transport(label), time.monotonic() if t0 is None else t0)
+    reader = Reader(framing, conn, meter, delay=delivery.inject_delay.get(label, 0.0),
+                    slept=m.hot.injected.get(label))
+    active = m.active_streams.labels(label)
     # --inject-delay (bench calibration) turns the one pass off for every transport, so the arms differ
     # only by the injected delay, not by the path their writes take.
     one_pass = delivery.direct_write and not delivery.inject_delay

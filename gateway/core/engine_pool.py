@@ -10,13 +10,15 @@ tracks its engine instance (see :mod:`gateway.core.engine_link`).
 
 Migration (docs/failures.md): when a link loses its engine (dropped connection, missed heartbeats, a new
 instance), each request that can be continued exactly is re-submitted to a healthy engine as a
-*continuation* (:meth:`EngineClient.resume`: the same request plus the output token ids delivered so far,
-and for vLLM's layer its engine steps so far; the engine generates the rest of the budget), so its stream goes on with the next token. With no healthy
+*continuation* (:meth:`EngineClient.resume`: the same request plus the output token ids delivered so far;
+the engine generates the rest of the budget), so its stream goes on with the next token. With no healthy
 engine (one engine, restarting) it waits up to ``MigrationPolicy.wait`` seconds. Requests it cannot
-continue exactly fail with ``engine_unavailable``, as before: served by vLLM's OpenAI layer (tools, parsers,
-structured outputs, logprobs, ``n`` > 1), with presence or frequency penalties (they depend on the output so
-far), past the migration limit or the sequence length limit. The rules (:class:`Migrator`) take the clock
-and the healthy engines as arguments; :class:`EnginePool` runs them on its links and retries parked requests.
+continue exactly fail with ``engine_unavailable``, as before: past the migration limit or the sequence
+length limit. A request served by vLLM's OpenAI layer (tools, parsers, structured outputs, logprobs,
+``n`` > 1) continues from its engine steps (``Submit.resume_steps``: the engine replays them through its
+parsers and grammar, ``engine_worker/backends/vllm_resume.py``). The rules (:class:`Migrator`) take the
+clock and the healthy engines as arguments; :class:`EnginePool` runs them on its links and retries parked
+requests.
 """
 
 from __future__ import annotations
@@ -70,22 +72,21 @@ class Migrator:
         self.migrations = migrations
         self.parked: list[tuple[RequestHandle, EngineError, float]] = []  # (handle, its loss, deadline)
 
-    def refusal(self, h: RequestHandle) -> str | None:
-        """Why a lost request cannot be continued exactly, or None."""
+    def refusal(self, h: RequestHandle) -> tuple[str, str] | None:
+        """Why a lost request cannot be continued exactly (a reason code, its words), or None."""
         policy, sampling = self.policy, h.submit.sampling
         if h.migrations >= policy.limit:
-            return "migration is off" if not policy.limit else f"it was continued {h.migrations} times already"
-        if h.openai:
-            return "it is served by vLLM's OpenAI layer (tools, parsers, structured outputs, logprobs, n > 1)"
-        if sampling.presence_penalty or sampling.frequency_penalty:
-            return "its presence or frequency penalty depends on the output so far"
-        if h.output_chars and not h.output_ids:
-            return "its deltas carried no token ids"
-        if len(h.output_ids) >= sampling.max_tokens:
-            return "its token budget is spent"
+            return ("limit", "migration is off" if not policy.limit else
+                    f"it was continued {h.migrations} times already")
+        if h.openai:  # vLLM's OpenAI layer: the engine replays its steps (Submit.resume_steps)
+            pass
+        elif h.output_chars and not h.output_ids:
+            return "no_token_ids", "its deltas carried no token ids"
+        elif len(h.output_ids) >= sampling.max_tokens:
+            return "budget_spent", "its token budget is spent"
         prompt = h.prompt_tokens or 0
         if policy.max_tokens and prompt + len(h.output_ids) > policy.max_tokens:
-            return f"its sequence ({prompt + len(h.output_ids)} tokens) is over --migration-max-tokens"
+            return "max_tokens", f"its sequence ({prompt + len(h.output_ids)} tokens) is over --migration-max-tokens"
         return None
 
     def lost(self, address: str, handles: list[RequestHandle], err: EngineError, now: float) -> None:
@@ -93,9 +94,11 @@ class Migrator:
         for h in handles:
             if h.closed:
                 continue
-            why = self.refusal(h)
-            if why is not None:
+            refused = self.refusal(h)
+            if refused is not None:
+                reason, why = refused
                 self.migrations.outcomes["refused"] += 1
+                self.migrations.refusals[reason] += 1
                 log.warning("request %s lost with engine %s: not continued (%s)", h.request_id, address, why)
                 h.done = True
                 h.fail(err)
@@ -216,8 +219,8 @@ class EnginePool:
 
     # -- migration (the rules: :class:`Migrator`) --------------------------------------------------
 
-    def refusal(self, h: RequestHandle) -> str | None:
-        """Why a lost request cannot be continued exactly, or None."""
+    def refusal(self, h: RequestHandle) -> tuple[str, str] | None:
+        """Why a lost request cannot be continued exactly (a reason code, its words), or None."""
         return self.migrator.refusal(h)
 
     def _lost(self, client: EngineClient, handles: list[RequestHandle], err: EngineError) -> None:

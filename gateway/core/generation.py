@@ -73,11 +73,13 @@ class Generation:
         if self.ended.done():
             return
         events = self.renderer.step(d)
-        if d.token_ids or self._ids:
+        # what an adopter resumes from: the token ids, or the engine steps of vLLM's OpenAI layer (packed)
+        ids = d.token_ids or (p.pack_steps(d.steps) if d.steps else d.token_ids)
+        if ids or self._ids:
             if not events:
-                self._ids += d.token_ids
+                self._ids += ids
             else:
-                events[-1].ids = self._ids + d.token_ids if self._ids else d.token_ids
+                events[-1].ids = self._ids + ids if self._ids else ids
                 self._ids = []
         if events and self.handle.rejoined:
             self.handle.rejoined = False

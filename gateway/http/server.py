@@ -43,6 +43,10 @@ def run_gateway(config: GatewayConfig, extra_lifespan: Any = None) -> None:
     """Serve the gateway app until SIGTERM/SIGINT, drain, return (the caller exits 0)."""
     from gateway.http.app import create_app
 
+    if config.http3_port:  # QUIC beside the TCP server, in its event loop, through the same app
+        from gateway.http3.server import http3_lifespan
+
+        extra_lifespan = http3_lifespan(lambda: app, config, extra_lifespan)
     app = create_app(config, extra_lifespan=extra_lifespan)  # RawSend is part of the app
     if config.ssl_certfile or config.ssl_keyfile:
         if not (config.ssl_certfile and config.ssl_keyfile):

@@ -16,13 +16,27 @@ from gateway.api.edge import gateway_of
 from gateway.state import Gateway
 
 
+def limits(gw: Gateway) -> dict[str, int | float]:
+    """The limits a load generator must fit in (``/health``'s ``limits``; docs/limits.md), by setting name;
+    ``0`` = no limit for the per-client ones and ``fair_share_at``."""
+    c = gw.config
+    return {"max_generations_per_client": c.max_generations_per_client,
+            "max_connections_per_client": c.max_connections_per_client,
+            "max_subscriptions_per_client": c.max_subscriptions_per_client,
+            "max_concurrent": c.max_concurrent, "max_concurrent_per_key": c.max_concurrent_per_key,
+            "fair_share_at": c.fair_share_at, "max_streams": c.retention.max_streams,
+            "max_subscribers": c.retention.max_subscribers, "max_tokens_cap": c.limits.max_tokens_cap,
+            "ws_max_in_flight": c.ws_max_in_flight, "ws_max_queued": c.ws_max_queued}
+
+
 async def health(request: Request) -> Response:
     """200 when this gateway can serve: its engine link is up and, with ``--workers``, so is that of every
-    worker listening on the shared port (else 503 + Retry-After; ``workers`` says how many are ready)."""
+    worker listening on the shared port (else 503 + Retry-After; ``workers`` says how many are ready).
+    ``limits`` gives the admission limits of this gateway (per process), ready or not."""
     gw: Gateway = gateway_of(request)
     hb = gw.engine.last_heartbeat
     engines = gw.engine.status()
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"limits": limits(gw)}
     ready = gw.engine.healthy and hb is not None
     if gw.config.workers > 1:
         from gateway.scaleout.peers import peers_ready

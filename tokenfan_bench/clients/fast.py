@@ -221,15 +221,18 @@ class SseSubscription(Sink):
 
     def __init__(self, rec: Recorder, fut: asyncio.Future[None]) -> None:
         self.rec, self.fut, self.dec = rec, fut, SseDecoder()
+        self.refused: tuple[int, list[bytes]] | None = None  # a status other than 200, and its body
 
     def head(self, t: int, head: ResponseHead) -> None:
         self.rec.connected_ns = t
         if head.status != 200:
-            self.rec.fail(f"SSE HTTP {head.status}")
+            self.refused = (head.status, [])
 
     def body(self, t: int, data: bytes) -> None:
         rec = self.rec
-        if rec.error is None:
+        if self.refused is not None:
+            self.refused[1].append(data)
+        elif rec.error is None:
             try:
                 for ev in self.dec.feed(data):
                     on_sse_event(rec, t, ev)
@@ -237,7 +240,9 @@ class SseSubscription(Sink):
                 rec.fail(f"sse: {type(exc).__name__}: {exc}"[:300])
 
     def end(self, error: BaseException | None) -> None:
-        if error is not None:
+        if self.refused is not None:  # the error body names the refusal's code (client_subscription_limit …)
+            self.rec.fail(f"SSE HTTP {self.refused[0]} {b''.join(self.refused[1])[:240].decode(errors='replace')}")
+        elif error is not None:
             self.rec.fail(f"sse: {type(error).__name__}: {error}"[:300])
         elif not self.rec.done:
             self.rec.fail("SSE closed before [DONE]")

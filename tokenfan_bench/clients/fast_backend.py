@@ -19,11 +19,11 @@ from tokenfan_bench.clients.recorder import Recorder
 
 
 class FastBackend:
-    """H1Pool per origin, picows, and :mod:`tokenfan_bench.clients.fast_h2` for the HTTP/2 arms."""
+    """H1Pool per origin, picows, :mod:`tokenfan_bench.clients.fast_h2` for the HTTP/2 arms and
+    :mod:`tokenfan_bench.clients.quic` (aioquic) for ``sse-h3`` and ``wt``."""
 
     name = "fast"
-    errors = FAST_ERRORS
-    transports = ("sse", "ws", "sse-h2", "ws-h2")
+    transports = ("sse", "ws", "sse-h2", "ws-h2", "sse-h3", "wt")
 
     def __init__(self, cafile: str | None, h2_streams_per_connection: int = 1) -> None:
         self.batch = ReadBatch(asyncio.get_running_loop())
@@ -32,6 +32,15 @@ class FastBackend:
         self.pools: dict[tuple[str, str, int], H1Pool] = {}
         self.h2_streams_per_connection = h2_streams_per_connection
         self.h2pools: dict[tuple[str, str, int], H2Pool] = {}
+        self.cafile = cafile
+        self.quic: Any = None  # tokenfan_bench.clients.quic.QuicBackend, on the first QUIC arm
+        self.errors: tuple[type[Exception], ...] = FAST_ERRORS
+        try:  # a QUIC arm's failure is a subscriber's error too
+            from tokenfan_bench.clients.quic import QUIC_ERRORS
+
+            self.errors = (*FAST_ERRORS, *QUIC_ERRORS)
+        except ImportError:  # aioquic is a gateway dependency, but the bench may run without it
+            pass
 
     def _pool(self, url: str) -> tuple[H1Pool, str]:
         scheme, host, port, target = target_of(url)
@@ -65,6 +74,12 @@ class FastBackend:
         elif transport == "sse-h2":
             h2pool, target = self._h2pool(info["events_url"])
             await h2pool.sse(target, rec)
+        elif transport in ("sse-h3", "wt"):
+            if self.quic is None:
+                from tokenfan_bench.clients.quic import QuicBackend
+
+                self.quic = QuicBackend(self.cafile, self.h2_streams_per_connection)
+            await self.quic.subscribe(transport, info, rec)
         else:  # ws-h2
             h2pool, target = self._h2pool(info["ws_url"])
             await h2pool.websocket(target, rec)
@@ -74,3 +89,5 @@ class FastBackend:
             pool.close()
         for h2pool in self.h2pools.values():
             h2pool.close()
+        if self.quic is not None:
+            await self.quic.aclose()

@@ -52,7 +52,7 @@ def on_sse_event(rec: Recorder, recv_ns: int, ev: SseEvent) -> None:
     elif ev.event == "message":
         rec.rows.append((recv_ns, sample_sse(ev.data)))
     else:  # "error", or "end" (cancelled): the stream did not finish normally
-        rec.fail(f"SSE event {ev.event}: {ev.data[:200]!r}")
+        rec.fail(f"SSE event {ev.event}: {ev.data[:400]!r}")  # long enough for an error's code
 
 
 def on_ws_message(rec: Recorder, recv_ns: int, raw: bytes | str) -> None:
@@ -62,7 +62,8 @@ def on_ws_message(rec: Recorder, recv_ns: int, raw: bytes | str) -> None:
     elif msg.type == "done" and msg.reason is None:
         rec.done = True
     else:
-        rec.fail(f"WS {msg.type}: {str(raw)[:200]}")
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        rec.fail(f"WS {msg.type}: {text[:400]}")  # long enough for an error's code
 
 
 def to_samples(transport: str, recs: list[Recorder]) -> ArmSamples:

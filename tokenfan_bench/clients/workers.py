@@ -29,7 +29,8 @@ from tokenfan_bench.clients.recorder import Recorder, to_samples
 from tokenfan_bench.clients.responses import RESPONSES_TRANSPORTS, ResponseRecorder, ResponsesClient
 from tokenfan_bench.stats.metrics import ArmSamples
 
-TRANSPORTS = ("sse", "ws", "sse-h2", "ws-h2", *RESPONSES_TRANSPORTS)  # resp-*: one response each (unpaired)
+QUIC_TRANSPORTS = ("sse-h3", "wt")  # to the gateway's --http3-port (tokenfan_bench/clients/quic.py)
+TRANSPORTS = ("sse", "ws", "sse-h2", "ws-h2", *QUIC_TRANSPORTS, *RESPONSES_TRANSPORTS)  # resp-*: unpaired
 CLIENTS = ("fast", "python")
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -350,11 +351,24 @@ def parser() -> argparse.ArgumentParser:
                     help="the browser calibration's delayed + placebo run pairs (default 2), averaged pair by pair")
     ap.add_argument("--cpu-repeats", type=int, default=2, help="single-transport CPU runs per transport and "
                     "profile (default 2)")
+    ap.add_argument("--loss", default="0%,0.5%,2%,5%,2%-burst", metavar="LEVELS",
+                    help="loss levels of the packet-loss section (tokenfan_bench/report/loss.py): PERCENT%% random "
+                    "(iptables) or PERCENT%%-burst[/PACKETS]; 'none' skips it (it needs root, ip, iptables)")
+    ap.add_argument("--loss-base", default=None, metavar="PROFILE",
+                    help="the path under the loss levels (default rtt=60ms,jitter=5ms,down=20mbit,up=5mbit)")
+    ap.add_argument("--loss-streams", type=int, default=10, help="concurrent streams of each loss run (default 10)")
+    ap.add_argument("--loss-browser", action="store_true",
+                    help="the packet-loss section also runs Chromium in the client namespace (EventSource, WebSocket, "
+                    "WebTransport on the /ab page)")
+    ap.add_argument("--loss-only", action="store_true",
+                    help="run only the packet-loss section and put it into --out in place of its previous one")
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("docs/ab-report.md"), help="the markdown report")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the markdown report (default bench-results/report-<time>/ab-report.md); never a file "
+                         "git tracks: write elsewhere and copy it over on purpose")
     ap.add_argument("--plots", type=Path, default=None, help="plot directory (default: beside --out, its stem)")
-    ap.add_argument("--data", type=Path, default=None, help="raw results and logs (default bench-results/report-<time>)")
+    ap.add_argument("--data", type=Path, default=None, help="raw results and logs (default: --out's folder)")
     return ap
 
 
@@ -363,10 +377,63 @@ def _profiles(text: str) -> list[Profile]:
     return [parse_profile(p.strip()) for p in text.split(sep) if p.strip()]
 
 
-def main(argv: list[str]) -> int:
+def tracked(paths: list[Path]) -> list[Path]:
+    """Those of ``paths`` (files, or folders: anything under them) that git tracks in the repository they are
+    in; none outside a repository or without git."""
+    out = []
+    for path in paths:
+        where = path.resolve().parent if not path.is_dir() else path.resolve()
+        while not where.exists():
+            where = where.parent
+        try:
+            listed = subprocess.run(["git", "-C", str(where), "ls-files", "--", str(path.resolve())],
+                                    check=False, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if listed.returncode == 0 and listed.stdout.strip():
+            out.append(path)
+    return out
 
-    ns = parser().parse_args(argv)
-    data = ns.data or Path("bench-results") / time.strftime("report-%Y%m%d-%H%M%S")
+
+def _run_loss(ns: argparse.Namespace, s: Settings) -> dict[str, Any]:
+    """The packet-loss section's results, or why it could not run here (shown in the report)."""
+    from tokenfan_bench.network.lossy import available, parse_loss
+    from tokenfan_bench.report.loss import DEFAULT_BASE, LossSettings, run_loss
+
+    why = available()
+    if why:
+        return {"error": why}
+    ls = LossSettings(levels=[parse_loss(x) for x in ns.loss.split(",") if x.strip()],
+                      base=ns.loss_base or DEFAULT_BASE, streams=ns.loss_streams, k=s.h2_k, max_tokens=s.max_tokens,
+                      rate=s.rate, ttft_ms=s.ttft_ms, inject_ms=s.inject_ms, min_streams=s.min_streams, ramp=s.ramp,
+                      n_boot=s.n_boot, seed=s.seed, logs=s.data / "logs", browser=ns.loss_browser,
+                      browser_streams=s.browser_streams)
+    return run_loss(ls)
+
+
+def _loss_only(ns: argparse.Namespace, s: Settings, data: Path, meta: dict[str, Any], t0: float) -> int:
+    from tokenfan_bench.report.loss import write_section
+
+    results = {"loss": _run_loss(ns, s), "meta": meta}
+    results["meta"]["loss_s"] = time.monotonic() - t0
+    run_outputs.write_json(data / "results-loss.json", results)
+    write_section(results["loss"], ns.out)
+    print(f"wrote the loss section into {ns.out}, raw results in {data / 'results-loss.json'} "
+          f"({results['meta']['loss_s']:.0f} s)", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    ap = parser()
+    ns = ap.parse_args(argv)
+    folder = Path("bench-results") / time.strftime("report-%Y%m%d-%H%M%S")
+    ns.out = ns.out or folder / "ab-report.md"
+    data = ns.data or ns.out.parent
+    clash = tracked([ns.out, ns.plots or ns.out.with_suffix("")])
+    if clash:
+        ap.error(f"{', '.join(map(str, clash))}: tracked by git; the report never writes over a tracked file. "
+                 "Give --out a new path (the default is a new folder under bench-results/) and copy the result "
+                 "over on purpose.")
     data.mkdir(parents=True, exist_ok=True)
     s = Settings(profiles=_profiles(ns.profiles), via_profiles=_profiles(ns.via_profiles) if ns.via_profiles else [],
                  levels=[int(x) for x in ns.levels.split(",")], max_tokens=ns.max_tokens, rate=ns.rate,
@@ -376,13 +443,21 @@ def main(argv: list[str]) -> int:
                  data=data)
     t0 = time.monotonic()
     meta = run_outputs.meta(["report", *argv], ns.seed)  # time and load when the matrix starts
+    if ns.loss_only:
+        return _loss_only(ns, s, data, meta, t0)
     matrix = Matrix(s)
     results = matrix.run()
+    if ns.loss != "none":
+        results["loss"] = _run_loss(ns, s)
     results["meta"] = {**meta, "matrix_s": time.monotonic() - t0,
                        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg())}
     run_outputs.write_json(data / "results.json", results)
     plots = ns.plots or ns.out.with_suffix("")
     write_report(results, matrix.runs, ns.out, plots)
+    if "loss" in results:
+        from tokenfan_bench.report.loss import write_section
+
+        write_section(results["loss"], ns.out)
     print(f"wrote {ns.out}, plots in {plots}, raw results in {data / 'results.json'} "
           f"({results['meta']['matrix_s']:.0f} s)", file=sys.stderr)
     return 0

@@ -92,6 +92,72 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
+# -- errors -----------------------------------------------------------------------------------
+
+
+def _runs(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every measured run in ``results``: the sweep's levels (or the one run), and the raw floor's."""
+    runs = list(results.get("sweep") or [results])
+    if "baseline" in results:
+        runs.append(results["baseline"]["run"])
+    return runs
+
+
+def run_errors(results: dict[str, Any]) -> dict[str, Any] | None:
+    """Failed subscriptions over every run of ``results`` (``None``: none failed): how many of how many,
+    and by kind (the OpenAI error ``code`` where the gateway gave one)."""
+    failed = subscribers = 0
+    kinds: dict[str, int] = {}
+    for run in _runs(results):
+        for arm in run["arms"].values():
+            failed += arm["errors"]
+            subscribers += arm["subscribers"]
+            for kind, n in arm.get("error_kinds", {}).items():
+                kinds[kind] = kinds.get(kind, 0) + n
+    if not failed:
+        return None
+    return {"failed": failed, "subscribers": subscribers,
+            "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
+
+
+_WITHHELD_SERVER = ("cpu_us_per_token", "cpu_us_per_event", "deliveries_per_cpu_s", "deliveries_per_s")
+
+
+def withhold(results: dict[str, Any]) -> dict[str, Any]:
+    """``results`` of a run with errors: every latency, rate and CPU figure set to ``None`` (a refused
+    attempt costs the gateway little and lightens the load on the others, so none of them measures the
+    run asked for); the counts of subscribers, errors and events stay."""
+    for run in _runs(results):
+        for arm in run["arms"].values():
+            for key, _ in METRIC_ROWS:
+                arm[key] = {k: None for k in arm[key]}
+            arm["deliveries_per_s"] = None
+        for d in run.get("diffs_ms", {}).values():
+            d["median"] = None
+            d["ci95"] = [None, None]
+        for key in _WITHHELD_SERVER:
+            if key in run.get("server", {}):
+                run["server"][key] = None
+    if "diffs_ms" in results:
+        results["diff_ms"] = results["diffs_ms"]["B-A"]
+    results.pop("saturation", None)
+    if "baseline" in results:
+        for key in ("deliveries_per_s_ratio", "deliveries_per_cpu_s_ratio", "cpu_per_token_ratio"):
+            results["baseline"][key] = None
+    return results
+
+
+def errors_md(errors: dict[str, Any]) -> list[str]:
+    """The warning a run with errors opens with, in place of its answer."""
+    kinds = "; ".join(f"{n:,} × `{k}`" for k, n in errors["kinds"].items())
+    return ["## This run had errors: no figures", "",
+            (f"**{errors['failed']:,} of {errors['subscribers']:,} subscriptions failed** ({kinds}). Latency, "
+            "CPU and rate figures are withheld: failed attempts lighten the load on the others and cost the "
+            "gateway little, so none of them would measure the run asked for. A refusal with a `client_*_limit` "
+            "code is a limit of the gateway (docs/limits.md: start it with those limits lifted); other errors "
+            "are in each arm's `error_examples` in results.json."), ""]
+
+
 # -- text -------------------------------------------------------------------------------------
 
 
@@ -115,6 +181,8 @@ def arm_table(result: dict[str, Any]) -> str:
 
 def diff_line(result: dict[str, Any]) -> str:
     diffs = result.get("diffs_ms") or {"B-A": result["diff_ms"]}
+    if any(d["median"] is None for d in diffs.values()):
+        return "median delivery latency difference: withheld (the run had errors)"
     return "\n".join(
         f"median delivery latency {k.replace('-', ' - ')} = {d['median']:+.3f} ms, 95% CI [{d['ci95'][0]:+.3f}, "
         f"{d['ci95'][1]:+.3f}] ({d['method']}; {d['n']} samples, {d['streams']} streams)" for k, d in diffs.items())
@@ -122,6 +190,8 @@ def diff_line(result: dict[str, Any]) -> str:
 
 def server_line(result: dict[str, Any]) -> str:
     s = result["server"]
+    if s.get("deliveries_per_s") is None:
+        return "server deliveries/s and CPU: withheld (the run had errors)"
     parts = [f"server deliveries/s {s['deliveries_per_s']:.0f}"]
     if s.get("cpu_s") is not None:
         parts.append(f"CPU {s['cpu_s']:.2f} s ({100 * s['cpu_util']:.0f}% of a core)")
@@ -145,8 +215,13 @@ def summary_md(results: dict[str, Any]) -> str:
            f"{m['time']} · {m['machine']['cpu_model']} × {m['machine']['cpus']} · Python {m['versions']['python']}"
            + load, "", f"Arms: {arms}; {results['streams']} streams × {results['max_tokens']} tokens"
            + (" (separate streams per arm)" if results["separate_streams"] else " (every arm on every stream)")
-           + (f"; client: {client}" if client else ""),
-           "", arm_table(results), "", diff_line(results), "", server_line(results), ""]
+           + (f"; client: {client}" if client else ""), ""]
+    if results.get("errors"):
+        out += errors_md(results["errors"]) + [error_table(results), ""]
+        if "sweep" in results:
+            out += ["## Sweep", "", sweep_table(results), ""]
+        return "\n".join(out)
+    out += [arm_table(results), "", diff_line(results), "", server_line(results), ""]
     if "baseline" in results:
         b = results["baseline"]
         out += ["## Raw floor", "", (f"Same clients against `tokenfan_bench/servers/raw_floor.py` at {b['tokens_per_s']:g} "
@@ -164,6 +239,14 @@ def summary_md(results: dict[str, Any]) -> str:
     out.append("Definitions: see `tokenfan_bench/stats/metrics.py` (TTFT, ITL, E2E as in `vllm bench serve`; delivery = "
                "client receive − engine emit, live events only).")
     return "\n".join(out)
+
+
+def error_table(results: dict[str, Any]) -> str:
+    rows = ["| arm | subscribers | failed | events received | first errors |", "| --- | --- | --- | --- | --- |"]
+    for k, a in results["arms"].items():
+        first = "; ".join(f"`{e[:100]}`" for e in a["error_examples"][:2])
+        rows.append(f"| {k} ({a['transport']}) | {a['subscribers']} | {a['errors']} | {a['events']} | {first} |")
+    return "\n".join(rows)
 
 
 def sweep_table(results: dict[str, Any]) -> str:
@@ -206,7 +289,8 @@ def plot_cdf(run: Run, path: Path, title: str) -> None:
     ax.set_ylabel("fraction of tokens")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -236,7 +320,8 @@ def plot_sweep(results: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("p99 delivery latency (ms)")
     ax.set_title("p99 delivery latency vs concurrency")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -22,6 +22,8 @@ The A/B difference of two arms and its interval: :mod:`tokenfan_bench.stats.ab_d
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -164,6 +166,7 @@ def arm_metrics(a: ArmSamples, wall_s: float) -> dict[str, Any]:
         "subscribers": int(a.sub_stream.size),
         "errors": int((~a.ok).sum()),
         "error_examples": sorted(set(a.errors))[:5],
+        "error_kinds": error_kinds(a.errors),
         "events": int(a.seq.size),
         "content_events": content_events,
         "deltas_delivered": int(a.deltas[a.content].sum()),
@@ -179,6 +182,16 @@ def arm_metrics(a: ArmSamples, wall_s: float) -> dict[str, Any]:
         "gateway_to_client_ms": summary_ms(_split(a, "client")),
         "tokens_per_s": summary_plain(tps),
     }
+
+
+_CODE = re.compile(r"""["']code["']:\s*["']([a-z_]+)["']""")
+
+
+def error_kinds(errors: list[str]) -> dict[str, int]:
+    """``errors`` counted by kind: the OpenAI ``code`` an error names (``client_subscription_limit``), else
+    the start of its message; most frequent first."""
+    kinds = Counter(m.group(1) if (m := _CODE.search(e)) else e[:120] for e in errors)
+    return dict(kinds.most_common())
 
 
 def saturation_point(levels: list[int], p99_ms: list[float | None], threshold_ms: float = 50.0) -> int | None:

@@ -3,9 +3,10 @@
 Each engine has its own :class:`EngineClient` (own DEALER socket, own heartbeats). A new request goes
 to the healthy engine with the smallest load, where load = the engine's last reported running +
 waiting requests + this gateway's requests submitted since that heartbeat (so a burst between two
-heartbeats still spreads). A request's handle belongs to the client that submitted it, so aborts
-always reach the right engine. With one engine this is a thin pass-through. Failures are
-:class:`gateway.errors.EngineError`; each link tracks its engine instance (see ``gateway.core.engine_client``).
+heartbeats still spreads). A request's handle names the link it is on (``owner``: the one that
+submitted it, or the one that took its continuation), so its abort reaches the engine that runs it. With
+one engine this is a thin pass-through. Failures are :class:`gateway.errors.EngineError`; each link
+tracks its engine instance (see :mod:`gateway.core.engine_link`).
 
 Migration (docs/failures.md): when a link loses its engine (dropped connection, missed heartbeats, a new
 instance), each request that can be continued exactly is re-submitted to a healthy engine as a
@@ -15,7 +16,9 @@ engine (one engine, restarting) it waits up to ``MigrationPolicy.wait`` seconds.
 continue exactly fail with ``engine_unavailable``, as before: past the migration limit or the sequence
 length limit. A request served by vLLM's OpenAI layer (tools, parsers, structured outputs, logprobs,
 ``n`` > 1) continues from its engine steps (``Submit.resume_steps``: the engine replays them through its
-parsers and grammar, ``engine_worker/backends/vllm_resume.py``).
+parsers and grammar, ``engine_worker/backends/vllm_resume.py``). The rules (:class:`Migrator`) take the
+clock and the healthy engines as arguments; :class:`EnginePool` runs them on its links and retries parked
+requests.
 """
 
 from __future__ import annotations

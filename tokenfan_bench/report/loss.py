@@ -10,7 +10,9 @@ and ``--http3-port``:
   B ``sse`` (the A/A), C ``sse-h2`` (K subscribers per HTTP/2 connection, as a page shares one), D ``ws``
   (a connection each), E ``sse-h3`` (K per QUIC connection), F ``wt`` (K WebTransport streams per session);
 - the QUIC calibration, against a gateway whose WebTransport writes sleep ``--inject-ms``: A ``sse-h3``,
-  B ``sse-h3`` (A/A), C ``wt`` (must read the sleep the gateway timed, within the report's resolution).
+  B ``sse-h3`` (A/A), C ``wt`` (must read the sleep the gateway timed, within the report's resolution);
+- headless Chromium, started in the client namespace, on the answer gateway's ``/ab`` page: ``es``, ``es``
+  (A/A), ``ws``, ``wt``, each stream read by one API (unpaired, as the report's browser arm).
 
 Beside each level: what the run really lost (iptables' and the wire's counts per protocol) and the kernel's
 TCP retransmissions in each namespace.
@@ -197,7 +199,7 @@ def section(loss: dict[str, Any]) -> list[str]:
     """The loss section of docs/ab-report.md."""
     lines = ["## Under real packet loss (network namespaces)", "",
              (f"Base path: `{loss['base']}` on every packet (the packet wire between a client and a gateway "
-             "namespace), plus loss: random drops by the kernel (`iptables -m statistic --mode random`, each way, "
+             "namespace), plus loss: random drops by the kernel (`iptables -m statistic --mode random` on arrival, each way, "
              "TCP and UDP alike) or bursts at the wire (Gilbert-Elliott, mean burst 8 packets). The kernels' TCP "
              "and QUIC (aioquic at both ends) recover every loss themselves, at the path's RTT. Arms on the same "
              f"streams: `sse` (HTTP/1.1 over TLS, a connection each), `sse-h2` ({loss['k']} subscribers per HTTP/2 "

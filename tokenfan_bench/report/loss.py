@@ -224,8 +224,9 @@ def section(loss: dict[str, Any]) -> list[str]:
     lines += ["", ("Which transport is lowest (its interval below every other transport's; else none resolved), "
               "and the checks of each level:"), "",
               ("| loss | lowest delivery p50 | lowest delivery p99 | fewest stalls | A/A sse (B − A ms) | "
-              "A/A sse-h3 | QUIC calibration: wt − sse-h3 ms for the applied sleep |"),
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+              "A/A sse-h3 | QUIC calibration: wt − sse-h3 ms for the applied sleep | browser: lowest p99 · "
+              "A/A EventSource (B − A ms) |"),
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, level in loss["levels"].items():
         rows = answer_rows(level)
         aa = level["run"]["diffs_ms"]["B-A"]

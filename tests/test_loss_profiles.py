@@ -136,3 +136,24 @@ def test_webtransport_request_head_round_trips_and_refuses_bad_heads() -> None:
             split_head(bad)
     line = response_head(429, [(b"Content-Type", b"application/json"), (b"x-a", b"1"), (b"x-a", b"2")])
     assert parse_response_head(line + b"{}") == (429, {"content-type": "application/json", "x-a": "1, 2"}, b"{}")
+
+
+def test_loss_section_tables_have_as_many_cells_as_columns() -> None:
+    from tokenfan_bench.report.loss import section
+
+    row = arm_row(_arm([[30.0] * 20, [31.0] * 20]), 50, seed=1)
+    diff = {"median": 0.01, "ci95": [-0.02, 0.03]}
+    rows = {k: {**row, "transport": t} for k, t in zip("ABCDEF", ("sse", "sse", "sse-h2", "ws", "sse-h3", "wt"))}
+    brows = {k: {**row, "transport": t} for k, t in zip("ABCD", ("browser-es", "browser-es", "browser-ws", "browser-wt"))}
+    proto = {"packets": 100, "dropped": 2, "loss": 0.02, "queue_drops": 0}
+    level = {"run": {"loss_rows": rows, "diffs_ms": {"B-A": diff}},
+             "calibration": {"diffs_ms": {"B-A": diff, "C-A": {"median": 2.0, "ci95": [1.9, 2.1]}}, "expected_ms": 2.0},
+             "browser": {"loss_rows": brows, "diffs_ms": {"B-A": diff}},
+             "measured": {"protocols": {"tcp": proto, "udp": proto},
+                          "tcp": {"gateway": {"Tcp.RetransSegs": 2, "Tcp.OutSegs": 100, "retrans_per_segment": 0.02}}}}
+    lines = section({"base": "rtt=60ms", "k": 8, "streams": 10, "levels": {"2%": level}})
+    tables = [ln for ln in lines if ln.startswith("|")]
+    assert len(tables) == 2 + 8 + 2 + 1  # two heads, a row per transport and browser API, one verdict row
+    widths = {ln.count(" | ") for ln in tables if not ln.startswith("| ---")}
+    assert len({ln.count("|") for ln in tables[:10]}) == 1 and len({ln.count("|") for ln in tables[10:]}) == 1, widths
+    assert "✓ recovered" in tables[-1]

@@ -23,12 +23,17 @@ def test_loss_section_runs_every_arm_under_kernel_drops_and_reports_what_was_los
     assert available() is None, available()
     out = tmp_path / "report.md"
     out.write_text("# report\n\nearlier sections\n")
+    require("/usr/bin/chromium")
     assert report_main(["--loss-only", "--loss", "5%", "--loss-streams", "3", "--min-streams", "3",
-                        "--max-tokens", "16", "--bootstrap", "100", "--out", str(out), "--data", str(tmp_path)]) == 0
+                        "--browser-streams", "4", "--max-tokens", "16", "--bootstrap", "100", "--out", str(out),
+                        "--data", str(tmp_path)]) == 0
     level = json.loads((tmp_path / "results-loss.json").read_text())["loss"]["levels"]["5%"]
     rows = level["run"]["loss_rows"]
     assert [r["transport"] for r in rows.values()] == ["sse", "sse", "sse-h2", "ws", "sse-h3", "wt"]
     assert all(r["errors"] == 0 and r["p50"]["value"] > 25 for r in rows.values())  # 60 ms RTT: ≥ 30 ms one way
+    browser = level["browser"]["loss_rows"]  # Chromium in the client namespace, WebTransport among its APIs
+    assert [r["transport"] for r in browser.values()] == ["browser-es", "browser-es", "browser-ws", "browser-wt"]
+    assert all(r["errors"] == 0 and r["subscribers"] >= 3 for r in browser.values()), browser
     m = level["measured"]
     assert m["protocols"]["tcp"]["dropped"] > 0 and m["protocols"]["udp"]["dropped"] > 0
     assert 0.01 < m["protocols"]["tcp"]["loss"] < 0.15 and 0.01 < m["protocols"]["udp"]["loss"] < 0.15

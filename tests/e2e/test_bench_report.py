@@ -28,7 +28,7 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
                        "--browser-streams", "2", "--browser-rounds", "1", "--min-streams", "1", "--cpu-repeats", "1",
                        "--browser-calibration-runs", "2",
                        # the loss section at one level (tests/e2e/test_bench_loss.py checks it in depth)
-                       "--loss", "2%", "--loss-streams", "2",
+                       "--loss", "2%", "--loss-streams", "2", "--no-loss-browser",
                        "--bootstrap", "100", "--out", str(out), "--data", str(data)]) == 0
     results = json.loads((data / "results.json").read_text())
     (name, profile), = results["profiles"].items()

@@ -3,7 +3,7 @@
 :class:`LossyNet` creates two network namespaces of its own (``tfc<pid>`` for the bench's clients,
 ``tfg<pid>`` for the gateways), joins them with the packet wire (:mod:`tokenfan_bench.network.wire`: the
 profile's RTT, jitter and bandwidth on every IP packet) and adds random loss with the kernel's
-``iptables -m statistic --mode random --probability P -j DROP`` in the client namespace, each way and
+``iptables -m statistic --mode random --probability P -j DROP`` on arrival in each namespace (each way) and
 for TCP and UDP alike, so the kernels' TCP (fast retransmit, tail-loss probes, retransmission timeouts)
 and QUIC's own recovery repair it at the path's RTT. A burst variant drops in bursts at the wire instead
 (Gilbert-Elliott). Nothing else on the machine sees this traffic; the namespaces go when it ends.
@@ -146,10 +146,13 @@ class LossyNet:
             self._iptables_rules(self.loss.random)
 
     def _iptables_rules(self, p: float) -> None:
-        for chain, flag, way in (("OUTPUT", "-o", "up"), ("INPUT", "-i", "down")):
+        """Random drops on arrival, each way: the up packets in the gateway namespace's INPUT, the down ones in
+        the client's. Not in OUTPUT: a packet dropped there fails the sender's own ``sendmsg`` (EPERM), which
+        a UDP sender sees as an error (Chromium closes its QUIC connection: ERR_QUIC_PROTOCOL_ERROR), where
+        loss on a network is silent."""
+        for ns, way in ((self.gateway_ns, "up"), (self.client_ns, "down")):
             for proto in ("tcp", "udp"):
-                base = ["ip", "netns", "exec", self.client_ns, "iptables", "-w", "-A", chain, flag, DEVICE,
-                        "-p", proto]
+                base = ["ip", "netns", "exec", ns, "iptables", "-w", "-A", "INPUT", "-i", DEVICE, "-p", proto]
                 subprocess.run([*base, "-m", "comment", "--comment", f"tokenfan-seen-{way}-{proto}"],
                                check=True, capture_output=True)
                 subprocess.run([*base, "-m", "statistic", "--mode", "random", "--probability", f"{p:.6f}",
@@ -170,16 +173,18 @@ class LossyNet:
         """Everything counted so far: iptables rules, the wire, TCP in each namespace (absolute values)."""
         tcp = {side: parse_snmp(self._in(ns, "cat", "/proc/net/snmp") + self._in(ns, "cat", "/proc/net/netstat"))
                for side, ns in (("client", self.client_ns), ("gateway", self.gateway_ns))}
-        rules = parse_iptables(self._in(self.client_ns, "iptables", "-w", "-L", "-v", "-x", "-n")) \
-            if self.loss.random else {}
+        rules: dict[str, int] = {}
+        if self.loss.random:
+            for ns in (self.client_ns, self.gateway_ns):
+                rules.update(parse_iptables(self._in(ns, "iptables", "-w", "-L", "INPUT", "-v", "-x", "-n")))
         return {"iptables": rules, "wire": self._wire("stats"), "tcp": tcp}
 
     def reset(self) -> None:
         """Zero the wire's and the rules' counters (the kernel's TCP counters are read as differences)."""
         self._wire("reset")
         if self.loss.random:
-            for chain in ("OUTPUT", "INPUT"):
-                self._in(self.client_ns, "iptables", "-w", "-Z", chain)
+            for ns in (self.client_ns, self.gateway_ns):
+                self._in(ns, "iptables", "-w", "-Z", "INPUT")
 
     @contextlib.contextmanager
     def inside(self, side: str) -> Iterator[None]:
@@ -216,7 +221,7 @@ def measured(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     rules, wire = after["iptables"], after["wire"]
     for proto in ("tcp", "udp"):
         ways = ("up", "down")
-        if rules:  # random loss: the rules see every packet (the up one before the wire, the down one after)
+        if rules:  # random loss: the rules see every packet that crossed the wire, on arrival
             sent = sum(rules.get(f"tokenfan-seen-{w}-{proto}", 0) for w in ways)
             dropped = sum(rules.get(f"tokenfan-drop-{w}-{proto}", 0) for w in ways)
         else:  # bursts (or none): the wire sees every packet and drops the bursts

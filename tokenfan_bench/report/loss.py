@@ -9,8 +9,11 @@ and ``--http3-port``:
 - the answer run, on the same streams (paired): A ``sse`` (HTTP/1.1, a connection per subscriber),
   B ``sse`` (the A/A), C ``sse-h2`` (K subscribers per HTTP/2 connection, as a page shares one), D ``ws``
   (a connection each), E ``sse-h3`` (K per QUIC connection), F ``wt`` (K WebTransport streams per session);
-- the QUIC calibration, against a gateway whose WebTransport writes sleep ``--inject-ms``: A ``sse-h3``,
-  B ``sse-h3`` (A/A), C ``wt`` (must read the sleep the gateway timed, within the report's resolution).
+- the QUIC calibration, against a gateway whose HTTP/3 writes sleep ``PLACEBO_MS`` and WebTransport writes
+  that plus ``--inject-ms``: A ``sse-h3``, B ``sse-h3`` (A/A), C ``wt`` (must read the difference of the
+  sleeps the gateway timed, within the report's resolution);
+- headless Chromium, started in the client namespace, on the answer gateway's ``/ab`` page: ``es``, ``es``
+  (A/A), ``ws``, ``wt``, each stream read by one API (unpaired, as the report's browser arm).
 
 Beside each level: what the run really lost (iptables' and the wire's counts per protocol) and the kernel's
 TCP retransmissions in each namespace.
@@ -34,7 +37,13 @@ from tokenfan_bench.report import run_outputs
 from tokenfan_bench.runner import Run, run_clients
 from tokenfan_bench.servers import processes
 from tokenfan_bench.stats.loss_table import arm_row, lowest
-from tokenfan_bench.stats.report_estimates import applied_delay, contains_zero, injected_sleeps, recovered
+from tokenfan_bench.stats.report_estimates import (
+    PLACEBO_MS,
+    applied_delay,
+    contains_zero,
+    injected_sleeps,
+    recovered,
+)
 
 LOSS_ARMS = ("sse", "sse", "sse-h2", "ws", "sse-h3", "wt")
 BROWSER_LOSS_ARMS = ("es", "es", "ws", "wt")  # Chromium: EventSource (HTTP/2, shared), WebSocket, WebTransport
@@ -85,7 +94,8 @@ def lossy_gateways(s: LossSettings, net: LossyNet, cert: Path, key: str) -> Iter
             base = ["--host=0.0.0.0", f"--ssl-certfile={cert}", f"--ssl-keyfile={key}", f"--http3-certfile={cert}",
                     f"--http3-keyfile={key}"]
             args = [[*base, f"--http3-port={ports[0]}"],
-                    [*base, f"--http3-port={ports[1]}", f"--inject-delay=wt:{s.inject_ms:g}"]]
+                    [*base, f"--http3-port={ports[1]}", f"--inject-delay=sse-h3:{PLACEBO_MS:g}",
+                     f"--inject-delay=wt:{PLACEBO_MS + s.inject_ms:g}"]]
             # one after the other: a child inherits the namespace of the thread that starts it (this one)
             spawned = [stack.enter_context(processes.spawn_synthetic(s.rate, s.ttft_ms, s.logs, a)) for a in args]
         ip = net.gateway_ip
@@ -126,10 +136,12 @@ def browser_run(s: LossSettings, g: LossGateways, cert: Path, tag: str) -> dict[
     return result
 
 
-def scrape_wt_sleeps(url: str) -> Any:
+def scrape_sleeps(url: str) -> tuple[Any, Any]:
+    """The calibration gateway's timed sleeps: (``sse-h3``'s placebo, ``wt``'s)."""
     import httpx
 
-    return injected_sleeps(httpx.get(url + "/metrics", timeout=10.0, trust_env=False, verify=False).text, "wt")
+    text = httpx.get(url + "/metrics", timeout=10.0, trust_env=False, verify=False).text
+    return injected_sleeps(text, "sse-h3"), injected_sleeps(text, "wt")
 
 
 def run_loss(s: LossSettings) -> dict[str, Any]:
@@ -148,10 +160,16 @@ def run_loss(s: LossSettings) -> dict[str, Any]:
                     before = net.counters()
                     _, level["run"] = measure(s, g.tcp, g.h3, LOSS_ARMS, f"loss {loss.name} answer")
                     level["measured"] = measured(before, net.counters())
-                    sleeps0 = scrape_wt_sleeps(g.cal_tcp)
+                    sleeps0 = scrape_sleeps(g.cal_tcp)
                     _, cal = measure(s, g.cal_tcp, g.cal_h3, QUIC_CAL, f"loss {loss.name} QUIC calibration")
-                    applied = applied_delay(scrape_wt_sleeps(g.cal_tcp) - sleeps0)
-                cal.update(applied=applied, expected_ms=applied["median_ms"])
+                    sleeps1 = scrape_sleeps(g.cal_tcp)
+                    placebo = applied_delay(sleeps1[0] - sleeps0[0])
+                    applied = applied_delay(sleeps1[1] - sleeps0[1])
+                # both arms' writes leave off the engine's step (the placebo's by PLACEBO_MS), so the difference
+                # is the sleeps' alone: an undelayed write shares its step with every other reader's, and read
+                # 0.35 ms later than a delayed one on the 60 ms path (0% loss, 2 ms for 2.27 ms slept)
+                cal.update(applied=applied, applied_placebo=placebo,
+                           expected_ms=applied["median_ms"] - placebo["median_ms"])
                 level["calibration"] = cal
                 if s.browser:
                     with net.inside("client"):
@@ -197,7 +215,7 @@ def section(loss: dict[str, Any]) -> list[str]:
     """The loss section of docs/ab-report.md."""
     lines = ["## Under real packet loss (network namespaces)", "",
              (f"Base path: `{loss['base']}` on every packet (the packet wire between a client and a gateway "
-             "namespace), plus loss: random drops by the kernel (`iptables -m statistic --mode random`, each way, "
+             "namespace), plus loss: random drops by the kernel (`iptables -m statistic --mode random` on arrival, each way, "
              "TCP and UDP alike) or bursts at the wire (Gilbert-Elliott, mean burst 8 packets). The kernels' TCP "
              "and QUIC (aioquic at both ends) recover every loss themselves, at the path's RTT. Arms on the same "
              f"streams: `sse` (HTTP/1.1 over TLS, a connection each), `sse-h2` ({loss['k']} subscribers per HTTP/2 "
@@ -222,8 +240,9 @@ def section(loss: dict[str, Any]) -> list[str]:
     lines += ["", ("Which transport is lowest (its interval below every other transport's; else none resolved), "
               "and the checks of each level:"), "",
               ("| loss | lowest delivery p50 | lowest delivery p99 | fewest stalls | A/A sse (B − A ms) | "
-              "A/A sse-h3 | QUIC calibration: wt − sse-h3 ms for the applied sleep |"),
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+              "A/A sse-h3 | QUIC calibration: wt − sse-h3 ms for the applied sleep | browser: lowest p99 · "
+              "A/A EventSource (B − A ms) |"),
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, level in loss["levels"].items():
         rows = answer_rows(level)
         aa = level["run"]["diffs_ms"]["B-A"]

@@ -357,9 +357,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--loss-base", default=None, metavar="PROFILE",
                     help="the path under the loss levels (default rtt=60ms,jitter=5ms,down=20mbit,up=5mbit)")
     ap.add_argument("--loss-streams", type=int, default=10, help="concurrent streams of each loss run (default 10)")
-    ap.add_argument("--loss-browser", action="store_true",
-                    help="the packet-loss section also runs Chromium in the client namespace (EventSource, WebSocket, "
-                    "WebTransport on the /ab page)")
+    ap.add_argument("--no-loss-browser", action="store_true",
+                    help="the packet-loss section without its Chromium run (EventSource, WebSocket, WebTransport on "
+                    "the /ab page, in the client namespace; also off with --no-browser)")
     ap.add_argument("--loss-only", action="store_true",
                     help="run only the packet-loss section and put it into --out in place of its previous one")
     ap.add_argument("--bootstrap", type=int, default=1000)
@@ -406,7 +406,7 @@ def _run_loss(ns: argparse.Namespace, s: Settings) -> dict[str, Any]:
     ls = LossSettings(levels=[parse_loss(x) for x in ns.loss.split(",") if x.strip()],
                       base=ns.loss_base or DEFAULT_BASE, streams=ns.loss_streams, k=s.h2_k, max_tokens=s.max_tokens,
                       rate=s.rate, ttft_ms=s.ttft_ms, inject_ms=s.inject_ms, min_streams=s.min_streams, ramp=s.ramp,
-                      n_boot=s.n_boot, seed=s.seed, logs=s.data / "logs", browser=ns.loss_browser,
+                      n_boot=s.n_boot, seed=s.seed, logs=s.data / "logs", browser=s.browser and not ns.no_loss_browser,
                       browser_streams=s.browser_streams)
     return run_loss(ls)
 

@@ -7,8 +7,9 @@ Markers (one HTML comment on the line before the block, invisible on GitHub):
 - ``<!-- example: continues -->``: a Python block that goes on from the page's previous Python block;
 - ``<!-- example: serves -->``: a shell block that starts a server and keeps running: it passes when ``/health``
   on its port answers 200 while it still runs;
-- ``<!-- example: tools -->``: runs against a gateway whose scripted engine writes tool calls, parsed by
-  vLLM's own ``hermes`` parser (docs/models.md), instead of the plain synthetic one.
+- ``<!-- example: tools -->``: runs against the suite's scripted engine, whose replies to a weather question
+  are tool calls parsed by vLLM's own ``hermes`` parser (tests/scripted.py, docs/models.md), instead of the
+  plain synthetic one.
 
 How each runs: ``http://127.0.0.1:8000`` (and ``ws://``) become the shared gateway's address; shell blocks run
 under ``bash -euo pipefail`` with ``.venv/bin`` first on ``PATH``, ``curl`` failing on an HTTP error, in a
@@ -21,7 +22,6 @@ own origin with an ``out`` element, and passes when the tokens arrive in ``out``
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -35,8 +35,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import NODE_DIR, ROOT, npm_ci, spawn
-from tokenfan_bench.servers.processes import Proc, free_port, wait_healthy
+from tests.procs import NODE_DIR, ROOT, npm_ci
+from tokenfan_bench.servers.processes import free_port
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -103,34 +103,11 @@ def test_every_example_is_run_or_says_why_not() -> None:
 def test_no_example_marker_is_left_without_its_block() -> None:
     for page in PAGES:
         text = page.read_text()
-        for m in re.finditer(r"<!-- example: .*? -->", text):
+        for m in re.finditer(r"^<!-- example: .*? -->", text, re.MULTILINE):
             assert text[m.end():].lstrip(" \n").startswith("```"), f"{page.name}: {m.group(0)} precedes no code block"
 
 
 # -- the runners ----------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tools_gateway(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The scripted engine of docs/models.md (the tiny model's tokenizer and chat template, no weights) behind
-    vLLM's hermes tool parser: a weather question gets a call of ``get_weather``, its result an answer."""
-    script = tmp_path_factory.mktemp("docs-script") / "script.json"
-    script.write_text(json.dumps([
-        {"match": "18 C|celsius", "reply": ["It is 18 C", " in Paris."]},
-        {"match": "[Ww]eather", "reply": ['<tool_call>\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}',
-                                          "\n</tool_call>"]},
-        {"match": "Paris in France", "reply": ['{"answer": "yes"}']},
-    ]))
-    port = free_port()
-    proc: Proc = spawn(["-m", "tokenfan.cli", "serve", "--engine", "synthetic", "--synthetic-script", str(script),
-                        "--model", str(tiny_model), "--port", str(port), "--synthetic-tokens-per-s", "2000",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "docs-tools-serve")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, timeout=300)
-        yield url
-    finally:
-        proc.stop(timeout=30)
 
 
 def run_python(e: Example, url: str, tmp: Path) -> None:
@@ -249,7 +226,7 @@ def browser() -> Iterator[object]:
 @pytest.mark.parametrize("example", RUN, ids=[e.id for e in RUN])
 def test_the_example_runs(example: Example, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     e = example
-    url: str = request.getfixturevalue("tools_gateway" if e.marker == "tools" else "gateway_url")
+    url: str = request.getfixturevalue("scripted_gateway" if e.marker == "tools" else "gateway_url")
     if e.lang == "python":
         run_python(e, url, tmp_path)
     elif e.lang in ("bash", "sh"):

@@ -17,7 +17,8 @@ scratch folder, ``TOKENFAN_PORT`` set to a free port for the servers they start 
 group at the end) and ``TOKENFAN_ENGINE=synthetic`` (a server that names no engine gets the synthetic one here:
 booting the default model takes minutes); Python blocks run in a fresh interpreter; JavaScript with ``import``s runs in Node with the
 SDKs of ``tests/node``; the other JavaScript (browser code) runs in headless Chromium on a page of the gateway's
-own origin with an ``out`` element, and passes when the tokens arrive in ``out`` with no error logged.
+own origin with an ``out`` element, and passes when the tokens arrive in ``out`` with no error logged; a React
+component (``jsx``) is bundled with esbuild and used in Chromium as a person would.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 MARKER = re.compile(r"<!-- example: (.*?) -->\s*\n$")
 RUNNABLE = {"bash", "sh", "python", "js", "jsx"}
+UI_NODE_DIR = NODE_DIR / "ui_chat"  # React, the AI SDK's React hooks and esbuild, pinned in its lockfile
+PAGE_PATH = "/docs-example/"  # where the browser gets a bundled React example, on the gateway's own origin
 BASE = "http://127.0.0.1:8000"
 # What the suite changes in an example so that it takes seconds (never what the example shows)
 SHORTER = {"--duration 30": "--duration 1", "--streams 100": "--streams 20", "--max-tokens 100": "--max-tokens 20"}
@@ -194,6 +197,48 @@ def run_node(e: Example, url: str, tmp: Path) -> None:
     assert proc.returncode == 0, f"{e.id} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
 
 
+def run_react(e: Example, url: str, browser: object, tmp: Path) -> None:
+    """A React component (``export default``): bundled with esbuild, mounted in a page served on the gateway's
+    origin, then used as a person would: a weather question typed and sent; passes when the answer that
+    follows the tool's result is on the page, with no error logged."""
+    npm_ci(UI_NODE_DIR)
+    stem = f".docs-example-{os.getpid()}"
+    component, entry = UI_NODE_DIR / f"{stem}.jsx", UI_NODE_DIR / f"{stem}-entry.jsx"
+    component.write_text(with_url(e.code, url))
+    entry.write_text(f'import Chat from "./{stem}.jsx";\nimport {{ createRoot }} from "react-dom/client";\n'
+                     'createRoot(document.getElementById("root")).render(<Chat />);\n')
+    build = ('import { build } from "esbuild"; await build({ entryPoints: [process.argv[1]], bundle: true, '
+             'format: "esm", jsx: "automatic", outfile: process.argv[2], logLevel: "error", '
+             'define: { "process.env.NODE_ENV": \'"production"\' } });')
+    try:
+        proc = subprocess.run(["node", "--input-type=module", "-e", build, str(entry), str(tmp / "page.js")],
+                              cwd=UI_NODE_DIR, capture_output=True, text=True, timeout=120, check=False)
+    finally:
+        component.unlink()
+        entry.unlink()
+    assert proc.returncode == 0, f"{e.id}: esbuild failed:\n{proc.stderr[-4000:]}"
+    files = {"index.html": ((b'<!doctype html><meta charset="utf-8"><div id="root"></div>'
+                            b'<script type="module" src="page.js"></script>'), "text/html"),
+             "page.js": ((tmp / "page.js").read_bytes(), "text/javascript")}
+    page = browser.new_page()  # type: ignore[attr-defined]
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(m.text)
+            if m.type == "error" and not m.location.get("url", "").endswith("/favicon.ico") else None)
+    page.on("pageerror", lambda exc: problems.append(str(exc)))
+    page.route(f"{url}{PAGE_PATH}**", lambda route: route.fulfill(
+        status=200, body=files[route.request.url.rsplit("/", 1)[1].split("?")[0] or "index.html"][0],
+        content_type=files[route.request.url.rsplit("/", 1)[1].split("?")[0] or "index.html"][1]))
+    try:
+        page.goto(f"{url}{PAGE_PATH}index.html")
+        page.fill("input", "What is the weather in Paris?")
+        page.press("input", "Enter")
+        page.wait_for_function("() => document.body.innerText.includes('18 C')", timeout=30_000)
+        assert "tool-get_weather output-available" in page.inner_text("body"), page.inner_text("body")
+        assert not problems, f"{e.id}: {problems}"
+    finally:
+        page.close()
+
+
 def run_browser(e: Example, url: str, browser: object) -> None:
     page = browser.new_page()  # type: ignore[attr-defined]
     problems: list[str] = []
@@ -231,6 +276,8 @@ def test_the_example_runs(example: Example, request: pytest.FixtureRequest, tmp_
         run_python(e, url, tmp_path)
     elif e.lang in ("bash", "sh"):
         run_bash(e, url, tmp_path)
+    elif e.lang == "jsx":
+        run_react(e, url, request.getfixturevalue("browser"), tmp_path)
     elif re.search(r"^import ", e.code, re.MULTILINE):
         run_node(e, url, tmp_path)
     else:

@@ -5,7 +5,7 @@ PIP     := $(VENV)/bin/pip
 STAMP   := $(VENV)/.tokenfan-installed
 PYTHON  ?= python3
 
-.PHONY: setup run test test-deps browser lint clean
+.PHONY: setup run test test-deps browser lint clean image image-deps
 
 setup: $(STAMP)
 
@@ -24,30 +24,51 @@ run: setup
 	$(VENV)/bin/tokenfan serve $(ARGS)
 
 # Debian packages the tests drive: chromium (Playwright's own browser download does not work here),
-# redis-server (the broker of the scale-out test) and nginx (tests/e2e/test_nginx.py runs
-# deploy/nginx/tokenfan.conf; its service is never started).
+# redis-server (the broker of the scale-out test), nginx (tests/e2e/test_nginx.py runs
+# deploy/nginx/tokenfan.conf; its service is never started) and iptables (the bench's packet-loss rules,
+# inside network namespaces of its own: tests/e2e/test_bench_loss.py).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 test-deps:
 	@missing=""; command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	test -x /usr/sbin/nginx || missing="$$missing nginx"; \
+	command -v iptables >/dev/null 2>&1 || test -x /usr/sbin/iptables || missing="$$missing iptables"; \
 	if [ -n "$$missing" ]; then $(SUDO) apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; fi
 
 browser: test-deps
 
+# The CPU image (deploy/image.sh: Docker when a daemon answers, else buildah with its own storage under
+# /var/tmp/tokenfan-image; from python:3.11-slim, or from a base made from Debian's archive where no
+# registry answers). Not built again while its inputs are unchanged. tests/e2e/test_image.py starts it.
+# Debian's buildah, mmdebstrap (the base) and uidmap are installed when there is no Docker daemon.
+image-deps:
+	@if ! timeout 20 docker info >/dev/null 2>&1; then missing=""; \
+	  command -v buildah >/dev/null 2>&1 || missing="$$missing buildah"; \
+	  command -v mmdebstrap >/dev/null 2>&1 || missing="$$missing mmdebstrap"; \
+	  command -v newuidmap >/dev/null 2>&1 || missing="$$missing uidmap"; \
+	  command -v ip >/dev/null 2>&1 || missing="$$missing iproute2"; \
+	  if [ -n "$$missing" ]; then $(SUDO) apt-get update -qq && \
+	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; fi; fi
+
+image: image-deps
+	deploy/image.sh build cpu
+
 # CI (.ci/run) runs exactly `make test`: the lint first, so a finding fails the build before the suite runs.
 # One process, about 15 min of pytest on 2 cores (docs/tests.md). Two pytest-xdist workers (PYTEST_ARGS="-n 2 --dist
 # loadgroup --no-loadscope-reorder") are opt-in: on 2 cores their contention fails timing-sensitive tests.
-test: setup test-deps lint
+# `image` first: tests/e2e/test_image.py starts the built image (about 6 min to build on 2 cores, nothing
+# when it is up to date).
+test: setup test-deps lint image
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # ruff, mypy and import-linter (the layer contracts in pyproject.toml) at the versions pinned in the `dev`
 # extra (installed by setup); fails on any finding.
 lint: setup
-	$(VENV)/bin/ruff check tokenfan gateway engine_worker tokenfan_bench tools tests
-	$(VENV)/bin/mypy tokenfan gateway engine_worker tokenfan_bench
+	$(VENV)/bin/ruff check tokenfan_settings tokenfan gateway engine_worker tokenfan_bench tools tests
+	$(VENV)/bin/mypy tokenfan_settings tokenfan gateway engine_worker tokenfan_bench
 	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache test-artifacts
+	deploy/image.sh clean

@@ -12,7 +12,7 @@ from typing import Any
 
 from engine_worker.backends.base import Backend
 from engine_worker.config import EngineConfig, add_engine_arguments, engine_config
-from tokenfan.settings import SettingError, resolve
+from tokenfan_settings import SettingError, resolve
 
 log = logging.getLogger("engine_worker")
 

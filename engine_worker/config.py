@@ -1,5 +1,5 @@
 """Engine worker settings: the :class:`EngineConfig` dataclass, filled from the table in
-:mod:`tokenfan.settings` (flags, ``TOKENFAN_*`` environment fallbacks and defaults are declared there)."""
+:mod:`tokenfan_settings` (flags, ``TOKENFAN_*`` environment fallbacks and defaults are declared there)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenfan.settings import (  # noqa: F401  (re-exported: the defaults lived here)
+from tokenfan_settings import (  # noqa: F401  (re-exported: the defaults lived here)
     add_arguments,
     build,
     declared,
@@ -63,7 +63,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(values: Mapping[str, Any]) -> EngineConfig:
-    """An EngineConfig from :func:`tokenfan.settings.resolve` values (of ``engine`` or ``serve``)."""
+    """An EngineConfig from :func:`tokenfan_settings.resolve` values (of ``engine`` or ``serve``)."""
     return build(EngineConfig, values, "engine")
 
 

@@ -198,6 +198,38 @@ def decode(frames: list[bytes]) -> Message:
         raise WireError(f"undecodable payload: {exc}") from exc
 
 
+def pack_steps(steps: list[list[list[int]]]) -> list[int]:
+    """:attr:`Delta.steps` as one flat list of ints (what a stream log's token ids field holds for a request
+    of vLLM's OpenAI layer): per step its number of outputs, per output its length, then the output."""
+    out: list[int] = []
+    for step in steps:
+        out.append(len(step))
+        for entry in step:
+            out.append(len(entry))
+            out += entry
+    return out
+
+
+def unpack_steps(flat: list[int]) -> list[list[list[int]]]:
+    """The inverse of :func:`pack_steps`; raises :class:`WireError` on a list it did not make."""
+    steps: list[list[list[int]]] = []
+    i = 0
+    try:
+        while i < len(flat):
+            n, i = flat[i], i + 1
+            step = []
+            for _ in range(n):
+                size, i = flat[i], i + 1
+                if size < 2 or i + size > len(flat):
+                    raise WireError("packed steps: an output runs past the end")
+                step.append(flat[i:i + size])
+                i += size
+            steps.append(step)
+    except IndexError:
+        raise WireError("packed steps: truncated") from None
+    return steps
+
+
 def now_ns() -> int:
     """Wall clock in epoch nanoseconds, the clock of every ``*_ns`` field."""
     return time.time_ns()

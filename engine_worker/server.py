@@ -100,7 +100,8 @@ class Emitter:
     finish_reason: p.FinishReason | None = None
 
     def __call__(self, text: str, token_count: int, finish_reason: p.FinishReason | None = None,
-                 chunk: bytes = b"", token_ids: Sequence[int] = ()) -> None:
+                 chunk: bytes = b"", token_ids: Sequence[int] = (), steps: list[list[list[int]]] | None = None
+                 ) -> None:
         self.completion += token_count
         if self.merger is not None:
             step = self.merger.push(Step(text=text, token_count=token_count, finish_reason=finish_reason, chunk=chunk,
@@ -117,7 +118,7 @@ class Emitter:
         self.server.queue(self.identity, p.Delta(
             request_id=self.request_id, seq=self.seq, text=text, token_count=token_count,
             emit_ns=self.held_ns or self.server.step_ns(), finish_reason=finish_reason, usage=usage, chunk=chunk,
-            token_ids=token_ids if isinstance(token_ids, list) else list(token_ids)))
+            token_ids=token_ids if isinstance(token_ids, list) else list(token_ids), steps=steps or []))
         self.held_ns = 0
         self.seq += 1
 
@@ -287,14 +288,17 @@ class EngineServer:
                 return
             await self._send(identity, p.Accepted(request_id=rid, prompt_tokens=prepared.prompt_tokens,
                                                   openai=prepared.openai))
-            if submit.resume:
+            # a continuation reports usage as one request: the output it resumes from counts
+            resumed = sum(len(out) - 2 for step in submit.resume_steps for out in step) if prepared.openai \
+                else len(submit.resume)
+            if submit.resume or submit.resume_steps:
                 log.info("accepted %s trace=%s prompt_tokens=%d: a continuation after %d output tokens", rid,
-                         submit.trace_id, prepared.prompt_tokens, len(submit.resume))
+                         submit.trace_id, prepared.prompt_tokens, resumed)
             else:
                 log.info("accepted %s trace=%s prompt_tokens=%d", rid, submit.trace_id, prepared.prompt_tokens)
             emitter = Emitter(self, identity, rid, prepared.prompt_tokens,
                               IntervalMerger(self.stream_interval) if self.stream_interval > 1 else None,
-                              completion=len(submit.resume))
+                              completion=resumed)
             await self.backend.stream(prepared, emitter)
             if emitter.finish_reason is None:  # the backend ended without a last step: stopped from outside
                 emitter("", 0, "abort")

@@ -29,7 +29,7 @@ import time
 from typing import Literal
 
 from gateway.config import GatewayConfig
-from gateway.errors import APIError
+from gateway.errors import Refusal
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Holdings:
         if limit and held >= limit:
             noun = {"connections": "open connections", "generations": "generations in flight",
                     "subscriptions": "open stream subscriptions"}[kind]
-            raise APIError(429, f"This client has {held} {noun}; the limit is {limit} per client "
+            raise Refusal(429, f"This client has {held} {noun}; the limit is {limit} per client "
                                 f"({FLAGS[kind]}).", type="rate_limit_error", code=CODES[kind], retry_after=1.0)
 
     def acquire(self, kind: Kind, client: str, limit: int = 0) -> None:
@@ -171,24 +171,24 @@ class Admission:
                 self._overload_logged_at = now
                 log.warning("refusing new work: event loop %.0f ms behind (median of the last second; "
                             "--max-loop-lag %.0f ms)", lag * 1000, max_lag * 1000)
-            raise APIError(503, f"The gateway is overloaded (event loop {lag * 1000:.0f} ms behind; the "
+            raise Refusal(503, f"The gateway is overloaded (event loop {lag * 1000:.0f} ms behind; the "
                                 f"limit is {max_lag * 1000:.0f} ms); retry shortly.", type="server_error",
                            code="overloaded", retry_after=1.0)
         held = self.clients
         total = held.totals["generations"]
         if total >= self.config.max_concurrent:
-            raise APIError(429, f"Too many concurrent generations ({total}); the limit is "
+            raise Refusal(429, f"Too many concurrent generations ({total}); the limit is "
                                 f"{self.config.max_concurrent}.", type="rate_limit_error",
                            code="too_many_requests", retry_after=1.0)
         per_key = self.config.max_concurrent_per_key
         mine = held.of("generations", client)
         if per_key and key is not None and mine >= per_key:
-            raise APIError(429, f"This API key has {mine} generations in flight; the limit is "
+            raise Refusal(429, f"This API key has {mine} generations in flight; the limit is "
                                 f"{per_key}.", type="rate_limit_error", code="too_many_requests", retry_after=1.0)
         held.check("generations", client, self.config.max_generations_per_client)
         soft = int(self.config.max_concurrent * self.config.fair_share_at) if self.config.fair_share_at else 0
         why = fair_refusal(mine, total, held.clients("generations"), soft,
                            engines_queue=mine > 0 and engines_queue)
         if why is not None:
-            raise APIError(429, why + "; retry shortly.", type="rate_limit_error", code="fair_share_limit",
+            raise Refusal(429, why + "; retry shortly.", type="rate_limit_error", code="fair_share_limit",
                            retry_after=1.0)

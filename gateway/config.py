@@ -1,5 +1,5 @@
 """Gateway settings: the :class:`GatewayConfig` dataclass, filled from the table in
-:mod:`tokenfan.settings` (flags, ``TOKENFAN_*`` environment fallbacks and defaults are declared there)."""
+:mod:`tokenfan_settings` (flags, ``TOKENFAN_*`` environment fallbacks and defaults are declared there)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.core.backpressure import SlowConsumerPolicy
 from gateway.core.engine_pool import MigrationPolicy
-from gateway.core.streams import Retention, SlowConsumerPolicy
-from tokenfan.settings import build, declared
+from gateway.core.streams import Retention
+from tokenfan_settings import build, declared
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -80,6 +81,9 @@ class GatewayConfig:
     workers: int = declared("workers")
     ssl_certfile: Path | None = declared("ssl_certfile")
     ssl_keyfile: Path | None = declared("ssl_keyfile")
+    http3_port: int = declared("http3_port")
+    http3_certfile: Path | None = declared("http3_certfile")
+    http3_keyfile: Path | None = declared("http3_keyfile")
     http_header_timeout: float = declared("http_header_timeout")
     http_body_timeout: float = declared("http_body_timeout")
     engine_address: str = declared("engine_address")  # comma-separated: several engines
@@ -138,5 +142,5 @@ class GatewayConfig:
 
 
 def gateway_config(values: Mapping[str, Any]) -> GatewayConfig:
-    """A GatewayConfig from :func:`tokenfan.settings.resolve` values (of ``gateway`` or ``serve``)."""
+    """A GatewayConfig from :func:`tokenfan_settings.resolve` values (of ``gateway`` or ``serve``)."""
     return build(GatewayConfig, values, "gateway")

@@ -1,13 +1,17 @@
-"""OpenAI-shaped errors.
+"""Errors, as a tree (httpx's ``_exceptions.py`` is the model). No web framework here: the edge maps them.
 
-    EngineError              raised by the engine link (gateway.core.engine_client): a code from the engine's
-                             ``Error`` message, or ``engine_unavailable``; no HTTP status in that layer
-    APIError                 an error a client receives: status + {"error": {message, type, param, code}}
-    ├── invalid_request      400 / 404 / 413 / 422
-    └── engine_unavailable   503 (with Retry-After)
+    TokenfanError                 every failure the gateway names: a message and a machine-readable ``code``
+    ├── EngineError               raised by the engine link (gateway.core.engine_link): a code from the engine's
+    │   │                         ``Error`` message; no HTTP status in that layer
+    │   └── EngineUnavailable     the link is down, or the instance that held the request is gone
+    └── APIError                  what a client receives: a status and {"error": {message, type, param, code}}
+        ├── ClientError           the request cannot be served as sent: 400 / 401 / 403 / 404 / 408 / 409 / 413 / 422
+        ├── Refusal               a limit, an overload or a shutdown: 429 / 503, with Retry-After
+        └── StreamError           a stream's lookup (404 / 410), its loss (502), its mirror's or its reader's end (503)
 
-:func:`to_api_error` is the one place an :class:`EngineError` becomes an :class:`APIError`; each
-transport then frames ``APIError.body()`` its own way (HTTP status, SSE ``event: error``, WS message).
+:func:`to_api_error` is the one place an :class:`EngineError` becomes an :class:`APIError`. The edge frames
+``APIError.body()`` its own way: an HTTP response (:func:`gateway.api.edge.error_response`), an SSE
+``event: error`` (the framings of :mod:`gateway.core.framing`), a WebSocket message and close code.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from starlette.responses import Response
 
 # engine Error.code -> (HTTP status, OpenAI error type)
 ENGINE_CODES: dict[str, tuple[int, str]] = {
@@ -29,8 +32,19 @@ ENGINE_CODES: dict[str, tuple[int, str]] = {
 }
 
 
-class EngineError(Exception):
+class TokenfanError(Exception):
+    """A failure the gateway names (the root of the tree above): what failed (``message``), a machine-readable
+    ``code`` and the request field it concerns (``param``), if any."""
+
+    code: str | None
+    message: str
+    param: str | None
+
+
+class EngineError(TokenfanError):
     """A failure reported by (or about) the engine link, by machine-readable ``code``."""
+
+    code: str
 
     def __init__(self, code: str, message: str, param: str | None = None, status: int = 0,
                  error_type: str = "") -> None:
@@ -42,15 +56,21 @@ class EngineError(Exception):
         self.error_type = error_type
 
     @classmethod
-    def unavailable(cls, detail: str = "the engine is not answering heartbeats") -> EngineError:
+    def unavailable(cls, detail: str = "the engine is not answering heartbeats") -> EngineUnavailable:
         """The engine link is down or the instance that held the request is gone (maps to 503)."""
-        return cls("engine_unavailable", f"Service unavailable: {detail}; retry shortly.")
+        return EngineUnavailable("engine_unavailable", f"Service unavailable: {detail}; retry shortly.")
 
     def __repr__(self) -> str:
-        return f"EngineError({self.code!r}, {self.message!r}, {self.param!r})"
+        return f"{type(self).__name__}({self.code!r}, {self.message!r}, {self.param!r})"
 
 
-class APIError(Exception):
+class EngineUnavailable(EngineError):
+    """The engine link is down, or the instance that held the request is gone."""
+
+
+class APIError(TokenfanError):
+    """An error as a client receives it (OpenAI's shape); ``retry_after``: seconds, for a Retry-After header."""
+
     def __init__(
         self, status: int, message: str, *, type: str = "invalid_request_error",
         param: str | None = None, code: str | None = None, retry_after: float | None = None,
@@ -67,7 +87,8 @@ class APIError(Exception):
     def from_engine(cls, code: str, message: str, param: str | None = None) -> APIError:
         status, type_ = ENGINE_CODES.get(code, (500, "server_error"))
         retry = 1.0 if status == 503 else None
-        return cls(status, message, type=type_, param=param, code=code, retry_after=retry)
+        kind = Refusal if status == 503 else ClientError if 400 <= status < 500 else APIError
+        return kind(status, message, type=type_, param=param, code=code, retry_after=retry)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -75,9 +96,20 @@ class APIError(Exception):
     def to_bytes(self) -> bytes:
         return orjson.dumps(self.body())
 
-    def response(self) -> Response:
-        headers = {"Retry-After": str(max(1, round(self.retry_after)))} if self.retry_after else None
-        return Response(self.to_bytes(), status_code=self.status, media_type="application/json", headers=headers)
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.status}, {self.message!r}, code={self.code!r})"
+
+
+class ClientError(APIError):
+    """The request cannot be served as sent (bad input, unknown id or route, missing key, too large)."""
+
+
+class Refusal(APIError):
+    """A limit, an overload or a shutdown: the same request may succeed later (or elsewhere)."""
+
+
+class StreamError(APIError):
+    """A stream cannot be (or no longer be) read here: unknown, expired, incomplete, or its reader was cut."""
 
 
 CONTENT_CODES = {"context_length_exceeded", "prompt_too_long"}
@@ -94,20 +126,22 @@ def error_class(err: APIError) -> str:
     return "client" if err.status < 500 else "engine"
 
 
-def to_api_error(exc: EngineError | APIError) -> APIError:
+def to_api_error(exc: TokenfanError) -> APIError:
     """The client-facing form of an engine-side failure (an APIError passes through)."""
     if isinstance(exc, APIError):
         return exc
-    if exc.code == "engine_unavailable":
-        return APIError(503, exc.message, type="server_error", code="engine_unavailable", retry_after=1.0)
+    if not isinstance(exc, EngineError):
+        return APIError(500, str(exc), type="server_error", code=getattr(exc, "code", None))
+    if isinstance(exc, EngineUnavailable) or exc.code == "engine_unavailable":
+        return Refusal(503, exc.message, type="server_error", code="engine_unavailable", retry_after=1.0)
     if exc.status:
         return APIError(exc.status, exc.message, type=exc.error_type or "invalid_request_error", param=exc.param,
                         code=exc.code)
     return APIError.from_engine(exc.code, exc.message, exc.param)
 
 
-def engine_unavailable(detail: str = "the engine is not answering heartbeats") -> APIError:
-    return APIError(503, f"Service unavailable: {detail}; retry shortly.", type="server_error",
+def engine_unavailable(detail: str = "the engine is not answering heartbeats") -> Refusal:
+    return Refusal(503, f"Service unavailable: {detail}; retry shortly.", type="server_error",
                     code="engine_unavailable", retry_after=1.0)
 
 
@@ -115,22 +149,47 @@ def engine_unavailable(detail: str = "the engine is not answering heartbeats") -
 # one wording and one code each, so a reader gets the same answer from every replica and worker.
 
 
-def stream_not_found(stream_id: str) -> APIError:
-    return APIError(404, f"No stream with id {stream_id}.", code="stream_not_found", param="id")
+def stream_not_found(stream_id: str) -> StreamError:
+    return StreamError(404, f"No stream with id {stream_id}.", code="stream_not_found", param="id")
 
 
-def stream_expired(stream_id: str, detail: str = "") -> APIError:
+def stream_expired(stream_id: str, detail: str = "") -> StreamError:
     """The 410: the id existed, its stream is no longer retained (``detail``: why, or for how long streams are kept)."""
-    return APIError(410, f"Stream {stream_id} is no longer retained{detail}.", code="stream_expired", param="id")
+    return StreamError(410, f"Stream {stream_id} is no longer retained{detail}.", code="stream_expired", param="id")
 
 
-def stream_lost(stream_id: str, detail: str, *, status: int = 502) -> APIError:
+def stream_lost(stream_id: str, detail: str, *, status: int = 502) -> StreamError:
     """Part of the stream is gone: it ends with this error, never with a normal end (410: it cannot be served)."""
-    return APIError(status, f"Stream {stream_id} is incomplete: {detail}.", type="server_error", code="stream_lost",
+    return StreamError(status, f"Stream {stream_id} is incomplete: {detail}.", type="server_error", code="stream_lost",
                     param="id" if status == 410 else None)
 
 
-def owner_lost(stream_id: str, detail: str) -> APIError:
+def owner_lost(stream_id: str, detail: str) -> StreamError:
     """The gateway (replica or worker) that ran the stream is gone before its end."""
-    return APIError(502, f"The gateway running stream {stream_id} is gone: {detail}.", type="server_error",
+    return StreamError(502, f"The gateway running stream {stream_id} is gone: {detail}.", type="server_error",
                     code="owner_lost")
+
+
+def too_many_streams(streams: int, limit: int) -> Refusal:
+    """The 429 of a gateway holding as many streams as ``--max-streams`` allows."""
+    return Refusal(429, f"Too many streams ({streams}); the limit is {limit}.", type="rate_limit_error",
+                   code="too_many_streams", retry_after=1.0)
+
+
+def slow_consumer(send_timeout: float, resumable: bool) -> StreamError:
+    """A reader cut because a write was blocked past ``--send-timeout``."""
+    hint = " Resume with Last-Event-ID (or ?after=) to continue." if resumable else ""
+    return StreamError(503, f"Reader too slow: a write was blocked for more than {send_timeout:g}s.{hint}",
+                       type="server_error", code="slow_consumer")
+
+
+def bad_resume_point(param: str, raw: str | None) -> ClientError:
+    """A resume position (``Last-Event-ID``, ``?after=``, ``starting_after``) that is not an event id."""
+    return ClientError(400, f"{param} must be an integer event id >= -1 (-1: from the start), got {raw!r}.",
+                       param=param, code="invalid_value")
+
+
+def delivery_failed(exc: Exception) -> APIError:
+    """A bug rendering or writing one generation (the others go on)."""
+    return APIError(500, f"The gateway failed to deliver this generation: {exc!r}", type="server_error",
+                    code="internal_error")

@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING
 
 from gateway.admission import Admission, Holdings, LoopMonitor
 from gateway.config import GatewayConfig
+from gateway.core.backpressure import SlowConsumerPolicy
 from gateway.core.delivery import Delivery, cancel, hand_over
 from gateway.core.engine_pool import EnginePool
+from gateway.core.follow import Watchdog
 from gateway.core.metrics import Metrics
-from gateway.core.streams import SlowConsumerPolicy, StreamHub, Watchdog
-from gateway.errors import APIError, engine_unavailable
+from gateway.core.streams import StreamHub
+from gateway.errors import APIError, ClientError, Refusal, engine_unavailable
 
 if TYPE_CHECKING:
     from gateway.core.ports import Publisher, RemoteStreams
@@ -32,7 +34,7 @@ class Gateway:
     hub: StreamHub = field(init=False)
     policy: SlowConsumerPolicy = field(init=False)
     watchdog: Watchdog = field(init=False)
-    delivery: Delivery = field(init=False)  # the core's parts: hub, metrics, policy, watchdog, publisher, broker
+    delivery: Delivery = field(init=False)  # the core's parts: hub, metrics, policy, watchdog, publisher, remote
     admission: Admission = field(init=False)
     peers: Peers | None = None  # --workers: the other workers (their metrics merged into /metrics)
     draining: bool = False
@@ -50,17 +52,18 @@ class Gateway:
         self.admission = Admission(self.config)
 
     @property
-    def broker(self) -> RemoteStreams | None:
-        """Other gateways' streams: Redis (``--broker``) or the peer workers (``--workers``)."""
+    def remote(self) -> RemoteStreams | None:
+        """Other gateways' streams: through Redis (``--broker``) or the peer workers (``--workers``)."""
         return self.delivery.remote
 
-    @broker.setter
-    def broker(self, value: RemoteStreams | None) -> None:
+    @remote.setter
+    def remote(self, value: RemoteStreams | None) -> None:
         self.delivery.remote = value
 
     @property
     def publisher(self) -> Publisher | None:
-        """``--broker``: this gateway's listed streams, written to Redis."""
+        """Where this gateway's listed streams are written for the others: Redis (``--broker``) or, for
+        ``--workers`` without one, the peer workers (they keep standbys and adopt each other's streams)."""
         return self.delivery.publisher
 
     @publisher.setter
@@ -92,7 +95,7 @@ class Gateway:
 
     def end_all_streams(self) -> int:
         """Shutdown deadline: fail every in-flight generation with an explicit error; how many there were."""
-        err = APIError(503, "The server is shutting down; retry on another instance.", type="server_error",
+        err = Refusal(503, "The server is shutting down; retry on another instance.", type="server_error",
                        code="server_shutdown", retry_after=1.0)
         n = self.engine.fail_all(err)
         if n:
@@ -105,13 +108,13 @@ class Gateway:
 
     def check_model(self, requested: str | None) -> str:
         if self.draining:
-            raise APIError(503, "The server is shutting down.", type="server_error", code="server_shutdown",
+            raise Refusal(503, "The server is shutting down.", type="server_error", code="server_shutdown",
                            retry_after=1.0)
         served = self.model_id
         if served is None or not self.engine.healthy:
             raise engine_unavailable()
         if requested is not None and requested != served:
-            raise APIError(404, f"The model `{requested}` does not exist. This server serves `{served}`.",
+            raise ClientError(404, f"The model `{requested}` does not exist. This server serves `{served}`.",
                            param="model", code="model_not_found")
         return served
 

@@ -73,12 +73,17 @@ BOOT_NICE = 19
 ONE_THREAD = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
+# Structured outputs as PARSER_FLAGS set them (compact JSON: without it the tiny model writes whitespace until
+# max_tokens), on the engine pair of the migration tests: a continued grammar must end where the control's did.
+STRUCTURED = ("--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
+
+
 def _start_vllm_engine(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
     address = f"ipc://{ipc_dir / 'vllm.sock'}"
     # float32 and the name "tiny", as the differential pair: test_vllm_parity_plain compares this engine's
     # plain chat path with vllm serve (dtype auto would be bfloat16 on an AMX CPU)
     return start_engine(address, "--engine", "vllm", "--model", str(model), "--max-model-len", "512",
-                        "--dtype", "float32", "--served-model-name", "tiny", name="engine-vllm",
+                        "--dtype", "float32", "--served-model-name", "tiny", *STRUCTURED, name="engine-vllm",
                         nice=BOOT_NICE), address
 
 
@@ -107,7 +112,7 @@ def _start_spare_engine(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
     the same as :func:`_start_vllm_engine` (float32: a continuation on the other engine must decode the same)."""
     address = f"ipc://{ipc_dir / 'vllm-spare.sock'}"
     return start_engine(address, "--engine", "vllm", "--model", str(model), "--max-model-len", "512",
-                        "--dtype", "float32", "--served-model-name", "tiny", name="engine-vllm-spare",
+                        "--dtype", "float32", "--served-model-name", "tiny", *STRUCTURED, name="engine-vllm-spare",
                         nice=BOOT_NICE), address
 
 

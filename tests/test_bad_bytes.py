@@ -9,7 +9,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.api.openai.request import parse_request
+from gateway.api.chat_request import parse_request
 from gateway.api.validation import MAX_JSON_DEPTH, check_json_depth, decode_json_object
 from gateway.config import Limits
 from gateway.errors import APIError

@@ -13,13 +13,16 @@ import orjson
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from engine_worker import protocol as p
+from gateway.api.chat_render import ChatRenderer, ChunkTemplate
+from gateway.api.chat_request import ChunkBuilder
 from gateway.api.openai.framing import OPENAI_SSE, MuxWs
-from gateway.api.openai.render import ChatRenderer, ChunkTemplate
-from gateway.api.openai.request import ChunkBuilder
+from gateway.core.backpressure import SlowConsumerPolicy
 from gateway.core.conn import HttpConn, Step, WsConn
 from gateway.core.delivery import Reader, ReaderMeter
-from gateway.core.engine_client import EngineClient, RequestHandle
-from gateway.core.generation import ChunkEvent, Generation
+from gateway.core.engine_client import EngineClient
+from gateway.core.engine_link import EngineLink
+from gateway.core.follow import Watchdog, follow
+from gateway.core.generation import Generation
 from gateway.core.metrics import (
     _LAT_BUCKETS,
     INJECTED_DELAY,
@@ -28,8 +31,9 @@ from gateway.core.metrics import (
     HotHistogram,
     TransportMetrics,
 )
+from gateway.core.request import RequestHandle
 from gateway.core.sse import decode
-from gateway.core.streams import Event, SlowConsumerPolicy, Stream, Watchdog, follow
+from gateway.core.streams import ChunkEvent, Event, Stream
 from gateway.errors import APIError
 from tests.test_engine_client import FakeEngine, run, submit, until
 from tokenfan_bench.cpu.step_pass_cost import HttpCycle, WsProto
@@ -369,46 +373,40 @@ class Closing:
 
 def test_deltas_that_arrived_before_the_generation_attached_are_rendered_in_order_then_live_ones() -> None:
     async def main() -> None:
-        client = EngineClient("ipc:///nonexistent")
-        try:
-            handle = RequestHandle(client, p.Submit("r", "chat.completions", p.Sampling(), trace_id="t"))
-            step = Step(1.0, 2)
-            handle._push(p.Delta("r", 0, "a", 1, 5), step)  # queued: no generation yet
-            stream = Stream("r", "chat.completions", "m", listed=False)
-            tokens = HotCounter()
-            gen = Generation(stream, handle, Closing(), tokens)
-            gen.start()
-            handle._push(p.Delta("r", 1, "b", 1, 6, "stop", p.Usage(1, 2)), step)
-            assert [e.payload.get("type") or e.payload["choices"][0]["delta"] for e in stream.events] == [
-                "opened", {"role": "assistant", "content": ""}, {"content": "a"}, {"content": "b"}]
-            assert stream.state == "done" and gen.ended.result() is None and tokens.value == 2
-        finally:
-            client._ctx.term()
+        handle = RequestHandle(EngineLink("ipc:///nonexistent"),
+                               p.Submit("r", "chat.completions", p.Sampling(), trace_id="t"))
+        step = Step(1.0, 2)
+        handle.push(p.Delta("r", 0, "a", 1, 5), step)  # queued: no generation yet
+        stream = Stream("r", "chat.completions", "m", listed=False)
+        tokens = HotCounter()
+        gen = Generation(stream, handle, Closing(), tokens)
+        gen.start()
+        handle.push(p.Delta("r", 1, "b", 1, 6, "stop", p.Usage(1, 2)), step)
+        assert [e.payload.get("type") or e.payload["choices"][0]["delta"] for e in stream.events] == [
+            "opened", {"role": "assistant", "content": ""}, {"content": "a"}, {"content": "b"}]
+        assert stream.state == "done" and gen.ended.result() is None and tokens.value == 2
 
     asyncio.run(main())
 
 
 def test_a_failed_or_cancelled_generation_appends_its_closing_events_then_ends_once() -> None:
     async def main() -> None:
-        client = EngineClient("ipc:///nonexistent")
-        try:
-            for cancel in (False, True):
-                handle = RequestHandle(client, p.Submit("r", "chat.completions", p.Sampling(), trace_id="t"))
-                stream = Stream("r", "chat.completions", "m", listed=False)
-                gen = Generation(stream, handle, Closing(), HotCounter())
-                gen.start()
-                handle._push(p.Delta("r", 0, "a", 1, 5), Step(1.0, 2))
-                err = APIError(503, "engine gone", code="engine_unavailable")
-                if cancel:
-                    gen.cancel()
-                else:
-                    handle._fail(err)
-                gen.on_failure(err)  # a second end changes nothing
-                kinds = [e.payload.get("type") for e in stream.events]
-                assert kinds == ["opened", None, None, "cancelled" if cancel else "failed"]
-                assert stream.state == ("cancelled" if cancel else "error")
-                assert gen.ended.cancelled() if cancel else gen.ended.result() is err
-        finally:
-            client._ctx.term()
+        for cancel in (False, True):
+            handle = RequestHandle(EngineLink("ipc:///nonexistent"),
+                                   p.Submit("r", "chat.completions", p.Sampling(), trace_id="t"))
+            stream = Stream("r", "chat.completions", "m", listed=False)
+            gen = Generation(stream, handle, Closing(), HotCounter())
+            gen.start()
+            handle.push(p.Delta("r", 0, "a", 1, 5), Step(1.0, 2))
+            err = APIError(503, "engine gone", code="engine_unavailable")
+            if cancel:
+                gen.cancel()
+            else:
+                handle.fail(err)
+            gen.on_failure(err)  # a second end changes nothing
+            kinds = [e.payload.get("type") for e in stream.events]
+            assert kinds == ["opened", None, None, "cancelled" if cancel else "failed"]
+            assert stream.state == ("cancelled" if cancel else "error")
+            assert gen.ended.cancelled() if cancel else gen.ended.result() is err
 
     asyncio.run(main())

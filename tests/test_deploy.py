@@ -418,10 +418,28 @@ def test_compose_gpu_override_reserves_an_nvidia_gpu_for_the_engine() -> None:
     assert_tokenfan_settings(list(gpu["engine"]["environment"]), "compose.gpu.yaml")
 
 
+def tokenfan_services() -> dict[str, dict[str, Any]]:
+    """compose.yaml's services that run the tokenfan image (redis aside)."""
+    return {n: s for n, s in compose()["services"].items() if "TOKENFAN_IMAGE" in s.get("image", "")}
+
+
 def test_compose_commands_and_settings_exist_in_the_cli() -> None:
-    for name, service in compose()["services"].items():
+    services = tokenfan_services()
+    assert set(services) == {"engine", "gateway"}
+    for name, service in services.items():
         assert_cli_command(service["command"], f"compose.yaml {name}")
         assert_tokenfan_settings(list(service.get("environment", {})), f"compose.yaml {name}")
+
+
+def test_compose_redis_is_the_gateways_broker_run_as_in_the_pod() -> None:
+    services = compose()["services"]
+    redis, gateway = services["redis"], services["gateway"]
+    assert "redis" in gateway["depends_on"]
+    assert gateway["environment"]["TOKENFAN_BROKER"] == "${TOKENFAN_BROKER-redis://redis:6379/0}"
+    pod_redis = next(d for d in load_yaml_docs(K8S_BASE / "redis.yaml") if d["kind"] == "Deployment")
+    (container,) = pod_redis["spec"]["template"]["spec"]["containers"]
+    assert redis["image"] == container["image"]
+    assert redis["command"] == ["redis-server", *container["args"]]
 
 
 def compose_cli() -> list[str]:
@@ -464,17 +482,39 @@ def test_cpu_image_uses_the_cpu_torch_of_pyproject_and_drops_cuda_extras() -> No
     runs = " ".join(a for i, a in dockerfile_instructions(DOCKER / "Dockerfile.cpu") if i == "RUN")
     cpu_extra = pyproject()["project"]["optional-dependencies"]["cpu"]
     (torch_pin,) = [d for d in cpu_extra if d.startswith("torch")]
-    assert re.search(rf"--index-url https://download\.pytorch\.org/whl/cpu {re.escape(torch_pin)}\b", runs)
+    assert re.search(rf'--index-url "\$\{{TORCH_INDEX_URL\}}" {re.escape(torch_pin)}(\s|$)', runs)
+    args = dockerfile_args(DOCKER / "Dockerfile.cpu")
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert "pip install -e '.[cpu]'" in runs
     assert re.search(r"pip uninstall -y torchvision torchaudio torchcodec", runs)
-    assert re.search(r"^FROM python:3\.11-slim$", text, flags=re.MULTILINE)
+    # the official base by default; deploy/image.sh passes a base made from Debian's archive where no registry is
+    assert args["BASE_IMAGE"] == "python:3.11-slim"
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, flags=re.MULTILINE)
+    # pip's cache only as a build cache mount, never a layer; the pip build arguments are not ENV
+    pip_runs = [a for i, a in dockerfile_instructions(DOCKER / "Dockerfile.cpu") if i == "RUN" and "pip install" in a]
+    assert pip_runs and all(a.startswith("--mount=type=cache,target=/root/.cache/pip ") for a in pip_runs)
+    assert not {"PIP_CERT", "PIP_FIND_LINKS", "PIP_NO_CACHE_DIR"} & set(dockerfile_env(DOCKER / "Dockerfile.cpu"))
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.gpu"])
+def test_dockerfile_copies_every_package_pyproject_installs_and_no_tests(dockerfile: str) -> None:
+    copied = {src for i, a in dockerfile_instructions(DOCKER / dockerfile) if i == "COPY"
+              for src in shlex.split(a)[:-1]}
+    setuptools = pyproject()["tool"]["setuptools"]
+    package_dir = setuptools.get("package-dir", {})
+    dirs = {package_dir.get(p.split(".")[0], p.split(".")[0]) for p in setuptools["packages"]}
+    assert dirs | {"pyproject.toml", "README.md"} == copied, f"{dockerfile} copies {sorted(copied)}"
+    ignore = (DOCKER / f"{dockerfile}.dockerignore").read_text().split("\n")
+    allowed = {line[1:] for line in ignore if line.startswith("!")}
+    assert allowed == copied and "tests" not in allowed
 
 
 def test_gpu_image_keeps_vllm_and_installs_the_light_dependencies_of_pyproject() -> None:
     project = pyproject()["project"]
     runs = " ".join(a for i, a in dockerfile_instructions(DOCKER / "Dockerfile.gpu") if i == "RUN")
     assert "pip install --no-deps -e ." in runs
-    light = project["dependencies"] + [d for d in project["optional-dependencies"]["gpu"] if d != "vllm"]
+    light = project["dependencies"] + [d for d in project["optional-dependencies"]["gpu"]
+                                       if not d.startswith("vllm")]  # the base image's vLLM stays
     missing = [d for d in light if f'"{d}"' not in runs and f" {d} " not in f" {runs} "]
     assert not missing, f"Dockerfile.gpu lacks {missing} (pyproject.toml dependencies / gpu extra)"
     # The base image carries the vLLM release the CPU build pins, so one backend sees one API.

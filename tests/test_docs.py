@@ -13,8 +13,9 @@ import importlib.util
 import re
 from pathlib import Path
 
+import tokenfan_settings as settings
 from tests.procs import ROOT
-from tokenfan import cli, settings
+from tokenfan import cli
 from tokenfan_bench.cpu import client_cost
 from tokenfan_bench.report import matrix
 
@@ -33,7 +34,10 @@ FOREIGN_FLAGS = {
     "vllm serve": {"--disable-log-stats", "--enable-prompt-embeds", "--trust-request-chat-template",
                    "--trust-request-mm-kwargs"},  # the last three: what tokenfan does not offer (api-fields.md)
     "chromium": {"--ignore-certificate-errors"},
+    "iptables": {"--mode", "--probability"},  # the loss rules of tokenfan_bench/network/lossy.py
+    "curl": {"--http3"},
     "docker": {"--build", "--build-arg", "--rm"},
+    "buildah run": {"--isolation"},  # how tests/e2e/test_image.py starts the image (deploy/README.md)
     "pip": {"--no-deps"},
     "kubectl": {"--raw"},
     "py-spy record": {"--gil", "--format"},  # the front end's profile in vs-vllm.md

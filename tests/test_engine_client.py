@@ -13,8 +13,9 @@ import zmq
 import zmq.asyncio
 
 from engine_worker import protocol as p
-from gateway.core.engine_client import EngineClient, RequestHandle
+from gateway.core.engine_client import EngineClient
 from gateway.core.engine_pool import EnginePool, MigrationPolicy
+from gateway.core.request import RequestHandle
 from gateway.errors import EngineError, to_api_error
 
 
@@ -169,7 +170,7 @@ def test_with_migration_off_a_dropped_connection_fails_in_flight_requests_at_onc
                 assert isinstance(err, EngineError) and err.code == "engine_unavailable"
             with pytest.raises(EngineError):
                 await waiter
-            assert client.in_flight == 0 and client.disconnects == 1
+            assert client.in_flight == 0 and client.link.disconnects == 1
             assert not pool.healthy  # nothing is sent into the gap before the next heartbeat
             with pytest.raises(EngineError) as refused:
                 pool.submit(submit("gap"))
@@ -203,17 +204,19 @@ def test_a_lost_request_continues_on_the_restarted_engine_from_the_tokens_delive
             await until(lambda: pool.healthy, "first heartbeat")
             h = pool.submit(p.Submit(request_id="q", endpoint="completions", prompt="x",
                                      sampling=p.Sampling(max_tokens=6, presence_penalty=0.0)))
-            penalised = pool.submit(p.Submit(request_id="pp", endpoint="completions", prompt="x",
-                                             sampling=p.Sampling(max_tokens=6, presence_penalty=0.5)))
+            # deltas without token ids (an engine that does not report them): nothing to continue from
+            unknown = pool.submit(p.Submit(request_id="pp", endpoint="completions", prompt="x",
+                                           sampling=p.Sampling(max_tokens=6)))
             await engine.wait_for(lambda m: isinstance(m, p.Submit) and m.request_id == "pp")
             for rid in ("q", "pp"):
                 await engine.send(p.Accepted(request_id=rid, prompt_tokens=3))
             await engine.send(p.DeltaBatch([p.Delta("q", 0, " a", 1, 1, token_ids=[7]),
-                                            p.Delta("q", 1, " bé", 2, 2, token_ids=[8, 9])]))
+                                            p.Delta("q", 1, " bé", 2, 2, token_ids=[8, 9]),
+                                            p.Delta("pp", 0, " z", 1, 1)]))
             got = [await anext(aiter(h.deltas())) for _ in range(2)]
             assert [d.text for d in got] == [" a", " bé"]
             await engine.kill()
-            err = await first_failure(penalised)  # a penalty depends on the output so far: not continued
+            err = await first_failure(unknown)
             assert isinstance(err, EngineError) and err.code == "engine_unavailable"
 
             engine = FakeEngine(address, "second")
@@ -299,9 +302,7 @@ def test_routing_load_counts_submits_the_answered_ping_did_not_see() -> None:
             assert client.routing_load() == 2  # a burst must not all go to the engine that looked idle
             engine.hold_pings = False
             # A heartbeat answering a ping sent after both submits: the engine's own count is all there is.
-            await until(lambda: client.last_heartbeat is not None
-                        and client._pings.get(client.last_heartbeat.ping_sent_ns) == 2, "a later heartbeat")
-            assert client.routing_load() == 0
+            await until(lambda: client.routing_load() == 0, "a later heartbeat")
             for h in handles:
                 h.close()
         finally:

@@ -9,11 +9,11 @@ from typing import Any
 import orjson
 
 from engine_worker import protocol as p
-from gateway.api.openai.render import chunk_events
-from gateway.api.openai.request import ChunkBuilder
+from gateway.api.chat_render import chunk_events
+from gateway.api.chat_request import ChunkBuilder
 from gateway.api.responses.events import ResponseEvents
 from gateway.api.responses.render import ResponseRenderer
-from gateway.core.generation import ChunkEvent
+from gateway.core.streams import ChunkEvent
 
 USAGE = p.Usage(prompt_tokens=3, completion_tokens=4)
 # A byte-fallback token whose text the detokenizer holds back, then the token completing it.
@@ -36,20 +36,20 @@ async def collect(it: AsyncIterator[Any]) -> list[Any]:
 def test_a_held_back_step_is_an_empty_chunk_as_vllm_serve_sends_it() -> None:
     builder = ChunkBuilder("chat.completions", "chatcmpl-1", "m", include_usage=True)
     events: list[ChunkEvent] = asyncio.run(collect(chunk_events(Handle(), builder)))  # type: ignore[arg-type]
-    deltas = [ev.chunk["choices"][0]["delta"] if ev.chunk["choices"] else None for ev in events]
+    deltas = [ev.parsed["choices"][0]["delta"] if ev.parsed["choices"] else None for ev in events]
     assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hi"}, {"content": ""}, {"content": "é"},
                       {"content": " x"}, None]
     assert sum(ev.tokens for ev in events) == USAGE.completion_tokens
-    assert events[-1].chunk["usage"]["completion_tokens"] == USAGE.completion_tokens
+    assert events[-1].parsed["usage"]["completion_tokens"] == USAGE.completion_tokens
 
 
 def test_responses_send_no_empty_delta_but_count_its_tokens() -> None:
     renderer = ResponseRenderer(ResponseEvents("resp_1", "m"))
     out: list[ChunkEvent] = renderer.opening() + [ev for d in DELTAS for ev in renderer.step(d)]
-    deltas = [ev.chunk["delta"] for ev in out if ev.chunk["type"] == "response.output_text.delta"]
+    deltas = [ev.parsed["delta"] for ev in out if ev.parsed["type"] == "response.output_text.delta"]
     assert deltas == ["Hi", "é", " x"]
     assert sum(ev.tokens for ev in out) == USAGE.completion_tokens
-    assert out[-1].chunk["type"] == "response.incomplete"
+    assert out[-1].parsed["type"] == "response.incomplete"
 
 
 def test_a_response_is_continuable_in_the_pass_that_finishes_it_before_its_last_events() -> None:
@@ -63,7 +63,7 @@ def test_a_response_is_continuable_in_the_pass_that_finishes_it_before_its_last_
         renderer.step(d)
     assert seen == []
     last = renderer.step(DELTAS[-1])
-    assert len(seen) == 1 and last[-1].chunk["type"] == "response.incomplete"
+    assert len(seen) == 1 and last[-1].parsed["type"] == "response.incomplete"
     assert seen[0] == events.turn()
 
 
@@ -90,6 +90,6 @@ def test_engine_chunks_pass_through_unchanged() -> None:
     usage = {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3}}
     builder = ChunkBuilder("chat.completions", "chatcmpl-1", "m", include_usage=True)
     events = asyncio.run(collect(chunk_events(EngineChunks([tool, text, usage]), builder)))  # type: ignore[arg-type]
-    assert [e.chunk for e in events] == [tool, text, usage]
+    assert [e.parsed for e in events] == [tool, text, usage]
     assert [(e.text, e.finish_reason, e.tokens, e.emit_ns) for e in events] == [
         ("", None, 1, 10), ("hé", "stop", 1, 11), ("", None, 1, 12)]

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from engine_worker import protocol as p
-from gateway.api.openai.request import ChunkBuilder, parse_request
+from gateway.api.chat_request import ChunkBuilder, parse_request
 from gateway.config import Limits
 from gateway.errors import APIError
 

@@ -21,7 +21,7 @@ from openai.types.responses.response_create_params import ResponseCreateParamsBa
 from pydantic import TypeAdapter
 
 from engine_worker import protocol as p
-from gateway.api.openai.request import parse_request
+from gateway.api.chat_request import parse_request
 from gateway.api.responses.chat import decode_transcript, encode_transcript
 from gateway.api.responses.events import ResponseEvents, response_from_events
 from gateway.api.responses.request import (

@@ -28,8 +28,8 @@ from gateway.api.responses.stream import RESPONSES_MERGE, RESPONSES_SSE, RESPONS
 from gateway.api.responses.templates import TextDeltaTemplate
 from gateway.core.conn import Step
 from gateway.core.framing import Framing
-from gateway.core.generation import ChunkEvent
-from gateway.core.streams import Event, Stream, coalesce
+from gateway.core.merge import coalesce
+from gateway.core.streams import ChunkEvent, Event, Stream
 
 FRAMINGS: list[Framing] = [RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesWs(), ResponsesWs("lane-1"),
                            ResponsesWs("lane-2", timing=True)]

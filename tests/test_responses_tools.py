@@ -23,7 +23,8 @@ from gateway.api.responses.chat import decode_transcript, encode_transcript, res
 from gateway.api.responses.events import ResponseEvents, response_from_events
 from gateway.api.responses.request import build_request, decode_create
 from gateway.api.responses.stream import RESPONSES_MERGE
-from gateway.core.streams import coalesce, encode_event
+from gateway.core.merge import coalesce
+from gateway.core.streams import encode_event
 from gateway.errors import APIError
 from tests.responses_requests import parse_create
 from tests.test_responses_api import LIMITS, _Server, sdk_client, validate_event, validate_response

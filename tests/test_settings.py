@@ -1,4 +1,4 @@
-"""The settings table (tokenfan/settings.py) is the one truth: flags, environment, defaults, configs,
+"""The settings table (tokenfan_settings/__init__.py) is the one truth: flags, environment, defaults, configs,
 the engine child's argv, `--help` and docs/settings.md agree with it."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from engine_worker.config import EngineConfig, engine_argv, engine_config
 from gateway.config import GatewayConfig, gateway_config
 from tests.procs import ROOT
 from tokenfan import cli
-from tokenfan.settings import (
+from tokenfan_settings import (
     ADVANCED,
     BOOL,
     BY_NAME,
@@ -75,7 +75,7 @@ CASES = [pytest.param(c, s, id=f"{c}:{s.name}") for c in COMMANDS for s in for_c
 def test_settings_reference_is_generated_from_the_settings_table() -> None:
     page = (ROOT / SETTINGS_DOC).read_text()
     current = page.partition(TABLE_START)[2].partition(TABLE_END)[0].strip()
-    assert current == markdown(), f"stale tables: run `python -m tokenfan.settings --write {SETTINGS_DOC}`"
+    assert current == markdown(), f"stale tables: run `python -m tokenfan_settings --write {SETTINGS_DOC}`"
 
 
 @pytest.mark.parametrize(("command", "setting"), CASES)

@@ -7,12 +7,14 @@ import time
 
 import pytest
 
+from gateway.api.chat_render import CHUNK_MERGE
+from gateway.api.chat_request import ChunkBuilder
 from gateway.api.openai.framing import FANOUT_SSE, FANOUT_WS
-from gateway.api.openai.render import CHUNK_MERGE
-from gateway.api.openai.request import ChunkBuilder
-from gateway.core.generation import ChunkEvent
-from gateway.core.streams import Event, Retention, SlowConsumerPolicy, StreamHub, Watchdog, coalesce
-from gateway.core.streams import follow as _follow
+from gateway.core.backpressure import SlowConsumerPolicy
+from gateway.core.follow import Watchdog
+from gateway.core.follow import follow as _follow
+from gateway.core.merge import coalesce
+from gateway.core.streams import ChunkEvent, Event, Retention, StreamHub
 from gateway.errors import APIError
 
 
@@ -44,8 +46,8 @@ def test_coalesce_keeps_all_text_and_the_last_seq() -> None:
     assert len(merged) == 1
     m = merged[0]
     assert m.seq == 3 and m.text == "abc" and m.finish_reason == "length"
-    assert m.chunk["choices"][0]["delta"] == {"role": "assistant", "content": "abc"}
-    assert m.chunk["tokenfan"]["first_seq"] == 0 and m.chunk["tokenfan"]["coalesced"] == 4
+    assert m.timed_payload["choices"][0]["delta"] == {"role": "assistant", "content": "abc"}
+    assert m.timed_payload["tokenfan"]["first_seq"] == 0 and m.timed_payload["tokenfan"]["coalesced"] == 4
     assert b"id: 3\n" in FANOUT_SSE.frame(m) and '"seq":3' in FANOUT_WS.frame(m)
 
 
@@ -139,7 +141,7 @@ def test_a_live_subscriber_that_lags_gets_coalesced_events() -> None:
 
     got = asyncio.run(main())
     assert texts(got) == "first " + "".join(f"w{i} " for i in range(20))
-    assert len(got) == 2 and got[1].seq == 20 and got[1].chunk["tokenfan"]["coalesced"] == 20
+    assert len(got) == 2 and got[1].seq == 20 and got[1].timed_payload["tokenfan"]["coalesced"] == 20
 
 
 def write_order(subscribers: list[tuple[str, str]], events: int) -> list[str]:
@@ -176,7 +178,7 @@ def test_wake_order_rotates_within_a_transport() -> None:
 
 
 def test_a_stalled_writer_raises_slow_consumer() -> None:
-    from gateway.core.streams import SlowConsumer
+    from gateway.core.backpressure import SlowConsumer
 
     async def main() -> None:
         s = StreamHub(Retention()).create("completions", "m")

@@ -8,12 +8,13 @@ import orjson
 import pytest
 
 from engine_worker import protocol as p
-from gateway.api.openai.request import parse_request
+from gateway.api.chat_request import parse_request
 from gateway.api.ui_chat.convert import chat_turn
 from gateway.api.ui_chat.framing import UI_MERGE, UI_MESSAGE_SSE
 from gateway.api.ui_chat.render import UiMessageRenderer
 from gateway.api.validation import Limits
-from gateway.core.streams import Event, Stream, coalesce
+from gateway.core.merge import coalesce
+from gateway.core.streams import Event, Stream
 from gateway.errors import APIError
 
 

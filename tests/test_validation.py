@@ -9,7 +9,7 @@ import msgspec
 import orjson
 import pytest
 
-from gateway.api.openai.request import parse_request
+from gateway.api.chat_request import parse_request
 from gateway.api.validation import check_range, check_top_k, convert, max_tokens
 from gateway.config import Limits
 from gateway.errors import APIError

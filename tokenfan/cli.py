@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from gateway.http.server import run_gateway
-from tokenfan.settings import SettingError, add_arguments, default_runtime_dir, given, resolve
+from tokenfan_settings import SettingError, add_arguments, default_runtime_dir, given, resolve
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -71,12 +71,13 @@ def top_parser() -> argparse.ArgumentParser:
 
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
-    """Every parser a ``tokenfan`` command line goes through, by program (``keys`` and ``certs`` take no flags).
+    """Every parser a ``tokenfan`` command line goes through, by program (``keys`` takes no flags).
 
     tests/test_docs.py checks every flag the docs name against these.
     """
     from engine_worker.__main__ import parser as engine_parser
     from engine_worker.models import parser as models_parser
+    from gateway.http.certs import parser as certs_parser
     from tokenfan_bench.cli import parser as bench_parser
     from tokenfan_bench.cpu.gateway_cost import parser as cpu_parser
     from tokenfan_bench.cpu.step_pass_cost import parser as pass_parser
@@ -88,7 +89,7 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
             "tokenfan bench vs-vllm": vs_vllm_parser(), "tokenfan bench cpu": cpu_parser(),
             "tokenfan bench pass": pass_parser(), "tokenfan bench failover": failover_parser(),
             "tokenfan bench page-levels": page_levels_parser(),
-            "tokenfan prepare-model": models_parser("tokenfan prepare-model")}
+            "tokenfan prepare-model": models_parser("tokenfan prepare-model"), "tokenfan certs": certs_parser()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -129,7 +129,7 @@ def engine_supervisor(engine_argv: list[str]) -> ChildSupervisor:
 def run_workers(config: GatewayConfig, engine_argv: list[str] | None) -> int:
     """The top process of a ``--workers N`` server (see the module docstring); returns its exit code."""
     from gateway.scaleout.workers import WORKER_INDEX_ENV
-    from tokenfan.settings import to_argv
+    from tokenfan_settings import to_argv
 
     argv = ["-m", "tokenfan.cli", "gateway", *to_argv(config, "gateway")]
     stop_timeout = config.shutdown_grace + 5.0

@@ -31,7 +31,7 @@ from typing import Any
 
 from tokenfan_bench import limits
 from tokenfan_bench.clients.responses import RESPONSES_TRANSPORTS
-from tokenfan_bench.clients.workers import CLIENTS, TRANSPORTS, Plan
+from tokenfan_bench.clients.workers import CLIENTS, QUIC_TRANSPORTS, TRANSPORTS, Plan
 from tokenfan_bench.network import shaping_proxy
 from tokenfan_bench.network.paths import VIAS, Paths, open_paths, split_arm
 from tokenfan_bench.report import run_outputs
@@ -66,7 +66,8 @@ def parser() -> argparse.ArgumentParser:
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--url", help="gateway base URL, e.g. http://127.0.0.1:8000 (or use --spawn)")
     ap.add_argument("--arms", type=_arms, default=("sse", "ws"),
-                    help="one transport per arm A,B(,C…): sse (HTTP/1.1), ws, sse-h2, ws-h2 (RFC 8441); default sse,ws; "
+                    help="one transport per arm A,B(,C…): sse (HTTP/1.1), ws, sse-h2, ws-h2 (RFC 8441), sse-h3 (SSE over "
+                         "HTTP/3), wt (WebTransport; both to --h3-url); default sse,ws; "
                          "resp-sse, resp-ws: the Responses API over SSE / WebSocket mode, one response per "
                          "subscriber (implies --separate-streams); TRANSPORT@VIA routes one arm another way "
                          "(e.g. sse,sse@nginx)")
@@ -84,6 +85,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--h2-streams-per-connection", type=int, default=1, metavar="K",
                     help="HTTP/2 arms: subscribers multiplexed on one connection (default 1: one connection each, "
                          "like the other arms; a browser puts all of a page's streams on one)")
+    ap.add_argument("--h3-url", default=None, metavar="URL",
+                    help="where the sse-h3 and wt arms connect: https://HOST:PORT of the gateway's --http3-port "
+                         "(with --spawn: set up by the bench)")
     ap.add_argument("--streams", type=int, default=10, help="concurrent streams (default 10)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (default 64)")
     ap.add_argument("--duration", type=float, default=None,
@@ -135,14 +139,19 @@ class Bench:
         self.out: Path = ns.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
         self.out.mkdir(parents=True, exist_ok=True)
         self.meta = run_outputs.meta(argv, ns.seed)
+        self.h3_url: str | None = ns.h3_url
 
     def plan(self, url: str, streams: int, arms: tuple[str, ...] | None = None) -> Plan:
         ns = self.ns
         arms = arms or ns.arms
         separate = ns.separate_streams or any(t in RESPONSES_TRANSPORTS for t in arms)  # a response is one client's
         routed = self.paths if arms == ns.arms else None  # the raw floor is measured directly
+        arm_urls = routed.arm_urls if routed else ()
+        if not routed and any(t in QUIC_TRANSPORTS for t in arms):
+            assert self.h3_url is not None
+            arm_urls = tuple(self.h3_url if t in QUIC_TRANSPORTS else url.rstrip("/") for t in arms)
         return Plan(url=routed.post_url if routed else url.rstrip("/"),
-                    arm_urls=routed.arm_urls if routed else (), metrics_url=url.rstrip("/"), transports=arms, streams=streams, max_tokens=ns.max_tokens,
+                    arm_urls=arm_urls, metrics_url=url.rstrip("/"), transports=arms, streams=streams, max_tokens=ns.max_tokens,
                     duration=ns.duration, separate=separate, endpoint=ns.endpoint, ramp=ns.ramp,
                     seed=ns.seed, timeout=ns.timeout, client=ns.client, cafile=ns.cafile,
                     h2_streams_per_connection=ns.h2_streams_per_connection)
@@ -185,7 +194,13 @@ class Bench:
         if not self.ns.spawn:
             yield self.ns.url
             return
-        with processes.spawn_synthetic(rate or 20.0, self.ns.ttft_ms, self.out / "logs", self.ns.gateway_arg) as s:
+        extra: list[str] = []
+        if any(t in QUIC_TRANSPORTS for t in self.ns.arms):  # a listener for the QUIC arms
+            from tokenfan_bench.clients.quic import h3_gateway_args
+
+            extra, self.h3_url = h3_gateway_args(self.out / "tls")
+        with processes.spawn_synthetic(rate or 20.0, self.ns.ttft_ms, self.out / "logs",
+                                       [*self.ns.gateway_arg, *extra]) as s:
             yield s.url
 
     def run(self) -> dict[str, Any]:
@@ -331,6 +346,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("several --rates need --spawn: the bench cannot change the token rate of the engine at --url")
     if ns.client != "fast" and any(t in RESPONSES_TRANSPORTS for t in ns.arms):
         ap.error("the resp-sse and resp-ws arms need --client fast")
+    quic = any(split_arm(a)[0] in QUIC_TRANSPORTS for a in ns.arms)
+    if quic and ns.client != "fast":
+        ap.error("the sse-h3 and wt arms need --client fast")
+    if quic and not ns.spawn and not ns.h3_url:
+        ap.error("the sse-h3 and wt arms need --h3-url (the gateway's --http3-port), or --spawn")
+    if quic and (ns.net is not None or any(split_arm(a)[1] for a in ns.arms) or ns.via != "direct"):
+        ap.error("the shaping proxy and nginx carry TCP only: run the QUIC arms straight, or under loss and a "
+                 "profile with `tokenfan bench report --loss` (network namespaces)")
     checked = None
     if not ns.spawn:  # before anything is created: a run that cannot fit stops here
         try:

@@ -13,8 +13,16 @@ Three scenarios, real processes, one run each (or all):
   worker 0, one SSE reader each on worker 1 (its private socket); worker 0 is killed with SIGKILL. Worker 1
   adopts them from its standby mirrors. The gap as for ``gateway``.
 
-Every stream must end normally with nothing lost (checked: the number of tokens); the JSON holds each gap and
-the summary their median, p90 and max, with the hardware and the exact command.
+``--kind`` picks the requests (comma-separated; the streams are shared out among them): ``plain`` (text),
+``tools`` (tool calls: a script with Hermes ``<tool_call>`` blocks on synthetic engines, a named
+``tool_choice`` on vLLM), ``reasoning`` (a ``<think>`` section, then the answer), ``json`` (a JSON schema),
+``logprobs`` (logprobs with presence and frequency penalties) and ``n2`` (two sampled choices). ``tools`` and
+``reasoning`` alone run on scripted synthetic engines (vLLM's OpenAI layer and its ``hermes`` and ``qwen3``
+parsers over the tiny model's tokenizer); ``json``, ``logprobs`` and ``n2`` need a model: vLLM on ``--model``
+(default: the tiny random-weight Llama, built locally), with the same parsers.
+
+Every stream must end normally (``[DONE]``, no error event); the JSON holds each gap and the summary their
+median, p90 and max per scenario and kind, with the hardware and the exact command.
 """
 
 from __future__ import annotations
@@ -38,6 +46,60 @@ import numpy as np
 
 from tokenfan_bench.servers.processes import Proc, children, free_port, spawn, stop_all, wait_healthy
 
+KINDS = ("plain", "tools", "reasoning", "json", "logprobs", "n2")
+MODEL_KINDS = {"json", "logprobs", "n2"}  # what only a model writes
+PARSERS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+TOOL_CALLS = "".join(f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "city number {k}", "note": '
+                     f'"a long argument that arrives in pieces"}}}}\n</tool_call>' for k in range(6))
+THOUGHT = "<think>" + "".join(f"step {k} of the thought. " for k in range(60)) + "</think>The answer."
+SCRIPT = [  # the scripted engine's replies, a few characters per engine step (the first match answers)
+    {"match": "weather", "reply": [TOOL_CALLS[k:k + 4] for k in range(0, len(TOOL_CALLS), 4)]},
+    {"match": "think", "reply": [THOUGHT[k:k + 4] for k in range(0, len(THOUGHT), 4)]},
+    {"match": "river", "reply": [f" word {k}" for k in range(400)]},
+]
+
+
+def body(kind: str, i: int, tokens: int, vllm: bool) -> dict[str, Any]:
+    """The chat request of stream ``i`` of ``kind``."""
+    base: dict[str, Any] = {"messages": [{"role": "user", "content": f"river {i}"}], "max_tokens": tokens,
+                            "temperature": 0, "stream": True}
+    if kind == "tools":
+        base["messages"][0]["content"] = f"What is the weather, {i}?"
+        base["tools"] = TOOLS
+        if vllm:
+            base.update(tool_choice={"type": "function", "function": {"name": "get_weather"}}, **NO_THINKING)
+    elif kind == "reasoning":
+        base["messages"][0]["content"] = f"think about river {i}"
+    elif kind == "json":
+        base.update(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": {
+            "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"]}}}, **NO_THINKING)
+    elif kind == "logprobs":
+        base.update(logprobs=True, top_logprobs=2, presence_penalty=0.5, frequency_penalty=0.5, **NO_THINKING)
+    elif kind == "n2":
+        base.update(n=2, temperature=1.0, seed=i, **NO_THINKING)
+    return base
+
+
+def engine_backend(args: argparse.Namespace, tmp: Path) -> tuple[list[str], bool]:
+    """The engine flags for the kinds asked for, and whether they run vLLM."""
+    kinds = set(args.kinds)
+    if args.model is None and not kinds & MODEL_KINDS and kinds <= {"plain"}:
+        return ["--engine", "synthetic", "--synthetic-tokens-per-s", str(args.tokens_per_s)], False
+    from engine_worker.models import build_tiny_llama
+
+    model = args.model or build_tiny_llama(tmp / "tiny-llama")
+    if args.model is None and not kinds & MODEL_KINDS:
+        script = tmp / "script.json"
+        script.write_text(json.dumps(SCRIPT))
+        return ["--engine", "synthetic", "--synthetic-tokens-per-s", str(args.tokens_per_s), "--synthetic-script",
+                str(script), "--model", str(model), *PARSERS], False
+    return ["--engine", "vllm", "--model", str(model), "--max-model-len", "1024", *PARSERS,
+            "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'], True
+
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tokenfan bench failover", description=__doc__.split("\n\n")[0])
@@ -46,7 +108,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=120, help="max_tokens of each stream")
     ap.add_argument("--tokens-per-s", type=float, default=20.0, help="synthetic engine pace per stream")
     ap.add_argument("--model", type=Path, default=None,
-                    help="engine scenario on vLLM with this model directory (default: synthetic engines)")
+                    help="engines on vLLM with this model directory (default: synthetic engines; the tiny model "
+                         "for the kinds that need one)")
+    ap.add_argument("--kind", default="plain",
+                    help=f"request kinds, comma-separated, or all: {', '.join(KINDS)} (default: plain)")
     ap.add_argument("--out", type=Path, default=Path("bench-results/failover"))
     return ap
 
@@ -61,10 +126,19 @@ async def _read(c: httpx.AsyncClient, method: str, url: str, body: dict[str, Any
                 return True
             if line.startswith("event: error"):
                 return False
-            if line.startswith("data: {") and '"content":"' in line.replace(" ", ""):
+            if line.startswith("data: {") and _carries_output(line[6:]):
                 arrivals.append(time.monotonic())
                 if len(arrivals) == 3:
                     started.set()
+    return False
+
+
+def _carries_output(data: str) -> bool:
+    """A chunk with content, reasoning or a tool call's part (not the role chunk, not the usage chunk)."""
+    for choice in json.loads(data).get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning") or delta.get("tool_calls"):
+            return True
     return False
 
 
@@ -98,8 +172,7 @@ async def _drive(streams: int, make: Any, victim: int, transport: httpx.AsyncBas
 
 def _engine(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
     addresses = [f"ipc://{tmp / f'e{k}.sock'}" for k in range(2)]
-    backend = (["--engine", "vllm", "--model", str(args.model), "--max-model-len", "1024"] if args.model else
-               ["--engine", "synthetic", "--synthetic-tokens-per-s", str(args.tokens_per_s)])
+    backend, vllm = engine_backend(args, tmp)
     engines = [spawn(["-m", "engine_worker", "--engine-address", a, *backend, "--log-level", "warning"],
                      logs / f"engine-{k}.log") for k, a in enumerate(addresses)]
     port = free_port()
@@ -113,17 +186,15 @@ def _engine(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
             time.sleep(0.2)
 
         async def make(c: httpx.AsyncClient, i: int, arrivals: list[float], started: asyncio.Event) -> Any:
-            return _read(c, "POST", url + "/v1/chat/completions", {
-                "messages": [{"role": "user", "content": f"river {i}"}], "max_tokens": args.tokens,
-                "temperature": 0, "stream": True}, arrivals, started)
+            return _read(c, "POST", url + "/v1/chat/completions", body(kind_of(args, i), i, args.tokens, vllm),
+                         arrivals, started)
 
         ended, arrivals, killed = asyncio.run(_drive(args.streams, make, engines[0].pid))
         metrics = httpx.get(url + "/metrics").text
     finally:
         stop_all([gateway, *engines])
-    return {"scenario": "engine", "backend": "vllm" if args.model else "synthetic", "streams": args.streams,
-            "ended_normally": sum(ended), "gaps_s": _gaps(arrivals, killed),
-            "migrations": [line for line in metrics.splitlines() if line.startswith("tokenfan_migrations_total")]}
+    return _result(args, "engine", "vllm" if vllm else "synthetic", ended, arrivals, killed,
+                   migrations=[line for line in metrics.splitlines() if line.startswith("tokenfan_migrations_total")])
 
 
 def _gateway(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
@@ -132,8 +203,9 @@ def _gateway(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
                               "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     address = f"ipc://{tmp / 'g.sock'}"
-    engine = spawn(["-m", "engine_worker", "--engine-address", address, "--engine", "synthetic",
-                    "--synthetic-tokens-per-s", str(args.tokens_per_s), "--log-level", "warning"], logs / "engine.log")
+    backend, vllm = engine_backend(args, tmp)
+    engine = spawn(["-m", "engine_worker", "--engine-address", address, *backend, "--log-level", "warning"],
+                   logs / "engine.log")
     gateways: list[Proc] = []
     urls = []
     try:
@@ -145,11 +217,11 @@ def _gateway(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
                                   logs / f"gateway-{k}.log"))
             urls.append(f"http://127.0.0.1:{port}")
         for u, g in zip(urls, gateways, strict=True):
-            wait_healthy(u, [g, engine], 60)
+            wait_healthy(u, [g, engine], 600)
 
         async def make(c: httpx.AsyncClient, i: int, arrivals: list[float], started: asyncio.Event) -> Any:
-            r = await c.post(urls[0] + "/v1/streams", json={
-                "messages": [{"role": "user", "content": f"river {i}"}], "max_tokens": args.tokens, "seed": i})
+            r = await c.post(urls[0] + "/v1/streams", json=body(kind_of(args, i), i, args.tokens, vllm))
+            r.raise_for_status()
             return _read(c, "GET", f"{urls[1]}/v1/streams/{r.json()['id']}/events", None, arrivals, started)
 
         ended, arrivals, killed = asyncio.run(_drive(args.streams, make, gateways[0].pid))
@@ -158,20 +230,19 @@ def _gateway(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
         stop_all([*gateways, engine])
         redis.terminate()
         redis.wait(10)
-    return {"scenario": "gateway", "backend": "synthetic", "streams": args.streams, "ended_normally": sum(ended),
-            "gaps_s": _gaps(arrivals, killed),
-            "adoptions": [line for line in metrics.splitlines() if line.startswith("tokenfan_adoptions_total")]}
+    return _result(args, "gateway", "vllm" if vllm else "synthetic", ended, arrivals, killed,
+                   adoptions=[line for line in metrics.splitlines() if line.startswith("tokenfan_adoptions_total")])
 
 
 def _workers(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
     from gateway.scaleout.workers import WORKER_INDEX_ENV, worker_socket
 
     port = free_port()
-    server = spawn(["-m", "tokenfan.cli", "serve", "--engine", "synthetic", "--synthetic-tokens-per-s",
-                    str(args.tokens_per_s), "--workers", "2", "--port", str(port), "--max-generations-per-client",
+    backend, vllm = engine_backend(args, tmp)
+    server = spawn(["-m", "tokenfan.cli", "serve", *backend, "--workers", "2", "--port", str(port), "--max-generations-per-client",
                     "0", "--max-subscriptions-per-client", "0", "--log-level", "warning"], logs / "serve-workers.log")
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", [server], 60)
+        wait_healthy(f"http://127.0.0.1:{port}", [server], 600)
         while httpx.get(f"http://127.0.0.1:{port}/health").json()["workers"]["ready"] < 2:  # both, not the first
             time.sleep(0.05)
         worker0 = next(c.pid for c in children(server.pid) if c.has_env(WORKER_INDEX_ENV, "0"))
@@ -179,8 +250,8 @@ def _workers(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
 
         async def make(c: httpx.AsyncClient, i: int, arrivals: list[float], started: asyncio.Event) -> Any:
             async with httpx.AsyncClient(transport=owner) as w0:
-                r = await w0.post("http://worker/v1/streams", json={
-                    "messages": [{"role": "user", "content": f"river {i}"}], "max_tokens": args.tokens, "seed": i})
+                r = await w0.post("http://worker/v1/streams", json=body(kind_of(args, i), i, args.tokens, vllm))
+                r.raise_for_status()
             return _read(c, "GET", f"http://worker/v1/streams/{r.json()['id']}/events", None, arrivals, started)
 
         ended, arrivals, killed = asyncio.run(_drive(args.streams, make, worker0, reader))
@@ -188,27 +259,49 @@ def _workers(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
             metrics = c.get("http://worker/metrics").text
     finally:
         stop_all([server])
-    return {"scenario": "workers", "backend": "synthetic", "streams": args.streams, "ended_normally": sum(ended),
-            "gaps_s": _gaps(arrivals, killed),
-            "adoptions": [line for line in metrics.splitlines() if line.startswith("tokenfan_adoptions_total")]}
+    return _result(args, "workers", "vllm" if vllm else "synthetic", ended, arrivals, killed,
+                   adoptions=[line for line in metrics.splitlines() if line.startswith("tokenfan_adoptions_total")])
+
+
+def kind_of(args: argparse.Namespace, i: int) -> str:
+    """The kind of stream ``i`` (the kinds take turns)."""
+    return str(args.kinds[i % len(args.kinds)])
+
+
+def _result(args: argparse.Namespace, scenario: str, backend: str, ended: list[bool], arrivals: list[list[float]],
+            killed: float, **counters: list[str]) -> dict[str, Any]:
+    kinds = {}
+    for kind in args.kinds:
+        mine = [i for i in range(args.streams) if kind_of(args, i) == kind]
+        kinds[kind] = {"streams": len(mine), "ended_normally": sum(ended[i] for i in mine),
+                       "gaps_s": _gaps([arrivals[i] for i in mine], killed)}
+    return {"scenario": scenario, "backend": backend, "streams": args.streams, "ended_normally": sum(ended),
+            "kinds": kinds, **counters}
 
 
 def _summary(results: list[dict[str, Any]], command: str) -> str:
     lines = ["# tokenfan bench failover", "", f"`{command}`", "",
              f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-             "", "| scenario | backend | streams | ended normally | gaps measured | gap median | p90 | max |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", "| scenario | kind | backend | streams | ended normally | gaps measured | gap median | p90 | max |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        g = np.array(r["gaps_s"]) * 1000
-        stats = (f"{np.median(g):.0f} ms | {np.percentile(g, 90):.0f} ms | {g.max():.0f} ms" if len(g)
-                 else "- | - | -")
-        lines.append(f"| {r['scenario']} | {r['backend']} | {r['streams']} | {r['ended_normally']} | {len(g)} | "
-                     f"{stats} |")
+        for kind, k in r["kinds"].items():
+            g = np.array(k["gaps_s"]) * 1000
+            stats = (f"{np.median(g):.0f} ms | {np.percentile(g, 90):.0f} ms | {g.max():.0f} ms" if len(g)
+                     else "- | - | -")
+            lines.append(f"| {r['scenario']} | {kind} | {r['backend']} | {k['streams']} | {k['ended_normally']} | "
+                         f"{len(g)} | {stats} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    args.kinds = list(KINDS) if args.kind == "all" else [k.strip() for k in args.kind.split(",") if k.strip()]
+    unknown = sorted(set(args.kinds) - set(KINDS))
+    if unknown or not args.kinds:
+        print(f"--kind: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(KINDS)} or all",
+              file=sys.stderr)
+        return 2
     if args.scenario in ("gateway", "all") and shutil.which("redis-server") is None:
         print("the gateway scenario needs redis-server (make test-deps installs it)", file=sys.stderr)
         return 2

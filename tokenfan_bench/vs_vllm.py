@@ -786,7 +786,7 @@ def _floats(s: str) -> list[float]:
 
 
 def parser() -> argparse.ArgumentParser:
-    from engine_worker.config import default_cache_dir
+    from tokenfan_settings import default_cache_dir
 
     ap = argparse.ArgumentParser(prog="tokenfan bench vs-vllm", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -171,9 +171,9 @@ def app_routes() -> list[tuple[str, str]]:
     """``(method, path)`` of every route of the app (``WS`` for a WebSocket route; a mount as ``path/{path}``)."""
     from starlette.routing import Mount, Route, WebSocketRoute
 
+    import tokenfan_settings as settings
     from gateway.config import gateway_config
     from gateway.http.app import create_app
-    from tokenfan import settings
 
     ap = argparse.ArgumentParser()
     settings.add_arguments(ap, "gateway")

@@ -9,7 +9,7 @@ timestamps, batching and sockets); the backend only generates.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine_worker.protocol import FinishReason, Submit
@@ -54,15 +54,18 @@ class Step:
     finish_reason: FinishReason | None = None
     chunk: bytes = b""  # a whole OpenAI chunk (vLLM's OpenAI layer, engine_worker.backends.vllm_openai)
     token_ids: Sequence[int] = ()
+    steps: list[list[list[int]]] = field(default_factory=list)  # vLLM's OpenAI layer: protocol.Delta.steps
 
 
 class StepSink(Protocol):
     """Where a request's steps go (the engine server's per-request emitter). Called once per engine step,
     synchronously; the step carrying a ``finish_reason`` is the last. ``token_ids``: the step's output
-    token ids, where the backend has them (the plain path: what a continuation resumes from)."""
+    token ids, where the backend has them (the plain path: what a continuation resumes from); ``steps``: the
+    engine steps behind a chunk of vLLM's OpenAI layer (:attr:`engine_worker.protocol.Delta.steps`)."""
 
     def __call__(self, text: str, token_count: int, finish_reason: FinishReason | None = None,
-                 chunk: bytes = b"", token_ids: Sequence[int] = ()) -> None: ...
+                 chunk: bytes = b"", token_ids: Sequence[int] = (), steps: list[list[list[int]]] | None = None
+                 ) -> None: ...
 
 
 async def feed(steps: AsyncIterator[Step], sink: StepSink) -> None:
@@ -70,7 +73,7 @@ async def feed(steps: AsyncIterator[Step], sink: StepSink) -> None:
     vLLM's OpenAI layer, whose chunks come from its own generator)."""
     try:
         async for step in steps:
-            sink(step.text, step.token_count, step.finish_reason, step.chunk)
+            sink(step.text, step.token_count, step.finish_reason, step.chunk, steps=step.steps)
             if step.finish_reason is not None:
                 return
     finally:

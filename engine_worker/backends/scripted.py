@@ -11,7 +11,9 @@ The script is a JSON list of ``{"match": REGEX, "reply": [PIECE, ...]}``: the fi
 found in the rendered prompt answers (list the more specific entries first); a prompt no entry matches
 gets the corpus text of the synthetic engine. The reply stops at ``max_tokens`` tokens (finish ``length``)
 or at its end (finish ``stop``). The script *is* the output: sampling, stop strings and structured-output
-constraints do not change it; requests for what only a model has (``logprobs``, ``n`` > 1, beam search)
+constraints do not change it. A continuation (``tokenfan_resume`` in ``SamplingParams.extra_args``, see
+:mod:`engine_worker.backends.vllm_resume`) plays the rest of the reply after the ids it resumes from. Requests
+for what only a model has (``logprobs``, ``n`` > 1, beam search)
 are refused with a 400 naming the field.
 """
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine_worker.backends.vllm_resume import resume_ids
 from engine_worker.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -120,12 +123,20 @@ class ScriptedEngine:
 
         prompt_ids = list(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else []
         text = prompt.get("prompt") if isinstance(prompt, dict) else None
-        prompt_text = text if isinstance(text, str) else self.tokenizer.decode(prompt_ids)
+        resumed = len(resume_ids(sampling_params))
+        prompt_text = text if isinstance(text, str) else \
+            self.tokenizer.decode(prompt_ids[:len(prompt_ids) - resumed] if resumed else prompt_ids)
         budget = sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 30
         steps: list[tuple[str, list[int]]] = []  # (text, token ids) of each engine step
         used, finish = 0, "stop"
+        skip = resumed  # a continuation: the reply goes on after what was delivered
         for piece in self.reply_for(prompt_text):
             ids = self.tokenizer.encode(piece, add_special_tokens=False)
+            if skip:
+                cut = min(skip, len(ids))
+                skip -= cut
+                ids = ids[cut:]
+                piece = self.tokenizer.decode(ids) if ids else ""
             if used + len(ids) > budget:
                 ids, finish = ids[:budget - used], "length"
                 if ids:

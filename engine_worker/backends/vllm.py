@@ -49,6 +49,7 @@ import msgspec
 
 from engine_worker.backends import vllm_openai
 from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, StepSink, feed
+from engine_worker.backends.vllm_resume import RESUME_KEY
 from engine_worker.config import EngineConfig
 from engine_worker.models import DEFAULT_MODEL_DIRNAME, SERVING_HINTS, resolve_model
 from engine_worker.protocol import FinishReason, Sampling, Submit
@@ -103,7 +104,8 @@ class _Join:
         self.stopped = False
 
     def __call__(self, text: str, token_count: int, finish_reason: FinishReason | None = None,
-                 chunk: bytes = b"", token_ids: Sequence[int] = ()) -> None:
+                 chunk: bytes = b"", token_ids: Sequence[int] = (), steps: list[list[list[int]]] | None = None
+                 ) -> None:
         if self.stopped:
             return
         if self.echo and text:
@@ -196,6 +198,8 @@ class VllmBackend:
             stream_interval=self._config.stream_interval,
             reasoning_parser=self._config.reasoning_parser or "",
             structured_outputs_config=vllm_openai.structured_outputs_config(self._config),
+            # a continuation's presence/frequency penalties count the output it resumed from
+            logits_processors=["engine_worker.backends.vllm_penalties:ResumePenalties"],
         )
         started = time.monotonic()
         log.info("starting vLLM: model=%s dtype=%s max_model_len=%d platform=%s", model_dir, dtype,
@@ -299,6 +303,8 @@ class VllmBackend:
             echo = self._tokenizer.decode(ids + list(resume), skip_special_tokens=True).rstrip("\ufffd")
         params = self.sampling_params(msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume)),
                                       extra)
+        # presence/frequency penalties count the resumed output as output (vllm_penalties.ResumePenalties)
+        params.extra_args = {**(params.extra_args or {}), RESUME_KEY: list(resume)}
         return Prepared(submit=submit, prompt_tokens=len(ids), payload=(ids + list(resume), params),
                         held=held, echo=echo)
 
@@ -385,10 +391,10 @@ class VllmBackend:
 
     def _running_sink(self, rid: str, sink: StepSink) -> StepSink:
         def counted(text: str, token_count: int, finish_reason: FinishReason | None = None, chunk: bytes = b"",
-                    token_ids: Sequence[int] = ()) -> None:
+                    token_ids: Sequence[int] = (), steps: list[list[list[int]]] | None = None) -> None:
             self._waiting.discard(rid)
             self._running.add(rid)
-            sink(text, token_count, finish_reason, chunk, token_ids)
+            sink(text, token_count, finish_reason, chunk, token_ids, steps)
         return counted
 
     def _drainer(self) -> _Outputs:

@@ -26,6 +26,7 @@ import asyncio
 import contextvars
 import json
 import logging
+import re
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 import orjson
 
 from engine_worker.backends.base import Prepared, RequestRejected, Step
+from engine_worker.backends.vllm_resume import Replay, ReplayError, resumed, step_record
 from engine_worker.plain_path import is_plain
 from engine_worker.protocol import Endpoint, FinishReason, Submit
 
@@ -59,8 +61,12 @@ class _Run:
     tokens: int = 0  # generated tokens not yet reported with a chunk
     finish: FinishReason = "stop"  # the last choice's finish reason, for the engine's log and Delta
     outputs: AsyncGenerator[Any, None] | None = None  # the engine's output stream, closed on abort
+    replay: Replay | None = None  # a continuation: the delivered steps (engine_worker.backends.vllm_resume)
+    live: bool = True  # False while a continuation's replay runs: the chunks written for it are not sent
+    steps: list[list[list[int]]] = field(default_factory=list)  # steps not yet reported with a chunk
 
 
+_CONTINUATION = re.compile(r"(\.[am]\d+)+$")  # a continuation's suffixes: .m<k> (migrated), .a<k> (adopted)
 _RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("tokenfan_openai_run", default=None)
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "error": "error",
                                     "tool_calls": "stop", "repetition": "stop"}
@@ -79,9 +85,14 @@ class _ObservedEngine:
         from vllm.renderers.inputs.preprocess import extract_prompt_len
 
         run = _RUN.get()
-        stream = self._engine.generate(prompt, sampling_params, request_id, **kwargs)
         if run is None:  # not one of ours (vLLM-internal use): unobserved
-            return stream
+            return self._engine.generate(prompt, sampling_params, request_id, **kwargs)
+        if run.replay is not None:
+            if run.accepted.done():  # a second prompt (a completions batch): one replay cannot feed two
+                raise ReplayError("a continued request has one prompt")
+            stream = resumed(self._engine, prompt, sampling_params, request_id, run.replay, run, **kwargs)
+        else:
+            stream = self._engine.generate(prompt, sampling_params, request_id, **kwargs)
         if not run.accepted.done():
             run.accepted.set_result(int(extract_prompt_len(self._engine.model_config, prompt)))
         run.outputs = _counted(stream, run)
@@ -91,7 +102,9 @@ class _ObservedEngine:
 async def _counted(stream: AsyncGenerator[Any, None], run: _Run) -> AsyncGenerator[Any, None]:
     try:
         async for out in stream:
-            run.tokens += sum(len(o.token_ids) for o in out.outputs)
+            if run.live:  # replayed steps were counted and recorded by the lost engine
+                run.tokens += sum(len(o.token_ids) for o in out.outputs)
+                run.steps.append(step_record(out.outputs))
             yield out
     finally:
         await stream.aclose()
@@ -141,6 +154,7 @@ class OpenAILayer:
         self.completion = OpenAIServingCompletion(observed, models, online_renderer=renderer, request_logger=None)
         self.renderer = renderer
         self.parsers = bool(config.tool_call_parser or reasoning)
+        self.vocab_size = int(engine.model_config.get_vocab_size())
         self.model_name = model_name
 
     def wants(self, endpoint: Endpoint, body: dict[str, Any]) -> bool:
@@ -160,6 +174,12 @@ class OpenAILayer:
         Raises :class:`RequestRejected` with vllm serve's status and message."""
         request = self._validate(submit, body)
         run = _Run(asyncio.get_running_loop().create_future())
+        if submit.resume_steps:
+            try:
+                run.replay = Replay.parse(submit.resume_steps, int(getattr(request, "n", 1) or 1), self.vocab_size)
+            except ReplayError as exc:
+                raise RequestRejected(str(exc), param="resume_steps") from None
+            run.live = False
         token = _RUN.set(run)
         try:
             create = (self.chat.create_chat_completion if submit.endpoint == "chat.completions"
@@ -212,8 +232,9 @@ class OpenAILayer:
         obj = dict(body)
         if submit.stream:  # /v1/ws and /v1/streams always stream, whatever the body says
             obj["stream"] = True
-        # vLLM's ids are "chatcmpl-<this>" / "cmpl-<this>": the gateway's generation id, as vllm serve's.
-        obj["request_id"] = submit.request_id.split("-", 1)[-1]
+        # vLLM's ids are "chatcmpl-<this>" / "cmpl-<this>": the gateway's generation id, as vllm serve's (a
+        # continuation's engine request id is "<generation id>.m<k>" or ".a<k>": its chunks keep the generation's id).
+        obj["request_id"] = _CONTINUATION.sub("", submit.request_id.split("-", 1)[-1])
         obj["model"] = self.model_name  # the gateway checked the name the client sent
         if obj.get("max_tokens") is None and obj.get("max_completion_tokens") is None:
             obj["max_tokens"] = submit.sampling.max_tokens  # tokenfan's --default-max-tokens
@@ -240,10 +261,13 @@ class OpenAILayer:
                 chunk = data.encode()
                 if data.startswith('{"error"'):
                     raise _rejection_from_json(chunk)
+                if not run.live:  # written for a replayed step: the client has it
+                    continue
                 self._note_finish(chunk, run)
                 tokens, run.tokens = run.tokens, 0
-                yield Step(text="", token_count=tokens, chunk=chunk)
-            yield Step(text="", token_count=run.tokens, finish_reason=run.finish)
+                steps, run.steps = run.steps, []
+                yield Step(text="", token_count=tokens, chunk=chunk, steps=steps)
+            yield Step(text="", token_count=run.tokens, finish_reason=run.finish, steps=run.steps)
         finally:
             if not started.task.done():
                 started.task.cancel()

@@ -1,4 +1,10 @@
-"""vLLM general plugin (entry point ``vllm.general_plugins``): let vLLM's CPU kernels use AMX.
+"""vLLM general plugin (entry point ``vllm.general_plugins``): AMX for vLLM's CPU kernels, and continuations.
+
+vLLM loads general plugins in every process (front end, engine core, workers). This one:
+
+* lets a continued request's grammar start where the lost engine's was
+  (:func:`engine_worker.backends.vllm_resume.install_grammar_resume`, in the engine core);
+* asks the kernel for AMX (below).
 
 On Linux a process must ask the kernel for permission to use the AMX tile registers
 (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); PyTorch does so lazily inside its own AMX paths, but vLLM's CPU
@@ -16,8 +22,12 @@ log = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """Request AMX permission for this process when the CPU has AMX."""
+    """Install the grammar's resume hook; request AMX permission for this process when the CPU has AMX."""
     import torch
+
+    from engine_worker.backends.vllm_resume import install_grammar_resume
+
+    install_grammar_resume()
 
     supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
     init = getattr(torch.cpu, "_init_amx", None)

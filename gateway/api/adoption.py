@@ -10,8 +10,10 @@ log, the same Redis key (under a new header naming this gateway), its readers re
 
 What is adopted: streams of the plain path whose API can render the rest from the log: fan-out chat and
 completions streams, background responses (their event builder folded back from the log) and ``/api/chat``
-answers (the UI message renderer's open part and part ids). Not adopted (``owner_lost``, as before): requests
-served by vLLM's OpenAI layer (their parsers' state is not in the log).
+answers (the UI message renderer's open part and part ids). A stream of a request served by vLLM's OpenAI
+layer (tools, reasoning, structured outputs, logprobs, ``n`` > 1) keeps its engine steps in the log
+(:func:`engine_worker.protocol.pack_steps`) and continues from them (``Submit.resume_steps``: the engine
+replays them through its parsers and grammar), as a migration does.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from engine_worker import protocol as p
-from gateway.api.openai.render import ChatRenderer
-from gateway.api.openai.request import ChunkBuilder
+from gateway.api.chat_render import ChatRenderer, EngineChunkRenderer
+from gateway.api.chat_request import ChunkBuilder
 from gateway.api.responses.events import ResponseEvents
 from gateway.api.responses.render import ResponseRenderer
 from gateway.api.responses.routes import ENDPOINT as RESPONSES
@@ -34,7 +36,7 @@ from gateway.api.ui_chat.render import UiMessageRenderer
 from gateway.api.ui_chat.routes import ENDPOINT as UI_CHAT
 from gateway.core.delivery import pump
 from gateway.core.generation import Generation, Renderer
-from gateway.errors import APIError, EngineError
+from gateway.errors import TokenfanError
 
 if TYPE_CHECKING:
     from gateway.core.streams import Stream
@@ -54,7 +56,10 @@ def responses_renderer(stream: Stream, options: dict[str, Any]) -> Renderer:
 
 
 def chat_renderer(stream: Stream, options: dict[str, Any]) -> Renderer:
-    """The rest of a chat or completions stream: the same chunk id, ``created`` and usage setting."""
+    """The rest of a chat or completions stream: the same chunk id, ``created`` and usage setting (vLLM's
+    OpenAI layer: the engine's chunks, which keep the generation's id)."""
+    if options.get("openai"):
+        return EngineChunkRenderer()
     builder = ChunkBuilder(stream.endpoint, stream.id, stream.model,  # type: ignore[arg-type]
                            bool(options.get("include_usage")), created=options.get("created"))
     return ChatRenderer(builder, started=bool(stream.events))
@@ -86,12 +91,20 @@ class Adopter:
         make = RENDERERS.get(stream.endpoint)
         why = None if make is not None else f"its API ({stream.endpoint}) cannot render the rest from the log"
         submit = msgspec.msgpack.decode(header.request, type=p.Submit) if header.request else None
+        options = header.options or {}
+        openai = bool(options.get("openai"))
+        ids = [i for e in stream.events for i in e.ids]
+        steps: list[list[list[int]]] = []
         if submit is None:
             why = why or "its header has no engine request"
-        elif (header.options or {}).get("openai", True):
-            why = why or "it is served by vLLM's OpenAI layer (the parsers' state is not in the log)"
-        ids = [i for e in stream.events for i in e.ids]
-        if submit is not None and len(ids) >= submit.sampling.max_tokens:
+        elif "openai" not in options:
+            why = why or "its header does not say how the engine serves it (an older gateway's)"
+        elif openai:  # vLLM's OpenAI layer: the log's ids are its engine steps, packed
+            try:
+                steps = p.unpack_steps(ids)
+            except p.WireError as exc:
+                why = why or f"its log's engine steps are unreadable ({exc})"
+        elif len(ids) >= submit.sampling.max_tokens:
             why = why or "its token budget is spent"
         if why is not None or submit is None or make is None:
             gw.metrics.adoptions.labels("refused").inc()
@@ -103,15 +116,20 @@ class Adopter:
         self._n += 1
         chars = sum(len(e.text) for e in stream.events)
         try:
-            handle = gw.engine.submit(msgspec.structs.replace(
-                submit, request_id=f"{stream.id}.a{self._n}", resume=ids, resume_chars=chars))
-            handle.output_ids, handle.output_chars = list(ids), chars
+            if openai:
+                handle = gw.engine.submit(msgspec.structs.replace(
+                    submit, request_id=f"{stream.id}.a{self._n}", resume_steps=steps))
+                handle.steps = list(steps)
+            else:
+                handle = gw.engine.submit(msgspec.structs.replace(
+                    submit, request_id=f"{stream.id}.a{self._n}", resume=ids, resume_chars=chars))
+                handle.output_ids, handle.output_chars = list(ids), chars
             await handle.wait_accepted(gw.config.accept_timeout)
-        except (EngineError, APIError) as exc:
+        except TokenfanError as exc:
             gw.metrics.adoptions.labels("failed").inc()
             log.error("stream %s lost its owner %s: adoption failed (%s)", stream.id, header.owner, exc)
             return "no"
-        renderer = make(stream, header.options or {})
+        renderer = make(stream, options)
         stream.mirrored = False
         stream.request, stream.options = header.request, header.options or {}
         self.claims.adopted(stream)
@@ -121,7 +139,7 @@ class Adopter:
         gw.metrics.adoptions.labels("adopted").inc()
         last_ns = stream.events[-1].timing.get("sent_ns", 0) if stream.events else 0
         log.warning("adopted stream %s from lost gateway %s after %d events (%d output tokens); continuing on "
-                    "engine %s", stream.id, header.owner, len(stream.events), len(ids), handle._client.address)
+                    "engine %s", stream.id, header.owner, len(stream.events), len(ids), handle.owner.address)
         asyncio.get_running_loop().create_task(self._gap(stream, len(stream.events), last_ns))
         return "adopted"
 

@@ -1,6 +1,7 @@
-"""Starting a generation, for every API: admission, the engine's accept, then the delivery core's stream.
+"""Starting a generation, for every API: admission, the engine's accept, then the delivery core's stream;
+and finding one by id (:func:`find_stream`), here or on the gateway that runs it.
 
-An API turns its request into a :class:`~gateway.api.openai.request.ParsedRequest` (the engine's
+An API turns its request into a :class:`~gateway.api.chat_request.ParsedRequest` (the engine's
 ``Submit``) and a renderer of its payloads; :func:`open_request` admits and submits it and waits for the
 engine's accept; :func:`start_generation` then hands the accepted request and the API's renderer to the
 core (:func:`gateway.core.delivery.start`).
@@ -11,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gateway.api.openai.render import chat_renderer
-from gateway.api.openai.request import ChunkBuilder, ParsedRequest, new_id
+from gateway.api.chat_render import chat_renderer
+from gateway.api.chat_request import ChunkBuilder, ParsedRequest, new_id
 from gateway.core import delivery
 from gateway.core.generation import Renderer
-from gateway.errors import APIError, EngineError
+from gateway.errors import APIError, ClientError, EngineError
 
 if TYPE_CHECKING:
-    from gateway.core.engine_client import RequestHandle
+    from gateway.core.request import RequestHandle
     from gateway.core.streams import Stream
     from gateway.state import Gateway
 
@@ -46,7 +47,7 @@ async def open_request(gw: Gateway, parsed: ParsedRequest, scope: Any = None) ->
         prompt_tokens = await handle.wait_accepted(gw.config.accept_timeout)
         limit = gw.config.max_prompt_tokens
         if limit and prompt_tokens > limit:
-            raise APIError(400, f"The prompt has {prompt_tokens} tokens; this server accepts at most {limit}.",
+            raise ClientError(400, f"The prompt has {prompt_tokens} tokens; this server accepts at most {limit}.",
                            param="messages" if parsed.endpoint == "chat.completions" else "prompt",
                            code="prompt_too_long")
     except EngineError as exc:
@@ -79,3 +80,13 @@ async def start_generation(
                                 model=builder.model, listed=listed, detached=detached, stream_id=stream_id,
                                 options={"include_usage": builder.include_usage, "created": builder.created,
                                          "openai": handle.openai})
+
+
+async def find_stream(gw: Gateway, stream_id: str) -> Stream:
+    """The local stream, else (with a broker) a mirror of another replica's; APIError 404 / 410 / 503."""
+    try:
+        return gw.hub.get(stream_id)
+    except APIError:
+        if gw.remote is None:
+            raise
+        return await gw.remote.mirror(stream_id)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from gateway.errors import APIError
+from gateway.errors import APIError, ClientError, Refusal
 
 T = TypeVar("T")
 
@@ -85,7 +85,7 @@ class Lanes(Generic[T]):
         if lane is None:
             named = sum(1 for k in self._lanes if k is not None)
             if lane_id is not None and named >= self.max_named:
-                raise WsClientError(APIError(400, f"At most {self.max_named} distinct stream_id values per "
+                raise WsClientError(ClientError(400, f"At most {self.max_named} distinct stream_id values per "
                                                   "connection.", param="stream_id",
                                              code="websocket_stream_limit_reached"), lane_id)
             lane = self._lanes[lane_id] = _Lane()
@@ -125,7 +125,7 @@ class Lanes(Generic[T]):
 
 
 def _too_many_waiting(lanes: Lanes[Any]) -> APIError:
-    return APIError(429, f"Too many responses waiting on this connection (at most {lanes.max_pending}).",
+    return Refusal(429, f"Too many responses waiting on this connection (at most {lanes.max_pending}).",
                     type="rate_limit_error", code="rate_limit_exceeded")
 
 

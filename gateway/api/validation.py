@@ -25,7 +25,7 @@ import msgspec
 import orjson
 
 from gateway.config import Limits
-from gateway.errors import APIError
+from gateway.errors import APIError, ClientError
 
 T = TypeVar("T")
 
@@ -36,12 +36,12 @@ MAX_JSON_DEPTH = Limits().max_json_depth
 
 def invalid(param: str, message: str) -> APIError:
     """400 ``invalid_value``: a field holds a value this server does not accept."""
-    return APIError(400, message, param=param, code="invalid_value")
+    return ClientError(400, message, param=param, code="invalid_value")
 
 
 def unsupported(param: str, why: str) -> APIError:
     """400 ``unsupported_parameter``: a field this server cannot honour (refused rather than ignored)."""
-    return APIError(400, f"{param}: {why}.", param=param, code="unsupported_parameter")
+    return ClientError(400, f"{param}: {why}.", param=param, code="unsupported_parameter")
 
 
 # -- the JSON gate ---------------------------------------------------------------------------------
@@ -59,15 +59,15 @@ def decode_json_object(raw: bytes | str, max_depth: int = MAX_JSON_DEPTH, what: 
     brackets (ordinary bodies pay two ``count`` calls); orjson then validates UTF-8 and the grammar."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     if not data.strip():
-        raise APIError(400, f"{what} is empty; expected a JSON object.", code="invalid_json")
+        raise ClientError(400, f"{what} is empty; expected a JSON object.", code="invalid_json")
     if _nests_deeper(data, max_depth):
-        raise APIError(400, _too_deep(what, max_depth), code="invalid_json")
+        raise ClientError(400, _too_deep(what, max_depth), code="invalid_json")
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"{what} is not valid JSON: {_json_problem(data, exc)}", code="invalid_json") from None
+        raise ClientError(400, f"{what} is not valid JSON: {_json_problem(data, exc)}", code="invalid_json") from None
     if not isinstance(obj, dict):
-        raise APIError(400, f"{what} must be a JSON object, got {_json_type(obj)}.", code="invalid_value")
+        raise ClientError(400, f"{what} must be a JSON object, got {_json_type(obj)}.", code="invalid_value")
     return obj
 
 
@@ -84,7 +84,7 @@ def check_json_depth(obj: object, max_depth: int = MAX_JSON_DEPTH, what: str = "
     """:class:`APIError` 400 ``invalid_json`` if an already decoded value (e.g. from ``orjson.loads``, which
     allows 1024 levels) nests deeper than ``max_depth``: check before ``msgspec.convert`` or ``orjson.dumps``."""
     if _deeper_than(obj, max_depth):
-        raise APIError(400, _too_deep(what, max_depth), code="invalid_json")
+        raise ClientError(400, _too_deep(what, max_depth), code="invalid_json")
 
 
 def _deeper_than(obj: object, limit: int) -> bool:
@@ -127,7 +127,7 @@ def convert(obj: dict[str, Any], kind: type[T]) -> T:
     except msgspec.ValidationError as exc:
         m = _PATH.search(str(exc))
         param = re.split(r"[.\[]", m.group(1))[0] if m and m.group(1) else None
-        raise APIError(400, f"Invalid request: {exc}", param=param, code="invalid_type") from exc
+        raise ClientError(400, f"Invalid request: {exc}", param=param, code="invalid_type") from exc
 
 
 # -- fields ----------------------------------------------------------------------------------------

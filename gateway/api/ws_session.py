@@ -25,7 +25,7 @@ class WsSession:
     def __init__(self, gw: Gateway, ws: WebSocket) -> None:
         self.gw = gw
         self.ws = ws
-        self.conn = WsConn(ws.scope, ws._send, gw.policy.linger)
+        self.conn = WsConn.of(ws, gw.policy.linger)
         self.tasks: dict[Any, asyncio.Task[None]] = {}
         self.writes: set[asyncio.Task[None]] = set()  # send_text's, cancelled with the generations at the end
         self.cut = asyncio.Event()

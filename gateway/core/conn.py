@@ -1,7 +1,7 @@
 """The write side of one client connection, as the delivery core needs it.
 
 Three operations: ``write`` (await until the server took the frame; a stalled client makes it block,
-which the :class:`gateway.core.streams.Watchdog` turns into a cut), ``write_now`` (the publisher's one pass:
+which the :class:`gateway.core.follow.Watchdog` turns into a cut), ``write_now`` (the publisher's one pass:
 take a frame without awaiting while the transport is writable, else refuse it and let the reader's loop
 send it) and ``cut`` (end the connection with a final frame *without waiting on the stalled peer*).
 
@@ -103,6 +103,8 @@ class HttpConn:
     def __init__(self, scope: MutableMapping[str, Any], send: Any, linger: float) -> None:
         self.send = scope.get("tokenfan.raw_send", send)  # the response has started: skip the wrappers
         self._safe_send = send
+        # what the metrics call this connection: "sse", or the label a server adapter put in the scope
+        self.label: str = scope.get("tokenfan.transport", self.transport)
         self.linger = linger
         self.closed = False
         self._cycle: Any = None  # uvicorn's request cycle, once write_now found it can write into it
@@ -200,6 +202,7 @@ class WsConn:
     """An accepted WebSocket."""
 
     transport = "ws"
+    label = "ws"  # what the metrics call it
 
     def __init__(self, scope: MutableMapping[str, Any], send: Any, linger: float) -> None:
         self.send = scope.get("tokenfan.raw_send", send)  # accepted already: skip the wrappers
@@ -207,6 +210,13 @@ class WsConn:
         self.closed = False
         self._proto: Any = _writable_protocol(self.send)
         self._out: list[bytes] = []  # frame heads and payloads taken by write_now, written at flush
+
+    @classmethod
+    def of(cls, ws: Any, linger: float) -> WsConn:
+        """The connection of an accepted Starlette ``WebSocket``: its ASGI ``send`` (Starlette's own
+        ``WebSocket.send`` checks the socket's state on every message, which the delivery core's writes
+        do not need), or the server's raw one when the scope carries it."""
+        return cls(ws.scope, ws._send, linger)  # noqa: SLF001  (this module alone knows server internals)
 
     async def write(self, text: str) -> None:
         await self.send({"type": "websocket.send", "text": text})

@@ -11,7 +11,7 @@
   token) and turns a cancel of its task into the generation's cancel.
 - :func:`read` is the only reader, for every path: a :class:`Reader` writes the :mod:`gateway.core.framing`
   frames to a :mod:`gateway.core.conn` connection, in the publisher's pass while it is caught up
-  (:meth:`Reader.write_now`) and from its own loop (:func:`gateway.core.streams.follow`: replay, live tail,
+  (:meth:`Reader.write_now`) and from its own loop (:func:`gateway.core.follow.follow`: replay, live tail,
   coalescing when behind, keep-alives) otherwise, with one :class:`ReaderMeter` for both. A write blocked
   longer than ``--send-timeout`` ends the reader with the framing's cut
   (SSE ``event: error`` slow_consumer, WebSocket close 1013), never with a normal end.
@@ -33,17 +33,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import msgspec
 
 from gateway.core import sse
+from gateway.core.backpressure import SlowConsumer, SlowConsumerPolicy
 from gateway.core.conn import HttpConn, WsConn
+from gateway.core.follow import Watchdog, follow
 from gateway.core.framing import Ending, Framing
 from gateway.core.generation import Generation, Renderer
-from gateway.core.streams import Event, SlowConsumer, SlowConsumerPolicy, Stream, StreamHub, Watchdog, follow
-from gateway.errors import APIError, error_class
+from gateway.core.streams import Event, Stream, StreamHub
+from gateway.errors import bad_resume_point, error_class
 
 if TYPE_CHECKING:
     from gateway.core.conn import Step
-    from gateway.core.engine_client import RequestHandle
     from gateway.core.metrics import HotHistogram, Metrics, TransportMetrics
     from gateway.core.ports import Publisher, RemoteStreams
+    from gateway.core.request import RequestHandle
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class Delivery:
     direct_write: bool = True
 
 
-async def start(d: Delivery, handle: RequestHandle, renderer: Renderer, *, endpoint: str, model: str,
+async def start(delivery: Delivery, handle: RequestHandle, renderer: Renderer, *, endpoint: str, model: str,
                 listed: bool, detached: bool | None = None, stream_id: str | None = None,
                 options: dict[str, Any] | None = None) -> Stream:
     """The stream of an accepted request, its generation attached and its pump running.
@@ -78,39 +80,39 @@ async def start(d: Delivery, handle: RequestHandle, renderer: Renderer, *, endpo
     ends; ``detached`` (default: ``listed``): the generation outlives its readers. Raises what the
     publisher's announcement raises (the request is then closed). ``options``: what the API needs to render
     the rest of a listed stream if another gateway adopts it (:mod:`gateway.api.adoption`)."""
-    stream = d.hub.create(endpoint, model, stream_id=stream_id or handle.request_id, listed=listed)
+    stream = delivery.hub.create(endpoint, model, stream_id=stream_id or handle.request_id, listed=listed)
     stream.detached = listed if detached is None else detached
     if listed:
         stream.request, stream.options = msgspec.msgpack.encode(handle.submit), options or {}
-    publisher = d.publisher if listed else None
+    publisher = delivery.publisher if listed else None
     if publisher is not None:
         try:
             await publisher.created(stream)  # announced before its id is handed out
         except BaseException:
             handle.close()
-            d.hub.forget(stream)
+            delivery.hub.forget(stream)
             raise
-    generation = Generation(stream, handle, renderer, d.metrics.hot.tokens, publisher)
+    generation = Generation(stream, handle, renderer, delivery.metrics.hot.tokens, publisher)
     generation.start()
-    stream.task = asyncio.create_task(pump(d, generation), name=f"pump-{stream.id}")
+    stream.task = asyncio.create_task(pump(delivery, generation), name=f"pump-{stream.id}")
     return stream
 
 
-async def pump(d: Delivery, generation: Generation) -> None:
+async def pump(delivery: Delivery, generation: Generation) -> None:
     """Wait for the generation's end (its deltas arrive in the engine link's pass, not here); a cancel of
     this task cancels the generation. Then the request is released and the stream retained."""
     stream, handle = generation.stream, generation.handle
-    publisher = d.publisher if stream.listed else None
+    publisher = delivery.publisher if stream.listed else None
     try:
         err = await asyncio.shield(generation.ended)
         if err is not None:
-            d.metrics.errors.labels(error_class(err)).inc()
+            delivery.metrics.errors.labels(error_class(err)).inc()
     except asyncio.CancelledError:
         if stream.handover:
             generation.move()
         else:
             if not handle.done:
-                d.metrics.aborted.inc()
+                delivery.metrics.aborted.inc()
                 log.info("generation %s aborted (no reader left, or cancelled)", stream.id)
             generation.cancel()
         raise
@@ -118,8 +120,8 @@ async def pump(d: Delivery, generation: Generation) -> None:
         handle.close()  # aborts the engine request if it had not finished
         if publisher is not None and stream.state != "moved":
             publisher.ended(stream)
-        d.hub.mark_finished(stream)
-        d.metrics.retained.set(d.hub.total_bytes)
+        delivery.hub.mark_finished(stream)
+        delivery.metrics.retained.set(delivery.hub.total_bytes)
 
 
 def hand_over(stream: Stream) -> bool:
@@ -144,12 +146,12 @@ def cancel(stream: Stream) -> bool:
     return True
 
 
-async def stop(d: Delivery, stream: Stream) -> bool:
+async def stop(delivery: Delivery, stream: Stream) -> bool:
     """Cancel a stream's generation wherever it runs and wait for its end: here, or on the replica or worker
     that owns it (through the broker, waiting at most 5 s for its end to arrive). False if it had ended."""
     if stream.mirrored and not stream.finished:
-        assert d.remote is not None and stream.task is not None
-        if not await d.remote.cancel_remote(stream.id):
+        assert delivery.remote is not None and stream.task is not None
+        if not await delivery.remote.cancel_remote(stream.id):
             return False
         # Wait up to 5 s for the mirror to end. asyncio.wait neither cancels it on timeout nor raises how it
         # ended, and (unlike wait_for on Python 3.11) never swallows a cancel of this caller.
@@ -169,8 +171,7 @@ def resume_point(raw: str | None, param: str) -> int:
     try:
         value = sse.parse_last_event_id(raw)
     except ValueError as exc:
-        raise APIError(400, f"{param} must be an integer event id >= -1 (-1: from the start), got {raw!r}.",
-                       param=param, code="invalid_value") from exc
+        raise bad_resume_point(param, raw) from exc
     return -1 if value is None else value
 
 
@@ -214,8 +215,8 @@ class ReaderMeter:
 class Reader:
     """One reader of a stream on one connection: its framing, its connection and its meter.
 
-    :meth:`write_now` is called by the publisher's pass (:meth:`gateway.core.streams.Stream._wake`) while the
-    reader is caught up; :meth:`write` by the reader's own loop (:func:`gateway.core.streams.follow`) for
+    :meth:`write_now` is called by the publisher's pass (:meth:`gateway.core.streams.Stream.append`) while the
+    reader is caught up; :meth:`write` by the reader's own loop (:func:`gateway.core.follow.follow`) for
     replay, resume and back-pressure. ``clock`` is read for writes outside an engine step.
 
     ``delay`` (``--inject-delay``, bench calibration): every write of the loop sleeps first, timed into
@@ -265,29 +266,30 @@ class Outcome:
     last_seq: int
 
 
-async def read(d: Delivery, stream: Stream, framing: Framing, after: int, conn: HttpConn | WsConn,
+async def read(delivery: Delivery, stream: Stream, framing: Framing, after: int, conn: HttpConn | WsConn,
                *, t0: float | None = None, idle: Callable[[], Awaitable[None]] | None = None) -> Outcome:
     """Follow ``stream`` past ``after`` and write it to ``conn`` until it ends or the reader is cut.
 
     The caller writes the returned ending (or :func:`finish_reader` does it for a whole connection)."""
-    m = d.metrics
-    meter = ReaderMeter(m.hot.transports[framing.transport], time.monotonic() if t0 is None else t0)
-    reader = Reader(framing, conn, meter, delay=d.inject_delay.get(framing.transport, 0.0),
-                    slept=m.hot.injected.get(framing.transport))
-    active = m.active_streams.labels(framing.transport)
+    m = delivery.metrics
+    label = conn.label  # the metrics' transport: the framing's, or the connection's own (``sse-h3``, ``wt``)
+    meter = ReaderMeter(m.hot.transport(label), time.monotonic() if t0 is None else t0)
+    reader = Reader(framing, conn, meter, delay=delivery.inject_delay.get(label, 0.0),
+                    slept=m.hot.injected.get(label))
+    active = m.active_streams.labels(label)
     # --inject-delay (bench calibration) turns the one pass off for every transport, so the arms differ
     # only by the injected delay, not by the path their writes take.
-    one_pass = d.direct_write and not d.inject_delay
+    one_pass = delivery.direct_write and not delivery.inject_delay
     active.inc()
     last = after
     try:
-        last = await follow(stream, framing.transport, after, reader.write, d.policy, d.watchdog, idle=idle,
+        last = await follow(stream, framing.transport, after, reader.write, delivery.policy, delivery.watchdog, idle=idle,
                             reader=reader if one_pass else None,
                             merge=framing.merge)
     except SlowConsumer:
         m.errors.labels("network").inc()
-        log.info("reader of %s cut: a write was blocked for more than %gs", stream.id, d.policy.send_timeout)
-        return Outcome(framing.cut(d.policy.send_timeout), True, last)
+        log.info("reader of %s cut: a write was blocked for more than %gs", stream.id, delivery.policy.send_timeout)
+        return Outcome(framing.cut(delivery.policy.send_timeout), True, last)
     finally:
         active.dec()
     if stream.state == "moved":  # no end: the reader resumes on the replica that continues the stream
@@ -321,9 +323,9 @@ async def until_disconnect(work: Awaitable[Any], receive: Callable[[], Awaitable
 class SseResponse:
     """An ASGI response that is one SSE reader of a stream (POST SSE, fan-out events, Responses SSE)."""
 
-    def __init__(self, d: Delivery, stream: Stream, framing: Framing, after: int, *, preamble: bytes = b"",
+    def __init__(self, delivery: Delivery, stream: Stream, framing: Framing, after: int, *, preamble: bytes = b"",
                  t0: float | None = None) -> None:
-        self.d, self.stream, self.framing, self.after = d, stream, framing, after
+        self.delivery, self.stream, self.framing, self.after = delivery, stream, framing, after
         self.preamble = preamble
         self.t0 = t0
 
@@ -331,8 +333,8 @@ class SseResponse:
                (b"x-accel-buffering", b"no")]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        d, stream = self.d, self.stream
-        conn = HttpConn(scope, send, d.policy.linger)
+        delivery, stream = self.delivery, self.stream
+        conn = HttpConn(scope, send, delivery.policy.linger)
         outcome: Outcome | None = None
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
@@ -343,7 +345,7 @@ class SseResponse:
             async def idle() -> None:
                 await conn.write(keepalive)
 
-            outcome = await until_disconnect(read(d, stream, self.framing, self.after, conn, t0=self.t0,
+            outcome = await until_disconnect(read(delivery, stream, self.framing, self.after, conn, t0=self.t0,
                                                   idle=idle), receive)
         finally:
             release(stream, cut=bool(outcome and outcome.cut))

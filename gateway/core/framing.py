@@ -14,18 +14,11 @@ names the API's merge rules for a lagging reader (``merge``; None: never merged)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from gateway.core import sse
-from gateway.core.streams import Event, MergeRules, Stream
-from gateway.errors import APIError
-
-Transport = Literal["sse", "ws"]
-
-def slow_consumer_error(send_timeout: float, resumable: bool) -> APIError:
-    hint = " Resume with Last-Event-ID (or ?after=) to continue." if resumable else ""
-    return APIError(503, f"Reader too slow: a write was blocked for more than {send_timeout:g}s.{hint}",
-                    type="server_error", code="slow_consumer")
+from gateway.core.merge import MergeRules
+from gateway.core.streams import Event, Stream, Transport
+from gateway.errors import slow_consumer
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +63,7 @@ class Framing:
         raise NotImplementedError
 
     def cut(self, send_timeout: float) -> Ending:
-        err = slow_consumer_error(send_timeout, self.resumable)
+        err = slow_consumer(send_timeout, self.resumable)
         if self.transport == "sse":
             return Ending(sse.event(err.to_bytes(), event="error"))
         return Ending(None, 1013, "slow consumer" + (": resume with ?after=<last seq>" if self.resumable else ""))

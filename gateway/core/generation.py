@@ -1,6 +1,6 @@
 """One generation: engine deltas in, the stream's events out, in the engine step that produced them.
 
-The engine link (:meth:`gateway.core.engine_client.EngineClient._on_batch`) hands each delta of a
+The engine link (:meth:`gateway.core.engine_link.EngineLink.deliver`) hands each delta of a
 ``DeltaBatch`` to its request's :class:`Generation` (``on_delta``), synchronously: the generation asks its
 API's :class:`Renderer` for the step's payloads (chat chunks, Responses events, … — the core knows no
 payload shape), appends them to its :class:`gateway.core.streams.Stream`, which writes them to every
@@ -11,59 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
-
-import orjson
+from typing import TYPE_CHECKING, Protocol
 
 from engine_worker import protocol as p
+from gateway.core.streams import ChunkEvent
 from gateway.errors import APIError
 
 if TYPE_CHECKING:
     from gateway.core.conn import Step
-    from gateway.core.engine_client import RequestHandle
     from gateway.core.metrics import HotCounter
     from gateway.core.ports import Publisher
+    from gateway.core.request import RequestHandle
     from gateway.core.streams import Stream
 
 log = logging.getLogger(__name__)
-
-
-class Template(Protocol):
-    """A generation's payload as pre-encoded bytes with holes (the chat API's ``ChunkTemplate``, the
-    Responses API's ``TextDeltaTemplate``): rendering splices in an event's text and, for a payload that numbers itself (a
-    Responses event's ``sequence_number``), its ``seq`` in the stream's log."""
-
-    def render(self, text: str, seq: int) -> bytes: ...
-
-
-class ChunkEvent:
-    """One payload to append: its dict (``chunk``), or its ``template`` and text (the template renders the
-    JSON; the dict is parsed only if asked for), the engine emit time of the delta behind it, and its
-    accounting. ``seq``: the log position a payload that numbers itself names (the stream checks it)."""
-
-    __slots__ = ("emit_ns", "finish_reason", "ids", "migrated", "payload", "seq", "template", "text", "tokens",
-                 "usage")
-
-    def __init__(self, chunk: dict[str, Any] | None, emit_ns: int, text: str, tokens: int,
-                 finish_reason: str | None = None, usage: p.Usage | None = None, *,
-                 template: Template | None = None, seq: int | None = None) -> None:
-        self.payload = chunk  # None when rendered from a template
-        self.template = template
-        self.seq = seq
-        self.emit_ns = emit_ns  # engine emit time of the delta behind this chunk
-        self.text = text  # the content text it carries ("" for role/usage chunks)
-        self.tokens = tokens
-        self.finish_reason = finish_reason
-        self.usage = usage
-        self.ids: list[int] | tuple[()] = ()  # output token ids of the deltas behind it (what an adopter resumes)
-        self.migrated = False  # the first payload after the generation moved to another engine
-
-    @property
-    def chunk(self) -> dict[str, Any] | None:
-        """The payload as a dict (rendered and parsed if it comes from a template)."""
-        if self.payload is None and self.template is not None:
-            self.payload = orjson.loads(self.template.render(self.text, self.seq or 0))
-        return self.payload
 
 
 class Renderer(Protocol):
@@ -112,11 +73,13 @@ class Generation:
         if self.ended.done():
             return
         events = self.renderer.step(d)
-        if d.token_ids or self._ids:
+        # what an adopter resumes from: the token ids, or the engine steps of vLLM's OpenAI layer (packed)
+        ids = d.token_ids or (p.pack_steps(d.steps) if d.steps else d.token_ids)
+        if ids or self._ids:
             if not events:
-                self._ids += d.token_ids
+                self._ids += ids
             else:
-                events[-1].ids = self._ids + d.token_ids if self._ids else d.token_ids
+                events[-1].ids = self._ids + ids if self._ids else ids
                 self._ids = []
         if events and self.handle.rejoined:
             self.handle.rejoined = False

@@ -104,6 +104,14 @@ class DeliveryCollector(Collector):
         self.tokens = HotCounter()  # completion tokens received from the engine
         self.injected: dict[str, HotHistogram] = {}  # --inject-delay: transport -> the sleeps as timed
 
+    def transport(self, name: str) -> TransportMetrics:
+        """The metrics of connections labelled ``name`` (:data:`TRANSPORTS` from the start; another label,
+        a connection's own such as ``sse-h3``, from its first reader on)."""
+        m = self.transports.get(name)
+        if m is None:
+            m = self.transports[name] = TransportMetrics()
+        return m
+
     def inject(self, delays: dict[str, float]) -> None:
         """Time the sleeps of ``--inject-delay`` (transport -> seconds) into :data:`INJECTED_DELAY`."""
         self.injected = {t: HotHistogram(injected_delay_bounds(d)) for t, d in delays.items()}
@@ -135,14 +143,19 @@ class DeliveryCollector(Collector):
 
 
 MIGRATION_OUTCOMES = ("continued", "refused", "timeout", "failed")
+# why a refused request was not continued (docs/failures.md): --migration-limit, --migration-max-tokens, deltas
+# without token ids, a plain request whose budget was spent
+MIGRATION_REFUSALS = ("limit", "max_tokens", "no_token_ids", "budget_spent")
 
 
 class Migrations:
     """What migration did: counts by outcome and the gap each continued request saw, from the loss to its
-    next delta (``tokenfan_migrations_total``, ``tokenfan_migration_gap_seconds``)."""
+    next delta (``tokenfan_migrations_total``, ``tokenfan_migration_refusals_total``,
+    ``tokenfan_migration_gap_seconds``)."""
 
     def __init__(self) -> None:
         self.outcomes = dict.fromkeys(MIGRATION_OUTCOMES, 0)
+        self.refusals = dict.fromkeys(MIGRATION_REFUSALS, 0)
         self.gap = HotHistogram()
 
 
@@ -161,6 +174,12 @@ class MigrationCollector(Collector):
         for outcome, n in self.migrations.outcomes.items():
             family.add_metric([outcome], float(n))
         yield family
+        refused = CounterMetricFamily("tokenfan_migration_refusals_total", "Requests whose engine was lost that "
+                                      "were not continued, by reason: limit (--migration-limit), max_tokens "
+                                      "(--migration-max-tokens), no_token_ids, budget_spent", labels=["reason"])
+        for reason, n in self.migrations.refusals.items():
+            refused.add_metric([reason], float(n))
+        yield refused
         gap: HotHistogram = self.migrations.gap
         hist = HistogramMetricFamily("tokenfan_migration_gap_seconds", "Loss of a request's engine to its next "
                                      "delta from the engine it continues on")

@@ -3,9 +3,9 @@
 
 Two roles, one protocol each, so neither side carries methods it has no use for:
 
-- :class:`Publisher` (``--broker`` only): the owner of a listed stream writes it where other replicas can
-  read it (Redis), and a stored response's transcript with it. Workers need none: a worker serves its own
-  log to its peers over its private socket.
+- :class:`Publisher` (``--broker``, or ``--workers`` without one): the owner of a listed stream writes it
+  where other gateways can read it (Redis; or its peer workers, which keep a standby of it to adopt if
+  the owner dies), and a stored response's transcript with it.
 - :class:`RemoteStreams` (``--broker`` or ``--workers``): a stream or a transcript that another gateway
   holds: a local mirror of the stream (:mod:`gateway.scaleout.mirror`), a cancel sent to its owner, the transcript.
 """
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class Publisher(Protocol):
-    """The owner's side: what the pump tells the other replicas about a listed stream it runs."""
+    """The owner's side: what the pump tells the other gateways about a listed stream it runs."""
 
     async def created(self, stream: Stream) -> None:
         """Announce the stream before its id is handed out (APIError 503 if that fails)."""

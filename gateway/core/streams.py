@@ -1,48 +1,78 @@
-"""Fan-out streams: one generation, any number of subscribers, resumable without loss.
+"""The stream log: one generation's events, appended once, read by any number of readers.
 
-A :class:`Stream` is an append-only log of events (one per OpenAI chunk, numbered by ``seq``
-from 0). Every event is serialized once per wire format when it is published; all subscribers of
-that format get the same bytes. A subscriber is only a cursor into the log, so joining late,
-resuming after ``seq`` and following the live tail are the same loop: send what is past the
-cursor, then wait. There is no seam between replay and live.
+A :class:`Stream` is an append-only log of events (one per payload, numbered by ``seq`` from 0). Every event
+is serialized once per wire format when it is first framed; all readers of that format get the same bytes.
+A reader is only a cursor into the log (a :class:`Follower`), so joining late, resuming after ``seq`` and
+following the live tail are the same loop (:func:`gateway.core.follow.follow`). :class:`StreamHub` holds a
+gateway's listed streams: lookup (404 / 410), retention and eviction.
 
-Fairness: on publish, subscribers are woken per transport group, SSE first for even ``seq`` and
-WebSocket first for odd ``seq``, so neither transport is systematically written first; within a
-group the starting subscriber rotates with ``seq``, so no subscriber is always first either.
+Fairness: on publish, followers are woken per transport group, SSE first for even ``seq`` and WebSocket
+first for odd ``seq``, so neither transport is systematically written first; within a group the starting
+follower rotates with ``seq``, so no follower is always first either.
 
-One pass: :meth:`Stream.append` writes a new event to every caught-up reader itself
-(:meth:`gateway.core.delivery.Reader.write_now`, inside the engine step that produced it); a reader's own loop
-(:func:`follow`) runs only for replay, resume and back-pressure. Slow subscribers follow
-:class:`SlowConsumerPolicy`.
+One pass: :meth:`Stream.append` writes a new event to every caught-up follower itself (its
+:class:`LiveWriter`, inside the engine step that produced it); a follower's own loop runs only for replay,
+resume and back-pressure. This module knows its readers only by the two protocols below.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import orjson
 
 from engine_worker import protocol as p
-from gateway.core.generation import ChunkEvent
-from gateway.errors import APIError, stream_expired, stream_lost, stream_not_found
+from gateway.errors import APIError, stream_expired, stream_lost, stream_not_found, too_many_streams
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from gateway.core.conn import Step
 
 Transport = Literal["sse", "ws"]
 TRANSPORTS: tuple[Transport, Transport] = ("sse", "ws")
 State = Literal["running", "done", "error", "cancelled", "moved"]  # moved: its generation goes on elsewhere
 
-if TYPE_CHECKING:
-    from gateway.core.conn import Step
-    from gateway.core.delivery import Reader
-    from gateway.core.generation import Template
+
+class Template(Protocol):
+    """A generation's payload as pre-encoded bytes with holes (the chat API's ``ChunkTemplate``, the
+    Responses API's ``TextDeltaTemplate``): rendering splices in an event's text and, for a payload that numbers itself (a
+    Responses event's ``sequence_number``), its ``seq`` in the stream's log."""
+
+    def render(self, text: str, seq: int) -> bytes: ...
+
+
+class ChunkEvent:
+    """One payload to append: its dict (``payload``), or its ``template`` and text (the template renders the
+    JSON; :attr:`parsed` parses it only if asked for), the engine emit time of the delta behind it, and its
+    accounting. ``seq``: the log position a payload that numbers itself names (the stream checks it)."""
+
+    __slots__ = ("emit_ns", "finish_reason", "ids", "migrated", "payload", "seq", "template", "text", "tokens",
+                 "usage")
+
+    def __init__(self, chunk: dict[str, Any] | None, emit_ns: int, text: str, tokens: int,
+                 finish_reason: str | None = None, usage: p.Usage | None = None, *,
+                 template: Template | None = None, seq: int | None = None) -> None:
+        self.payload = chunk  # None when rendered from a template
+        self.template = template
+        self.seq = seq
+        self.emit_ns = emit_ns  # engine emit time of the delta behind this chunk
+        self.text = text  # the content text it carries ("" for role/usage chunks)
+        self.tokens = tokens
+        self.finish_reason = finish_reason
+        self.usage = usage
+        self.ids: list[int] | tuple[()] = ()  # output token ids of the deltas behind it (what an adopter resumes)
+        self.migrated = False  # the first payload after the generation moved to another engine
+
+    @property
+    def parsed(self) -> dict[str, Any] | None:
+        """The payload as a dict (rendered and parsed if it comes from a template)."""
+        if self.payload is None and self.template is not None:
+            self.payload = orjson.loads(self.template.render(self.text, self.seq or 0))
+        return self.payload
 
 
 class _NoCache(dict):  # type: ignore[type-arg]
@@ -64,7 +94,7 @@ class Event:
     ``payload`` is what OpenAI clients receive; ``timing`` is tokenfan's ``{seq, emit_ns, sent_ns}``
     object that fan-out frames add as ``"tokenfan"``. Each wire frame is built at most once per
     event (:mod:`gateway.core.framing` caches it in ``frames``), however many readers send it. An event
-    rendered from a ``template`` (:class:`gateway.core.generation.Template`) keeps only its text: its JSON
+    rendered from a ``template`` (:class:`Template`) keeps only its text: its JSON
     is rendered (with its ``seq``) when a frame is built, its ``payload`` dict parsed only when something
     asks for it (a merge, the broker), so a retained log holds each token's text once.
     """
@@ -118,7 +148,7 @@ class Event:
         return orjson.dumps(self._payload)
 
     @property
-    def chunk(self) -> dict[str, Any]:
+    def timed_payload(self) -> dict[str, Any]:
         """The payload with the ``tokenfan`` timing object (what fan-out subscribers and the broker carry)."""
         return {**self.payload, "tokenfan": self.timing}
 
@@ -136,97 +166,27 @@ def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str 
     return Event(seq, payload, timing, text, finish_reason, ids=ids, migrated=bool(timing.get("migrated")))
 
 
-class MergeRules(Protocol):
-    """An API's rule for merging a lagging reader's content events (:func:`coalesce`); the delivery core
-    knows no payload shape: the OpenAI chunks' rules are :data:`gateway.api.openai.render.CHUNK_MERGE`, the
-    Responses events' :data:`gateway.api.responses.stream.RESPONSES_MERGE`."""
+class LiveWriter(Protocol):
+    """What writes a live event for a caught-up follower in the publisher's pass
+    (:class:`gateway.core.delivery.Reader`)."""
 
-    def group(self, payload: dict[str, Any]) -> object | None:
-        """The run a content event may merge into (only with neighbours of the same group); None: never
-        merged (lifecycle, usage, tool-call events keep their own event, nothing in them rebuilt)."""
-        ...
+    last_write: float
 
-    def merged(self, run: list[Event], text: str) -> dict[str, Any]:
-        """The payload of a merged run: its last event's, carrying all of the run's ``text``."""
+    def write_now(self, ev: Event, step: Step | None) -> bool:
+        """Write ``ev`` without awaiting; False if the connection cannot take it now."""
         ...
 
 
-def coalesce(events: list[Event], rules: MergeRules) -> list[Event]:
-    """Merge runs of content events into one event each (text concatenated, no text lost).
+class Follower(Protocol):
+    """A reader of a stream as the log sees it (:class:`gateway.core.follow.Subscription`): its cursor,
+    whether its loop is parked at the tail, what writes for it then, and what wakes its loop."""
 
-    A merged event takes the ``seq`` of the last event it covers, so resuming after it is exact;
-    its ``tokenfan`` object records ``first_seq`` and ``coalesced`` (how many events it merged).
-    Which events are content, and how a run's payload is rebuilt, is the API's ``rules``.
-    """
-    out: list[Event] = []
-    run: list[Event] = []
-    key: object | None = None
-
-    def flush() -> None:
-        if len(run) == 1:
-            out.append(run[0])
-        elif run:
-            out.append(_merge(run, rules))
-        run.clear()
-
-    for ev in events:
-        group = rules.group(ev.payload)
-        if group is not None and run and group == key:
-            run.append(ev)
-            continue
-        flush()
-        if group is None:
-            out.append(ev)
-        else:
-            run.append(ev)
-            key = group
-    flush()
-    return out
-
-
-def _merge(run: list[Event], rules: MergeRules) -> Event:
-    last = run[-1]
-    text = "".join(e.text for e in run)
-    timing = {**last.timing, "first_seq": run[0].seq, "coalesced": len(run), "sent_ns": p.now_ns()}
-    return Event(last.seq, rules.merged(run, text), timing, text, last.finish_reason)
-
-
-@dataclass(slots=True)
-class SlowConsumerPolicy:
-    """What happens to a subscriber that cannot keep up.
-
-    - Events that were already in the log when the subscriber's current write began (a late
-      joiner's replay, a resume, a burst) are sent event by event, at most ``replay_batch`` per
-      write, so every token keeps its own event and timing.
-    - A subscriber is *lagging* when more than ``coalesce_after`` events were published while its
-      last write was in progress (the client, not the producer, is the bottleneck); then its pending
-      content events are merged (:func:`coalesce`) so it catches up with fewer, larger events. The same
-      merge applies when the stream has failed or was cancelled, so the notice is not stuck behind a
-      backlog (no text is lost: it arrives merged, then the notice).
-    - A single write that does not complete within ``send_timeout`` seconds (the client stopped
-      reading and the transport buffer is full) closes the subscriber with a ``slow_consumer``
-      reason (SSE error event; WebSocket close 1013). It can resume from its last ``seq``.
-    Memory per subscriber is bounded by the transport's write buffer: the subscriber itself holds
-    only a cursor into the shared log.
-    """
-
-    coalesce_after: int = 8
-    send_timeout: float = 10.0
-    replay_batch: int = 64
-    linger: float = 10.0  # after a cut, seconds the connection may still flush its ending before it is reset
-
-    def plan(self, events: list[Event], cursor: int, lagging: bool, failing: bool = False,
-             rules: MergeRules | None = None) -> list[Event]:
-        """The next write for a reader at ``cursor``. ``failing``: the stream ended with an error or a
-        cancel, so its notice must not queue behind a backlog: everything pending is merged by the API's
-        ``rules`` (None: this reader never gets merged events)."""
-        if rules is not None and (lagging or failing) and len(events) - cursor > self.coalesce_after:
-            return coalesce(events[cursor:], rules)
-        return events[cursor:cursor + self.replay_batch]
-
-
-class SlowConsumer(Exception):
-    """A write did not complete within the policy's send timeout."""
+    transport: Transport
+    cursor: int
+    parked: bool
+    reader: LiveWriter | None
+    last_write: float
+    waiter: asyncio.Event
 
 
 @dataclass(eq=False)
@@ -257,7 +217,7 @@ class Stream:
 
     def __post_init__(self) -> None:
         # dicts as insertion-ordered sets: the rotation in _wake needs a stable order
-        self._waiters: dict[Transport, dict[Subscription, None]] = {"sse": {}, "ws": {}}
+        self._waiters: dict[Transport, dict[Follower, None]] = {"sse": {}, "ws": {}}
 
     @property
     def finished(self) -> bool:
@@ -299,7 +259,7 @@ class Stream:
 
     def _wake(self, seq: int, event: Event | None = None, step: Step | None = None) -> None:
         """One pass over the readers for a new event (or the end): a caught-up reader that writes in the
-        publisher's pass gets the event written here and now (:meth:`gateway.core.delivery.Reader.write_now`);
+        publisher's pass gets the event written here and now (:meth:`LiveWriter.write_now`);
         any other reader's loop is woken."""
         sse, ws = self._waiters["sse"], self._waiters["ws"]
         if len(sse) + len(ws) == 1:  # one reader (a POST response, a /v1/ws request): nothing to rotate
@@ -314,7 +274,7 @@ class Stream:
                 self._wake_one(sub, seq, event, step)
 
     @staticmethod
-    def _wake_one(sub: Subscription, seq: int, event: Event | None, step: Step | None) -> None:
+    def _wake_one(sub: Follower, seq: int, event: Event | None, step: Step | None) -> None:
         if event is not None and sub.parked and sub.cursor == seq and sub.reader is not None \
                 and sub.reader.write_now(event, step):
             sub.cursor = seq + 1
@@ -322,145 +282,12 @@ class Stream:
         else:
             sub.waiter.set()
 
-    def _register(self, sub: Subscription) -> None:
+    def add_follower(self, sub: Follower) -> None:
+        """``sub`` reads this stream: woken (or written to) by every new event and by the end."""
         self._waiters[sub.transport][sub] = None
 
-    def _unregister(self, sub: Subscription) -> None:
+    def remove_follower(self, sub: Follower) -> None:
         self._waiters[sub.transport].pop(sub, None)
-
-
-# Writers: the transport-specific half of a subscriber.
-WriteEvents = Callable[[list[Event]], Awaitable[None]]
-WriteIdle = Callable[[], Awaitable[None]]
-
-
-@dataclass(eq=False, slots=True)
-class Subscription:
-    """One subscriber's state as the :class:`Watchdog` sees it."""
-
-    transport: Transport
-    task: asyncio.Task[Any] | None
-    waiter: asyncio.Event = field(default_factory=asyncio.Event)
-    cursor: int = 0  # the next seq this reader sends
-    parked: bool = False  # its loop waits, caught up: the publisher may write for it (``reader``)
-    reader: Reader | None = None  # writes in the publisher's pass (None: only its own loop writes)
-    busy_since: float | None = None  # monotonic start of the write in progress
-    last_write: float = field(default_factory=time.monotonic)
-    ping_due: bool = False
-    slow: bool = False
-
-
-class Watchdog:
-    """One task per gateway instead of one timer per write or wait.
-
-    Every ``tick`` seconds it closes subscribers whose current write has been blocked longer than
-    ``send_timeout`` (their task is cancelled and :func:`follow` turns that into
-    :class:`SlowConsumer`), and wakes subscribers idle longer than ``keepalive`` so they send a
-    keep-alive. Timers per write cost more than the writes themselves at thousands of subscribers.
-    """
-
-    def __init__(self, send_timeout: float, keepalive: float | None, tick: float = 0.25) -> None:
-        self.send_timeout = send_timeout
-        self.keepalive = keepalive
-        self.tick = min(tick, send_timeout / 2, keepalive / 2 if keepalive else tick)
-        self.subs: dict[Subscription, None] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def add(self, sub: Subscription) -> None:
-        self.subs[sub] = None
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="stream-watchdog")
-
-    def remove(self, sub: Subscription) -> None:
-        self.subs.pop(sub, None)
-
-    async def _run(self) -> None:
-        while self.subs:
-            await asyncio.sleep(self.tick)
-            self.check(time.monotonic())
-
-    def check(self, now: float) -> None:
-        for sub in list(self.subs):
-            if sub.busy_since is not None:
-                if now - sub.busy_since > self.send_timeout and not sub.slow and sub.task is not None:
-                    sub.slow = True
-                    sub.task.cancel()
-            elif self.keepalive is not None and now - sub.last_write > self.keepalive:
-                sub.ping_due = True
-                sub.waiter.set()
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-
-async def follow(
-    stream: Stream, transport: Transport, after: int, write: WriteEvents, policy: SlowConsumerPolicy,
-    watchdog: Watchdog, *, idle: WriteIdle | None = None, reader: Reader | None = None,
-    merge: MergeRules | None = None,
-) -> int:
-    """Send every event with ``seq > after`` and then the live tail until the stream ends.
-
-    Returns the last ``seq`` sent (``after`` if none). Raises :class:`SlowConsumer` when the
-    watchdog finds a write blocked past the send timeout. ``idle`` (if given) is called when the
-    watchdog asks for a keep-alive. With ``reader``, a caught-up reader's live events are written by
-    the publisher in its one pass over the readers (:meth:`Stream._wake`); this loop only wakes for
-    what that could not write (replay, a full buffer, the end). ``merge``: the API's rules for merging
-    the content events of a reader that lags (None: never merged). The caller writes the stream's ending.
-    """
-    # Lagging = more than coalesce_after events were published while our last write was in progress:
-    # the client is the bottleneck, so merge. Events that were already there when a write started
-    # (a late joiner's replay, a burst from the broker) are history, sent event by event.
-    lagging = False
-    # A reader that was following a running stream gets its backlog merged when the stream fails, so the
-    # notice is not stuck behind it; one that joins a finished stream replays it event by event.
-    live = not stream.finished
-    sub = Subscription(transport, asyncio.current_task(), cursor=after + 1, reader=reader)
-    stream._register(sub)
-    watchdog.add(sub)
-
-    async def timed(coro: Awaitable[None]) -> None:
-        sub.busy_since = time.monotonic()
-        try:
-            await coro
-        except asyncio.CancelledError:
-            if sub.slow:
-                if sub.task is not None:
-                    sub.task.uncancel()
-                raise SlowConsumer(f"a write was blocked for more than {watchdog.send_timeout:g}s") from None
-            raise
-        sub.busy_since = None
-        sub.last_write = time.monotonic()
-
-    try:
-        while True:
-            sub.waiter.clear()
-            if sub.cursor < len(stream.events):
-                batch = policy.plan(stream.events, sub.cursor, lagging,
-                                    live and stream.state in ("error", "cancelled"), merge)
-                sub.cursor = batch[-1].seq + 1
-                head = len(stream.events)
-                await timed(write(batch))
-                lagging = len(stream.events) - head > policy.coalesce_after
-                continue
-            lagging = False
-            if stream.finished:
-                return sub.cursor - 1
-            if sub.ping_due:
-                sub.ping_due = False
-                if idle is not None:
-                    await timed(idle())
-                else:
-                    sub.last_write = time.monotonic()
-                continue
-            sub.parked = True
-            try:
-                await sub.waiter.wait()
-            finally:
-                sub.parked = False
-    finally:
-        stream._unregister(sub)
-        watchdog.remove(sub)
 
 
 @dataclass(slots=True)
@@ -488,8 +315,7 @@ class StreamHub:
         """Raise the 429 if no stream can be created now (after evicting what is due)."""
         self.evict()
         if len(self.streams) >= self.retention.max_streams:
-            raise APIError(429, f"Too many streams ({len(self.streams)}); the limit is {self.retention.max_streams}.",
-                           type="rate_limit_error", code="too_many_streams", retry_after=1.0)
+            raise too_many_streams(len(self.streams), self.retention.max_streams)
 
     def create(self, endpoint: str, model: str, stream_id: str | None = None, *, listed: bool = True) -> Stream:
         """A new running stream (call :meth:`check_capacity` first to refuse early). An unlisted

@@ -80,18 +80,18 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
             redis = Broker(config.broker_url, gw.hub, idle_timeout=config.broker_idle_timeout,
                            local_cancel=gw.cancel_local_stream, timings=config.broker)
             await redis.start()
-            gw.broker = gw.publisher = redis
+            gw.remote = gw.publisher = redis
             redis.mirrors.adopt = Adopter(gw, redis)
         if config.workers > 1:
             from gateway.scaleout.peers import Peers
 
             gw.peers = Peers(gw.hub, port=config.port, workers=config.workers, me=workers.worker_index(),
                              idle_timeout=config.broker_idle_timeout, recheck=config.broker.lease_interval)
-            if gw.broker is None:  # the workers mirror, hold standbys of and adopt each other's streams
-                gw.broker = gw.publisher = gw.peers
+            if gw.remote is None:  # the workers mirror, hold standbys of and adopt each other's streams
+                gw.remote = gw.publisher = gw.peers
                 gw.peers.mirrors.adopt = Adopter(gw, gw.peers)
             # with --broker, Redis mirrors (and adoption) across workers too
-        others = [b for b in dict.fromkeys((gw.broker, gw.peers)) if b is not None]
+        others = [b for b in dict.fromkeys((gw.remote, gw.peers)) if b is not None]
         for transport, delay in config.inject_delay.items():
             log.warning("DIAGNOSTIC --inject-delay: every %s write is delayed by %.3f ms (benchmark calibration "
                         "only; never in production)", transport, delay * 1000)

@@ -23,7 +23,8 @@ from urllib.parse import parse_qs, urlsplit
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import APIError
+from gateway.api.edge import error_response
+from gateway.errors import APIError, ClientError
 
 _SUBSCRIBE = re.compile(r"^/v1/streams/([^/]+)/(events|ws)$")
 PUBLIC = {"/v1/time"}
@@ -76,7 +77,7 @@ class AuthMiddleware:
         if err is None:
             return await self.app(scope, receive, send)
         if scope["type"] == "http":
-            return await err.response()(scope, receive, send)
+            return await error_response(err)(scope, receive, send)
         if err.status == 403:  # a foreign Origin: refuse the handshake itself (HTTP 403)
             await send({"type": "websocket.close", "code": 1008, "reason": err.message[:120]})
             return
@@ -91,7 +92,7 @@ class AuthMiddleware:
     def _check(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
         ws = scope["type"] == "websocket"
         if ws and not self.auth.origin_ok(headers.get("origin"), headers.get("host")):
-            return APIError(403, f"Origin {headers.get('origin')} is not allowed.", type="permission_error",
+            return ClientError(403, f"Origin {headers.get('origin')} is not allowed.", type="permission_error",
                             code="origin_not_allowed")
         path: str = scope["path"]
         if not self.auth.enabled or not path.startswith("/v1/") or path in PUBLIC:
@@ -109,6 +110,6 @@ class AuthMiddleware:
         if m and token and self.auth.verify(m.group(1), token):
             return None
         if key is None and token is None:
-            return APIError(401, "Missing API key: send `Authorization: Bearer <key>` (or a stream token).",
+            return ClientError(401, "Missing API key: send `Authorization: Bearer <key>` (or a stream token).",
                             code="missing_api_key")
-        return APIError(401, "Incorrect API key or expired stream token.", code="invalid_api_key")
+        return ClientError(401, "Incorrect API key or expired stream token.", code="invalid_api_key")

@@ -8,10 +8,10 @@ Chromium with ``--ignore-certificate-errors`` for local tests.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import ipaddress
 import os
-import sys
 from pathlib import Path
 
 from cryptography import x509
@@ -58,11 +58,31 @@ def generate(directory: Path, names: tuple[str, ...] = (), days: int = 365) -> t
     return cert_path, key_path
 
 
+def sha256_of(cert_path: Path) -> str:
+    """The SHA-256 of a PEM certificate's DER bytes, hex: what WebTransport's ``serverCertificateHashes``
+    takes (browsers accept such a certificate without a CA if it is valid for at most 14 days)."""
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    return cert.fingerprint(hashes.SHA256()).hex()
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tokenfan certs", description="A self-signed cert.pem + key.pem for localhost, "
+                                 "127.0.0.1, ::1 and the NAMEs given, for --ssl-certfile/--http3-certfile.")
+    ap.add_argument("dir", type=Path, help="where to write cert.pem and key.pem (refuses to overwrite)")
+    ap.add_argument("names", nargs="*", help="more host names or addresses the certificate is valid for")
+    ap.add_argument("--days", type=int, default=365, help="validity in days (default 365; at most 13 for "
+                    "WebTransport by certificate hash, which browsers accept only for certificates valid ≤ 14 days)")
+    return ap
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0].startswith("-"):
-        print("usage: tokenfan certs DIR [NAME ...]   (self-signed cert.pem + key.pem for localhost, "
-              "127.0.0.1, ::1 and NAMEs)", file=sys.stderr)
-        return 2
-    cert, key = generate(Path(argv[0]), tuple(argv[1:]))
+    ns = parser().parse_args(argv)
+    if ns.days < 1:
+        parser().error("--days must be at least 1")
+    try:
+        cert, key = generate(ns.dir, tuple(ns.names), days=ns.days)
+    except FileExistsError as exc:
+        parser().error(str(exc))
     print(f"--ssl-certfile {cert} --ssl-keyfile {key}")
+    print(f"sha256 {sha256_of(cert)}")
     return 0

@@ -15,7 +15,7 @@ from gateway.api.responses.chat import encode_transcript
 from gateway.api.responses.routes import retained_transcript
 from gateway.core import sse
 from gateway.core.delivery import SseResponse, cancel, resume_point
-from gateway.errors import APIError
+from gateway.errors import ClientError
 from gateway.http.service import refresh_metrics
 from gateway.scaleout import broker_codec as codec
 from gateway.scaleout.peers import owner_name
@@ -30,11 +30,11 @@ def _over_unix_socket(request: Request) -> bool:
 
 async def internal_stream(request: Request) -> Any:
     if not _over_unix_socket(request):
-        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+        raise ClientError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
     gw: Gateway = gateway_of(request)
     stream = gw.hub.get(request.path_params["id"])  # 404 / 410
     if stream.mirrored:  # a standby or a reader's mirror: it may adopt the stream if its owner is gone
-        raise APIError(409, "This worker mirrors the stream; it does not own it.", code="stream_mirrored")
+        raise ClientError(409, "This worker mirrors the stream; it does not own it.", code="stream_mirrored")
     after = resume_point(request.query_params.get("after"), "after")
     header = codec.encode_header(stream.endpoint, stream.model, owner_name(worker_index()), detached=stream.detached,
                                  held=len(stream.events) + stream.finished, request=stream.request,
@@ -44,7 +44,7 @@ async def internal_stream(request: Request) -> Any:
 
 async def internal_cancel(request: Request) -> Response:
     if not _over_unix_socket(request):
-        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+        raise ClientError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
     gw: Gateway = gateway_of(request)
     s = gw.hub.streams.get(request.path_params["id"])
     return JSONResponse({"cancelled": bool(s is not None and not s.mirrored and cancel(s))})
@@ -53,7 +53,7 @@ async def internal_cancel(request: Request) -> Response:
 async def internal_transcript(request: Request) -> Response:
     """A retained response's transcript (msgpack), for a peer resolving ``previous_response_id``."""
     if not _over_unix_socket(request):
-        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+        raise ClientError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
     gw: Gateway = gateway_of(request)
     transcript = retained_transcript(gw.hub, request.path_params["id"])
     if transcript is None:  # or what this worker keeps for its peers (e.g. which stream answers a ui chat)
@@ -64,7 +64,7 @@ async def internal_transcript(request: Request) -> Response:
 
 async def internal_metrics(request: Request) -> Response:
     if not _over_unix_socket(request):
-        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+        raise ClientError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
     gw: Gateway = gateway_of(request)
     refresh_metrics(gw)
     return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
@@ -73,7 +73,7 @@ async def internal_metrics(request: Request) -> Response:
 async def internal_ready(request: Request) -> Response:
     """Whether this worker listens on the shared port and whether its engine link is up (for peers' /health)."""
     if not _over_unix_socket(request):
-        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+        raise ClientError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
     gw: Gateway = gateway_of(request)
     return JSONResponse({"listening": gw.listening, "ready": gw.engine.healthy, "pid": os.getpid()})
 
@@ -81,9 +81,9 @@ async def internal_ready(request: Request) -> Response:
 async def internal_standby(request: Request) -> Response:
     """Mirror a peer's new listed stream here at once (its standby: see :mod:`gateway.scaleout.peers`)."""
     if not _over_unix_socket(request):
-        raise APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
+        raise ClientError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
     gw: Gateway = gateway_of(request)
     if gw.peers is None:
-        raise APIError(404, "This gateway has no peers.", code="not_found")
+        raise ClientError(404, "This gateway has no peers.", code="not_found")
     await gw.peers.mirror(request.path_params["id"])
     return JSONResponse({"standby": True})

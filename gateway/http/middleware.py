@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import APIError, EngineError, error_class, to_api_error
+from gateway.api.edge import error_response
+from gateway.errors import APIError, ClientError, TokenfanError, error_class, to_api_error
 
 log = logging.getLogger(__name__)
 
@@ -28,26 +29,26 @@ def route_label(path: str) -> str:
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     """The one place a raised APIError / EngineError becomes an HTTP response (and is counted)."""
-    err = to_api_error(exc) if isinstance(exc, (APIError, EngineError)) else APIError(500, str(exc))
+    err = to_api_error(exc) if isinstance(exc, TokenfanError) else APIError(500, str(exc))
     gw = getattr(request.app.state, "gateway", None)
     if gw is not None:
         gw.metrics.requests.labels(route_label(request.url.path), str(err.status)).inc()
         gw.metrics.errors.labels(error_class(err)).inc()
-    return err.response()
+    return error_response(err)
 
 
 async def not_found(request: Request, exc: Exception) -> Response:
-    return APIError(404, f"No route for {request.method} {request.url.path}.", code="not_found").response()
+    return error_response(ClientError(404, f"No route for {request.method} {request.url.path}.", code="not_found"))
 
 
 async def method_not_allowed(request: Request, exc: Exception) -> Response:
-    return APIError(405, f"Method {request.method} not allowed on {request.url.path}.",
-                    code="method_not_allowed").response()
+    return error_response(ClientError(405, f"Method {request.method} not allowed on {request.url.path}.",
+                                      code="method_not_allowed"))
 
 
 async def server_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return APIError(500, "Internal server error.", type="server_error", code="internal_error").response()
+    return error_response(APIError(500, "Internal server error.", type="server_error", code="internal_error"))
 
 
 class RawSend:

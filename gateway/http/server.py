@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.errors import APIError
+from gateway.errors import ClientError
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -43,6 +43,10 @@ def run_gateway(config: GatewayConfig, extra_lifespan: Any = None) -> None:
     """Serve the gateway app until SIGTERM/SIGINT, drain, return (the caller exits 0)."""
     from gateway.http.app import create_app
 
+    if config.http3_port:  # QUIC beside the TCP server, in its event loop, through the same app
+        from gateway.http3.server import http3_lifespan
+
+        extra_lifespan = http3_lifespan(lambda: app, config, extra_lifespan)
     app = create_app(config, extra_lifespan=extra_lifespan)  # RawSend is part of the app
     if config.ssl_certfile or config.ssl_keyfile:
         if not (config.ssl_certfile and config.ssl_keyfile):
@@ -145,7 +149,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         log.info("closing %s: request body not complete after %.1f s", self.client, self.body_timeout)
         cycle = self.cycle
         if cycle is not None and not cycle.response_started and not self.transport.is_closing():
-            body = APIError(408, f"The request body did not arrive within {self.body_timeout:g} s.",
+            body = ClientError(408, f"The request body did not arrive within {self.body_timeout:g} s.",
                             code="request_timeout").to_bytes()
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                                  b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))

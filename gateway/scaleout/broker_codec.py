@@ -137,7 +137,7 @@ def encode_end(state: EndState, events: int | None, error: APIError | None) -> F
 
 
 def encode_event_of(ev: Event) -> Fields:
-    return encode_event(ev.seq, ev.chunk, ev.text, ev.finish_reason, ev.ids)
+    return encode_event(ev.seq, ev.timed_payload, ev.text, ev.finish_reason, ev.ids)
 
 
 def encode_end_of(stream: Stream) -> Fields:
@@ -204,7 +204,7 @@ def pack(fields: Fields) -> bytes:
 
 def pack_event(ev: Event) -> bytes:
     """``pack(encode_event_of(ev))`` in one ``orjson.dumps``: the peer link's per-event path."""
-    record: dict[str, Any] = {"seq": str(ev.seq), "data": ev.chunk, "text": ev.text, "fin": ev.finish_reason or ""}
+    record: dict[str, Any] = {"seq": str(ev.seq), "data": ev.timed_payload, "text": ev.text, "fin": ev.finish_reason or ""}
     if ev.ids:
         record["ids"] = ev.ids
     return orjson.dumps(record)

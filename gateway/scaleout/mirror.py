@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from gateway.core.streams import Stream, StreamHub, encode_event
-from gateway.errors import APIError, owner_lost, stream_lost
+from gateway.errors import APIError, StreamError, owner_lost, stream_lost
 from gateway.scaleout import broker_codec as codec
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class Link(Protocol):
 
 
 def mirror_closed() -> APIError:
-    return APIError(503, "This gateway stopped mirroring the stream; resume with Last-Event-ID on another replica.",
+    return StreamError(503, "This gateway stopped mirroring the stream; resume with Last-Event-ID on another replica.",
                     type="server_error", code="mirror_closed", retry_after=1.0)
 
 
@@ -153,7 +153,7 @@ class Idle:
         return now - self.unreachable_since >= self.timeout
 
     def unreachable(self, exc: BaseException) -> APIError:
-        return APIError(503, f"The stream broker was unreachable for {self.timeout:g}s ({exc}).",
+        return StreamError(503, f"The stream broker was unreachable for {self.timeout:g}s ({exc}).",
                         type="server_error", code="broker_unavailable", retry_after=1.0)
 
     def check(self, now: float, lease: Lease, stream_id: str) -> APIError | None:

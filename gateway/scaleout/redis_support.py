@@ -10,7 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from redis.exceptions import RedisError
 
-from gateway.errors import APIError
+from gateway.errors import APIError, StreamError
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ REDIS_ERRORS = (RedisError, OSError, TimeoutError)  # redis-py's errors; sockets
 
 
 def broker_unavailable(exc: BaseException) -> APIError:
-    return APIError(503, f"The stream broker (Redis) is unavailable ({type(exc).__name__}: {exc}); retry shortly.",
+    return StreamError(503, f"The stream broker (Redis) is unavailable ({type(exc).__name__}: {exc}); retry shortly.",
                     type="server_error", code="broker_unavailable", retry_after=1.0)
 
 

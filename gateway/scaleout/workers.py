@@ -32,7 +32,7 @@ from gateway.core import sse
 from gateway.core.framing import Ending, Framing
 from gateway.core.streams import Event, Stream
 from gateway.scaleout import broker_codec as codec
-from tokenfan.settings import default_runtime_dir
+from tokenfan_settings import default_runtime_dir
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig

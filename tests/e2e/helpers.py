@@ -124,3 +124,14 @@ def drop_inside_the_call(stream: Any) -> list[Any]:
             break
     stream.close()
     return seen
+
+
+def in_flight(engine_log: str) -> set[str]:
+    """The requests an engine had accepted and not finished, from its log (``accepted <id>`` and
+    ``finished <id>`` lines): what was in flight when it was killed."""
+    accepted, finished = set(), set()
+    for line in engine_log.splitlines():
+        for word, into in ((" accepted ", accepted), (" finished ", finished)):
+            if word in line:
+                into.add(line.split(word, 1)[1].split()[0])
+    return accepted - finished

@@ -23,6 +23,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine_worker import protocol as p
+from gateway.api.edge import error_response
 from gateway.api.lanes import Lanes, WsClientError
 from gateway.api.responses.chat import Message
 from gateway.api.responses.events import ResponseEvents
@@ -124,7 +125,7 @@ class Stub:
         try:
             req = self.parse(await request.body())
         except APIError as err:
-            return err.response()
+            return error_response(err)
         e = self.start(req)
         if req.stream:
             return self._sse(e, -1)
@@ -144,7 +145,7 @@ class Stub:
             e = self._entry(request)
             after = resume_point(request.query_params.get("starting_after"), "starting_after")
         except APIError as err:
-            return err.response()
+            return error_response(err)
         if request.query_params.get("stream") == "true":
             return self._sse(e, after)
         return JSONResponse(e.builder.response())
@@ -153,7 +154,7 @@ class Stub:
         try:
             e = self._entry(request)
         except APIError as err:
-            return err.response()
+            return error_response(err)
         self.cancel(e)
         return JSONResponse(e.builder.response())
 

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +60,8 @@ def fold(reader: Reader, seq: int, chunk: dict[str, Any]) -> None:
         reader.text += choice.get("delta", {}).get("content") or ""
 
 
-async def sse_reader(c: httpx.AsyncClient, urls: list[str], sid: str, reader: Reader, started: asyncio.Event) -> None:
+async def sse_reader(c: httpx.AsyncClient, urls: list[str], sid: str, reader: Reader, started: asyncio.Event,
+                     fold: Callable[[Reader, int, dict[str, Any]], None] = fold) -> None:
     """EventSource's behaviour: read; when the connection drops without an end, reconnect (here: to the next
     URL, as a load balancer would send it to a live replica) with Last-Event-ID."""
     url = urls[0]

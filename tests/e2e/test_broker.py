@@ -28,8 +28,7 @@ import websockets
 
 from gateway.config import BrokerTimings
 from gateway.core import sse
-from gateway.core.generation import ChunkEvent
-from gateway.core.streams import Retention, Stream, StreamHub
+from gateway.core.streams import ChunkEvent, Retention, Stream, StreamHub
 from gateway.errors import APIError
 from gateway.scaleout import broker_codec as codec
 from gateway.scaleout.broker import Broker

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from engine_worker import protocol as p
-from tests.e2e.helpers import metric, wait_until
+from tests.e2e.helpers import in_flight, metric, wait_until
 from tests.e2e.test_migration import GATEWAY_ARGS, Answer, Run
 from tests.procs import Proc, start_gateway, stop_all
 
@@ -64,8 +64,9 @@ def submit(rid: str, stop: list[str], messages: bool) -> p.Submit:
     return p.Submit(request_id=rid, endpoint="completions", sampling=sampling, prompt="Rivers 字 🌊 run to")
 
 
-def test_a_continuation_from_any_delta_decodes_exactly_the_rest(vllm_engine: tuple[str, Proc]) -> None:
-    address, _ = vllm_engine
+def test_a_continuation_from_any_delta_decodes_exactly_the_rest(vllm_engine: tuple[str, Proc],
+                                                                vllm_gateway_url: str) -> None:
+    address, _ = vllm_engine  # up once its gateway is (vllm_gateway_url waits for the engine's start)
     cases: list[tuple[bool, list[str]]] = [(False, []), (True, [])]
     base = asyncio.run(run_submits(address, [submit(f"base{k}", stop, m) for k, (m, stop) in enumerate(cases)]))
     # A stop string from the middle of each answer: the control stops there, text is held back before it.
@@ -96,6 +97,8 @@ def test_a_continuation_from_any_delta_decodes_exactly_the_rest(vllm_engine: tup
         assert "".join(d.text for d in deltas) == rest, rid
         assert (deltas[-1].finish_reason, deltas[-1].usage) == (finish, usage), rid
     assert len(expected) > 40
+    # what the join must get right was really exercised: characters split across tokens, held-back stop text
+    assert split_chars > 0 and len(cases) == 4, (split_chars, cases)
     print(f"{len(expected)} continuations; {split_chars} control deltas ended inside a character")
 
 
@@ -124,6 +127,10 @@ def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrup
                 jobs += [run.sse(c, f"completions-{i}", "/v1/completions", completions(i, stream=True))
                          for i in range(3)]
                 jobs += [run.mux(f"ws-{i}", "completions", completions(10 + i)) for i in range(2)]
+                # served by vLLM's OpenAI layer: a grammar, logprobs and penalties continue where they were
+                jobs += [run.sse(c, f"{kind}-{i}", "/v1/chat/completions", openai_body(kind, i, stream=True, stream_options=USAGE))
+                         for kind in OPENAI_KINDS for i in range(2)]
+                jobs += [run.mux(f"{kind}-ws", "chat.completions", openai_body(kind, 5, stream_options=USAGE)) for kind in OPENAI_KINDS]
                 all_ = asyncio.gather(*jobs)
                 for _ in jobs:
                     await asyncio.wait_for(run.started.acquire(), 120)
@@ -137,17 +144,44 @@ def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrup
         expected: dict[str, Answer] = {}
         for name in answers:
             kind, i = name.rsplit("-", 1)
-            path, body = (("/v1/chat/completions", chat(int(i))) if kind == "chat" else
-                          ("/v1/completions", completions(int(i) + (10 if kind == "ws" else 0))))
+            if kind in OPENAI_KINDS:
+                path, body = "/v1/chat/completions", openai_body(kind, 5 if i == "ws" else int(i))
+            else:
+                path, body = (("/v1/chat/completions", chat(int(i))) if kind == "chat" else
+                              ("/v1/completions", completions(int(i) + (10 if kind == "ws" else 0))))
             obj = httpx.post(vllm_gateway_url + path, json=body, timeout=120).json()
             choice = obj["choices"][0]
             expected[name] = Answer(choice["message"]["content"] if "message" in choice else choice["text"],
                                     choice["finish_reason"], {k: obj["usage"][k] for k in
                                                               ("prompt_tokens", "completion_tokens")})
         check_vllm(answers, expected)
-        assert metric(url, "tokenfan_migrations_total", {"outcome": "continued"}) >= 2
+        assert expected["json-0"].text.startswith('{"name":"'), expected["json-0"].text  # the grammar ran
+        # about half of the 14 generations ran on the killed engine; each was continued, none refused
+        lost = in_flight(engine.log())
+        continued = metric(url, "tokenfan_migrations_total", {"outcome": "continued"})
+        assert len(lost) >= 4 and continued >= len(lost), (lost, continued, gateway.log()[-3000:])
+        assert metric(url, "tokenfan_migrations_total", {"outcome": "refused"}) == 0
+        print(f"in flight on the killed engine: {len(lost)} of {len(answers)}, continued {continued}")
     finally:
         stop_all([x for x in (gateway, engine) if x is not None])
+
+
+OPENAI_KINDS = ("json", "penalties")
+USAGE = {"include_usage": True}
+
+
+def openai_body(kind: str, i: int, **extra: Any) -> dict[str, Any]:
+    """A chat request vLLM's OpenAI layer serves: a JSON schema, or logprobs with penalties."""
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": f"lake {i}"}], "max_tokens": 120,
+                            "temperature": 0, **extra}
+    if kind == "json":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+            "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"]}}}
+    else:
+        body.update(logprobs=True, top_logprobs=2, presence_penalty=0.6, frequency_penalty=0.4,
+                    repetition_penalty=1.1, min_tokens=60)
+    return body
 
 
 def check_vllm(answers: dict[str, Answer], expected: dict[str, Answer]) -> None:

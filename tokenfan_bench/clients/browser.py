@@ -40,7 +40,7 @@ from tokenfan_bench.report.run_outputs import run_result
 from tokenfan_bench.runner import Run, scrape
 from tokenfan_bench.stats.metrics import ArmSamples
 
-BROWSER_ARMS = ("es", "fetch", "ws")
+BROWSER_ARMS = ("es", "fetch", "ws", "wt")  # wt: WebTransport to the gateway's --http3-port (run_browser's wt)
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-quic"]
@@ -101,21 +101,26 @@ def samples(records: list[dict[str, Any]], arm: int, transport: str, offset_ms: 
 def run_browser(url: str, arms: tuple[str, ...], *, streams: int, rounds: int, max_tokens: int,
                 metrics_url: str | None = None, timeout_s: float = 60.0, ramp: float = 0.5, n_boot: int = 1000,
                 seed: int = 0, ws_origins: tuple[str, ...] = (), browser: Any = None, separate: bool = False,
-                mark_jitter: Callable[[Iterable[ArmSamples]], None] | None = None) -> dict[str, Any]:
+                mark_jitter: Callable[[Iterable[ArmSamples]], None] | None = None,
+                wt: dict[str, str] | None = None) -> dict[str, Any]:
     """One browser run against the gateway (or proxy) at ``url``: a bench result dictionary, plus the
     clock offset, its uncertainty and whether every arm received the same text for the same seed (the
     streams of a round share one). ``ws_origins``: stream slot ``i`` opens its WebSockets to
     ``ws_origins[i]`` (the gateway must allow those origins). ``separate``: each stream read by one arm
     (module docstring). ``browser``: a Chromium from :func:`chromium` to run in (a fresh context);
     default: launch one. ``mark_jitter``: the run's shaping path
-    (:meth:`tokenfan_bench.network.paths.Paths.mark_jitter`), so unpaired differences drop its known jitter."""
+    (:meth:`tokenfan_bench.network.paths.Paths.mark_jitter`), so unpaired differences drop its known jitter.
+    ``wt``: ``{"url": "https://HOST:PORT/v1/wt", "hash": SHA-256 hex of its certificate}`` for the ``wt`` arm
+    (the browser must be a :func:`chromium` with ``quic=True``)."""
     bad = [a for a in arms if a not in BROWSER_ARMS]
     if bad or len(arms) < 2:
         raise ValueError(f"browser arms: 2 or more of {', '.join(BROWSER_ARMS)}; got {arms}")
+    if "wt" in arms and not wt:
+        raise ValueError("the wt browser arm needs wt={'url': ..., 'hash': ...} (the gateway's --http3-port)")
     metrics_url = metrics_url or url
     with contextlib.ExitStack() as stack:
         if browser is None:
-            browser = stack.enter_context(chromium())
+            browser = stack.enter_context(chromium(quic="wt" in arms))
         context = browser.new_context(ignore_https_errors=True)
         try:
             page = context.new_page()
@@ -123,7 +128,7 @@ def run_browser(url: str, arms: tuple[str, ...], *, streams: int, rounds: int, m
             offset_ms, uncertainty_ms = clock_offset_ms(page)
             cfg = {"arms": list(arms), "streams": streams, "rounds": rounds, "maxTokens": max_tokens,
                    "timeoutMs": int(timeout_s * 1000), "ramp": ramp, "wsOrigins": list(ws_origins),
-                   "separate": separate}
+                   "separate": separate, "wt": wt}
             pid = _browser_pid(browser)
             cpu0_server, _ = scrape(metrics_url)
             cpu0, t0 = _tree_cpu(pid), time.time()
@@ -155,12 +160,15 @@ def run_browser(url: str, arms: tuple[str, ...], *, streams: int, rounds: int, m
 
 
 @contextlib.contextmanager
-def chromium() -> Iterator[Any]:
-    """Headless Debian Chromium under Playwright, closed on exit (one launch for many runs)."""
+def chromium(quic: bool = False) -> Iterator[Any]:
+    """Headless Debian Chromium under Playwright, closed on exit (one launch for many runs). QUIC is off
+    unless ``quic`` (WebTransport needs it; the page's own connections stay HTTP/2 either way: the gateway
+    advertises no HTTP/3 on its TCP port)."""
     from playwright.sync_api import sync_playwright
 
+    args = [a for a in CHROMIUM_ARGS if not (quic and a == "--disable-quic")]
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=args, headless=True)
         try:
             yield browser
         finally:

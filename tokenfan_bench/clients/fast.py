@@ -4,7 +4,7 @@
   pure :class:`~tokenfan_bench.wire.http1.ResponseParser` and :class:`~tokenfan_bench.wire.events.SseDecoder`,
   reused through :class:`H1Pool` (keep-alive, like httpx's pool).
 - WebSocket: picows (Cython framing), :class:`WsSubscriber`.
-- HTTP/2: :mod:`tokenfan_bench.clients.fast_h2`.
+- HTTP/2: :mod:`tokenfan_bench.clients.fast_h2`; both behind one backend: :mod:`tokenfan_bench.clients.fast_backend`.
 
 Sockets come from aiofastnet when it is installed (picows' own transport layer; plain and TLS),
 else from the event loop.
@@ -402,63 +402,3 @@ def target_of(url: str) -> tuple[str, str, int, str]:
     u = urlsplit(url)
     default = 443 if u.scheme in ("https", "wss") else 80
     return u.scheme, u.hostname or "127.0.0.1", u.port or default, (u.path or "/") + (f"?{u.query}" if u.query else "")
-
-
-class FastBackend:
-    """H1Pool per origin, picows, and :mod:`tokenfan_bench.clients.fast_h2` for the HTTP/2 arms."""
-
-    name = "fast"
-    errors = FAST_ERRORS
-    transports = ("sse", "ws", "sse-h2", "ws-h2")
-
-    def __init__(self, cafile: str | None, h2_streams_per_connection: int = 1) -> None:
-        self.batch = ReadBatch(asyncio.get_running_loop())
-        self.ssl_ctx = client_ssl_context(cafile)
-        self.h2_ssl_ctx = client_ssl_context(cafile, "h2")
-        self.pools: dict[tuple[str, str, int], H1Pool] = {}
-        self.h2_streams_per_connection = h2_streams_per_connection
-        self.h2pools: dict[tuple[str, str, int], Any] = {}
-
-    def _pool(self, url: str) -> tuple[H1Pool, str]:
-        scheme, host, port, target = target_of(url)
-        pool = self.pools.get((scheme, host, port))
-        if pool is None:
-            pool = self.pools[scheme, host, port] = H1Pool(self.batch, host, port,
-                                                           self.ssl_ctx if scheme == "https" else None)
-        return pool, target
-
-    def _h2pool(self, url: str) -> tuple[Any, str]:
-        from tokenfan_bench.clients.fast_h2 import H2Pool
-
-        scheme, host, port, target = target_of(url)
-        pool = self.h2pools.get((scheme, host, port))
-        if pool is None:
-            pool = self.h2pools[scheme, host, port] = H2Pool(
-                self.batch, scheme, host, port, self.h2_ssl_ctx if scheme in ("https", "wss") else None,
-                self.h2_streams_per_connection)
-        return pool, target
-
-    async def post(self, url: str, body: bytes) -> tuple[int, bytes]:
-        pool, target = self._pool(url)
-        head, data = await pool.fetch("POST", target, {"content-type": "application/json"}, body)
-        return head.status, data
-
-    async def subscribe(self, transport: str, info: dict[str, Any], rec: Recorder) -> None:
-        if transport == "sse":
-            pool, target = self._pool(info["events_url"])
-            await pool.sse(target, rec)
-        elif transport == "ws":
-            url = info["ws_url"]
-            await subscribe_ws(url, rec, self.batch, self.ssl_ctx if url.startswith("wss:") else None)
-        elif transport == "sse-h2":
-            h2pool, target = self._h2pool(info["events_url"])
-            await h2pool.sse(target, rec)
-        else:  # ws-h2
-            h2pool, target = self._h2pool(info["ws_url"])
-            await h2pool.websocket(target, rec)
-
-    async def aclose(self) -> None:
-        for pool in self.pools.values():
-            pool.close()
-        for h2pool in self.h2pools.values():
-            h2pool.close()

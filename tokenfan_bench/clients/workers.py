@@ -29,7 +29,8 @@ from tokenfan_bench.clients.recorder import Recorder, to_samples
 from tokenfan_bench.clients.responses import RESPONSES_TRANSPORTS, ResponseRecorder, ResponsesClient
 from tokenfan_bench.stats.metrics import ArmSamples
 
-TRANSPORTS = ("sse", "ws", "sse-h2", "ws-h2", *RESPONSES_TRANSPORTS)  # resp-*: one response each (unpaired)
+QUIC_TRANSPORTS = ("sse-h3", "wt")  # to the gateway's --http3-port (tokenfan_bench/clients/quic.py)
+TRANSPORTS = ("sse", "ws", "sse-h2", "ws-h2", *QUIC_TRANSPORTS, *RESPONSES_TRANSPORTS)  # resp-*: unpaired
 CLIENTS = ("fast", "python")
 
 
@@ -113,7 +114,7 @@ def make_backend(plan: Plan, slots: int) -> Backend:
 
         backend: Backend = PythonBackend(slots, plan.timeout, plan.cafile)
     else:
-        from tokenfan_bench.clients.fast import FastBackend
+        from tokenfan_bench.clients.fast_backend import FastBackend
 
         backend = FastBackend(plan.cafile, plan.h2_streams_per_connection)
     missing = [t for t in plan.transports if t not in backend.transports and t not in RESPONSES_TRANSPORTS]

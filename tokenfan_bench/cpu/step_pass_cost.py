@@ -29,18 +29,20 @@ import numpy as np
 from uvicorn.protocols.http.flow_control import FlowControl
 
 from engine_worker import protocol as p
+from gateway.api.chat_render import ChatRenderer
+from gateway.api.chat_request import ChunkBuilder
 from gateway.api.openai.framing import FANOUT_SSE, OPENAI_SSE, MuxWs
-from gateway.api.openai.render import ChatRenderer
-from gateway.api.openai.request import ChunkBuilder
 from gateway.api.responses.events import ResponseEvents
 from gateway.api.responses.render import ResponseRenderer
 from gateway.api.responses.stream import RESPONSES_SSE
+from gateway.core.backpressure import SlowConsumerPolicy
 from gateway.core.conn import HttpConn, Step, WsConn
 from gateway.core.delivery import Reader, ReaderMeter
+from gateway.core.follow import Watchdog, follow
 from gateway.core.framing import Framing
 from gateway.core.generation import Generation, Renderer
 from gateway.core.metrics import HotCounter, TransportMetrics
-from gateway.core.streams import Event, SlowConsumerPolicy, Stream, Watchdog, follow
+from gateway.core.streams import Event, Stream
 from tokenfan_bench.report import run_outputs
 from tokenfan_bench.stats.metrics import summary_plain
 

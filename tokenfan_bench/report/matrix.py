@@ -351,6 +351,17 @@ def parser() -> argparse.ArgumentParser:
                     help="the browser calibration's delayed + placebo run pairs (default 2), averaged pair by pair")
     ap.add_argument("--cpu-repeats", type=int, default=2, help="single-transport CPU runs per transport and "
                     "profile (default 2)")
+    ap.add_argument("--loss", default="0%,0.5%,2%,5%,2%-burst", metavar="LEVELS",
+                    help="loss levels of the packet-loss section (tokenfan_bench/report/loss.py): PERCENT%% random "
+                    "(iptables) or PERCENT%%-burst[/PACKETS]; 'none' skips it (it needs root, ip, iptables)")
+    ap.add_argument("--loss-base", default=None, metavar="PROFILE",
+                    help="the path under the loss levels (default rtt=60ms,jitter=5ms,down=20mbit,up=5mbit)")
+    ap.add_argument("--loss-streams", type=int, default=10, help="concurrent streams of each loss run (default 10)")
+    ap.add_argument("--no-loss-browser", action="store_true",
+                    help="the packet-loss section without its Chromium run (EventSource, WebSocket, WebTransport on "
+                    "the /ab page, in the client namespace; also off with --no-browser)")
+    ap.add_argument("--loss-only", action="store_true",
+                    help="run only the packet-loss section and put it into --out in place of its previous one")
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None,
@@ -384,6 +395,34 @@ def tracked(paths: list[Path]) -> list[Path]:
     return out
 
 
+def _run_loss(ns: argparse.Namespace, s: Settings) -> dict[str, Any]:
+    """The packet-loss section's results, or why it could not run here (shown in the report)."""
+    from tokenfan_bench.network.lossy import available, parse_loss
+    from tokenfan_bench.report.loss import DEFAULT_BASE, LossSettings, run_loss
+
+    why = available()
+    if why:
+        return {"error": why}
+    ls = LossSettings(levels=[parse_loss(x) for x in ns.loss.split(",") if x.strip()],
+                      base=ns.loss_base or DEFAULT_BASE, streams=ns.loss_streams, k=s.h2_k, max_tokens=s.max_tokens,
+                      rate=s.rate, ttft_ms=s.ttft_ms, inject_ms=s.inject_ms, min_streams=s.min_streams, ramp=s.ramp,
+                      n_boot=s.n_boot, seed=s.seed, logs=s.data / "logs", browser=s.browser and not ns.no_loss_browser,
+                      browser_streams=s.browser_streams)
+    return run_loss(ls)
+
+
+def _loss_only(ns: argparse.Namespace, s: Settings, data: Path, meta: dict[str, Any], t0: float) -> int:
+    from tokenfan_bench.report.loss import write_section
+
+    results = {"loss": _run_loss(ns, s), "meta": meta}
+    results["meta"]["loss_s"] = time.monotonic() - t0
+    run_outputs.write_json(data / "results-loss.json", results)
+    write_section(results["loss"], ns.out)
+    print(f"wrote the loss section into {ns.out}, raw results in {data / 'results-loss.json'} "
+          f"({results['meta']['loss_s']:.0f} s)", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     ap = parser()
     ns = ap.parse_args(argv)
@@ -404,13 +443,21 @@ def main(argv: list[str]) -> int:
                  data=data)
     t0 = time.monotonic()
     meta = run_outputs.meta(["report", *argv], ns.seed)  # time and load when the matrix starts
+    if ns.loss_only:
+        return _loss_only(ns, s, data, meta, t0)
     matrix = Matrix(s)
     results = matrix.run()
+    if ns.loss != "none":
+        results["loss"] = _run_loss(ns, s)
     results["meta"] = {**meta, "matrix_s": time.monotonic() - t0,
                        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg())}
     run_outputs.write_json(data / "results.json", results)
     plots = ns.plots or ns.out.with_suffix("")
     write_report(results, matrix.runs, ns.out, plots)
+    if "loss" in results:
+        from tokenfan_bench.report.loss import write_section
+
+        write_section(results["loss"], ns.out)
     print(f"wrote {ns.out}, plots in {plots}, raw results in {data / 'results.json'} "
           f"({results['meta']['matrix_s']:.0f} s)", file=sys.stderr)
     return 0

@@ -1,7 +1,8 @@
 // The bench's browser arm (tokenfan_bench/clients/browser.py drives it through Playwright): `streams` slots
 // each create `rounds` fan-out streams one after another, and every arm (or one, `separate`) subscribes to
 // each stream from this page with the browser's own API: "es" EventSource, "fetch" a streamed fetch of the same
-// events_url, "ws" WebSocket. Per chunk it keeps [seq, emit_ns, sent_ns, receive ms, deltas, content]
+// events_url, "ws" WebSocket, "wt" WebTransport (webtransport.js; `cfg.wt` = {url, hash} of the gateway's
+// --http3-port: one session for the page, a stream per subscription). Per chunk it keeps [seq, emit_ns, sent_ns, receive ms, deltas, content]
 // (readstream.js, which the /ab page reads its streams with too) with the receive time taken first thing
 // in the handler (performance.timeOrigin + performance.now()); the bench aligns that clock with the
 // server's and computes the metrics as for its socket clients.
@@ -18,6 +19,7 @@ import { authHeaders, createStream, epochMs, samePath } from "./api.js";
 import { readStream } from "./readstream.js";
 import { SSEParser } from "./sse.js";
 import { EventSourceSubscription, WebSocketSubscription } from "./transports.js";
+import { WebTransportSubscription } from "./webtransport.js";
 
 /** A fan-out stream read with fetch() and a ReadableStream reader (one stamp per read). */
 class FetchSubscription {
@@ -64,10 +66,13 @@ class FetchSubscription {
   }
 }
 
-const SUBSCRIPTIONS = { es: EventSourceSubscription, fetch: FetchSubscription, ws: WebSocketSubscription };
+const SUBSCRIPTIONS = { es: EventSourceSubscription, fetch: FetchSubscription, ws: WebSocketSubscription,
+  wt: WebTransportSubscription };
+let wtEndpoint; // cfg.wt of the current run
 
 async function subscribeOne(arm, index, stream, id, seed, postMs, timeoutMs, wsOrigin) {
-  const r = await readStream(SUBSCRIPTIONS[arm], stream, { timeoutMs, origin: arm === "ws" ? wsOrigin : undefined });
+  const origin = arm === "ws" ? wsOrigin : arm === "wt" ? wtEndpoint : undefined;
+  const r = await readStream(SUBSCRIPTIONS[arm], stream, { timeoutMs, origin });
   const error = r.error ? String(r.error.message || r.error) : r.reason !== "done" ? `ended: ${r.reason}` : null;
   return { arm: index, stream: id, seed, postMs, openMs: r.openMs, rows: r.rows, text: r.text, error };
 }
@@ -93,11 +98,12 @@ function deal(arms, ids) {
 
 /**
  * @param {{arms: string[], streams: number, rounds: number, maxTokens: number, timeoutMs: number, ramp: number,
- *   wsOrigins?: string[], separate?: boolean}} cfg
+ *   wsOrigins?: string[], separate?: boolean, wt?: {url: string, hash: string}}} cfg
  * @returns {Promise<object[]>} one record per subscriber
  */
 export async function run(cfg) {
   const out = [];
+  wtEndpoint = cfg.wt;
   const dealt = deal(cfg.arms.length, cfg.streams * cfg.rounds);
   const slot = async (i) => {
     await new Promise((r) => setTimeout(r, Math.random() * cfg.ramp * 1000));

@@ -28,10 +28,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from gateway.api.chat_request import parse_request
 from gateway.api.edge import gateway_of, read_body, refuse
-from gateway.api.generations import start_generation
+from gateway.api.generations import find_stream, start_generation
 from gateway.api.openai.framing import FANOUT_SSE, FANOUT_WS
-from gateway.api.openai.request import parse_request
 from gateway.core import sse
 from gateway.core.conn import PEER_GONE, WsConn
 from gateway.core.delivery import (
@@ -43,7 +43,7 @@ from gateway.core.delivery import (
     until_disconnect,
 )
 from gateway.core.streams import Stream
-from gateway.errors import APIError
+from gateway.errors import APIError, ClientError, Refusal
 from gateway.state import Gateway
 
 log = logging.getLogger(__name__)
@@ -55,12 +55,12 @@ async def create_stream(request: Request) -> Response:
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
+        raise ClientError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(obj, dict):
-        raise APIError(400, "Request body must be a JSON object.", code="invalid_value")
+        raise ClientError(400, "Request body must be a JSON object.", code="invalid_value")
     endpoint = obj.pop("endpoint", "chat.completions")
     if endpoint not in ("chat.completions", "completions"):
-        raise APIError(400, '`endpoint` must be "chat.completions" or "completions".', param="endpoint",
+        raise ClientError(400, '`endpoint` must be "chat.completions" or "completions".', param="endpoint",
                        code="invalid_value")
     obj["stream"] = True
     parsed = parse_request(endpoint, obj, gw.config.limits)
@@ -75,16 +75,6 @@ async def create_stream(request: Request) -> Response:
         "events_url": f"{base}/v1/streams/{stream.id}/events{query}",
         "ws_url": f"{ws_base}/v1/streams/{stream.id}/ws{query}",
     }, status_code=201, headers={"Location": f"/v1/streams/{stream.id}"})
-
-
-async def find_stream(gw: Gateway, stream_id: str) -> Stream:
-    """The local stream, else (with a broker) a mirror of another replica's; APIError 404 / 410 / 503."""
-    try:
-        return gw.hub.get(stream_id)
-    except APIError:
-        if gw.broker is None:
-            raise
-        return await gw.broker.mirror(stream_id)
 
 
 async def stream_status(request: Request) -> Response:
@@ -104,7 +94,7 @@ async def delete_stream(request: Request) -> Response:
 async def _subscribe_check(gw: Gateway, stream_id: str) -> Stream:
     stream = await find_stream(gw, stream_id)
     if stream.subscriber_count() >= gw.hub.retention.max_subscribers:
-        raise gw.refused(APIError(429, f"Stream {stream_id} has {stream.subscriber_count()} subscribers; the limit is "
+        raise gw.refused(Refusal(429, f"Stream {stream_id} has {stream.subscriber_count()} subscribers; the limit is "
                             f"{gw.hub.retention.max_subscribers}.", type="rate_limit_error",
                        code="too_many_subscribers", retry_after=1.0))
     return stream
@@ -165,7 +155,7 @@ async def stream_ws(ws: WebSocket) -> None:
             await ws.send_text(orjson.dumps({"type": "error", "error": exc.body()["error"]}).decode())
             await ws.close(4000 + exc.status if exc.status < 1000 else 1008, exc.code or "error")
         return
-    conn = WsConn(ws.scope, ws._send, gw.policy.linger)
+    conn = WsConn.of(ws, gw.policy.linger)
     gauge = gw.metrics.subscribers.labels("ws")
     gauge.inc()
     outcome = None

@@ -6,17 +6,18 @@
   ``fanout_ws``      ``{"type":"chunk","seq","data"}``        ``{"type":"done"}``   ``{"type":"error"}``, close 1011
   ``mux_ws``         ``{"type":"chunk","id","data"}``         ``{"type":"done","id"}``  ``{"type":"error","id"}``
 
-A lagging reader gets content chunks merged by :data:`gateway.api.openai.render.CHUNK_MERGE`.
+A lagging reader gets content chunks merged by :data:`gateway.api.chat_render.CHUNK_MERGE`.
 """
 
 from __future__ import annotations
 
 import orjson
 
-from gateway.api.openai.render import CHUNK_MERGE
+from gateway.api.chat_render import CHUNK_MERGE
 from gateway.core import sse
 from gateway.core.framing import Ending, Framing, Transport
-from gateway.core.streams import Event, MergeRules, Stream
+from gateway.core.merge import MergeRules
+from gateway.core.streams import Event, Stream
 
 END_CANCELLED = sse.event(b'{"reason":"cancelled"}', event="end") + sse.DONE
 
@@ -56,7 +57,7 @@ def _fanout_frames(ev: Event) -> tuple[bytes, bytes]:
     WebSocket one is kept as UTF-8 bytes, what the direct write sends, and decoded only for the slow path."""
     payload = ev.json  # a JSON object: the timing object is spliced in before its closing brace
     data = payload[:-1] + b',"tokenfan":' + orjson.dumps(ev.timing) + b"}" if len(payload) > 2 \
-        else orjson.dumps(ev.chunk)
+        else orjson.dumps(ev.timed_payload)
     sse_frame = ev.frames[FanoutSse.name] = sse.numbered(ev.seq, data)
     ws_frame = ev.frames[FanoutWs.name] = b'{"type":"chunk","seq":%d,"data":%b}' % (ev.seq, data)
     return sse_frame, ws_frame

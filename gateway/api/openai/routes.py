@@ -13,13 +13,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine_worker import protocol as p
-from gateway.api.edge import gateway_of, read_body
+from gateway.api.chat_render import chunk_events
+from gateway.api.chat_request import ChunkBuilder, Endpoint, dumps, parse_request
+from gateway.api.edge import error_response, gateway_of, read_body
 from gateway.api.generations import open_request, start_generation
 from gateway.api.openai.framing import OPENAI_SSE
-from gateway.api.openai.render import chunk_events
-from gateway.api.openai.request import ChunkBuilder, Endpoint, dumps, parse_request
 from gateway.core.delivery import SseResponse
-from gateway.errors import APIError, EngineError, engine_unavailable, to_api_error
+from gateway.errors import TokenfanError, engine_unavailable, to_api_error
 from gateway.state import Gateway
 
 
@@ -56,8 +56,8 @@ async def full_response(handle: Any, builder: ChunkBuilder) -> Response:
             texts.append(ev.text)
             if ev.finish_reason is not None:
                 finish, usage = ev.finish_reason, ev.usage
-    except (APIError, EngineError) as exc:
-        return to_api_error(exc).response()
+    except TokenfanError as exc:
+        return error_response(to_api_error(exc))
     finally:
         handle.close()
     assert usage is not None
@@ -69,8 +69,8 @@ async def _engine_response(handle: Any) -> Response:
     try:
         async for d in handle.deltas():
             whole = d.chunk or whole
-    except (APIError, EngineError) as exc:
-        return to_api_error(exc).response()
+    except TokenfanError as exc:
+        return error_response(to_api_error(exc))
     finally:
         handle.close()
     return Response(whole, media_type="application/json")
@@ -80,7 +80,7 @@ async def models(request: Request) -> Response:
     gw: Gateway = gateway_of(request)
     hb = gw.engine.last_heartbeat
     if hb is None or gw.model_id is None:
-        return engine_unavailable().response()
+        return error_response(engine_unavailable())
     entry: dict[str, Any] = {"id": gw.model_id, "object": "model", "created": 0, "owned_by": "tokenfan",
                              "root": hb.model, "max_model_len": hb.max_model_len, "backend": hb.backend}
     if hb.backend == "synthetic":

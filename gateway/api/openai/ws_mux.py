@@ -29,14 +29,14 @@ from typing import Any, cast
 import orjson
 from starlette.websockets import WebSocket
 
+from gateway.api.chat_request import Endpoint, parse_request
 from gateway.api.edge import gateway_of
 from gateway.api.generations import start_generation
 from gateway.api.lanes import Lanes, WsClientError
 from gateway.api.openai.framing import MuxWs, mux_cancelled
-from gateway.api.openai.request import Endpoint, parse_request
 from gateway.api.ws_session import WsSession
 from gateway.core.delivery import read, release
-from gateway.errors import APIError, EngineError, to_api_error
+from gateway.errors import APIError, ClientError, Refusal, TokenfanError, to_api_error
 from gateway.state import Gateway
 
 log = logging.getLogger(__name__)
@@ -68,33 +68,33 @@ def parse_message(raw: bytes) -> Request | Cancel:
     try:
         msg = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        raise BadMessage(None, APIError(400, "WebSocket message is not valid JSON.", code="invalid_json")) from None
+        raise BadMessage(None, ClientError(400, "WebSocket message is not valid JSON.", code="invalid_json")) from None
     if not isinstance(msg, dict):
-        raise BadMessage(None, APIError(400, "WebSocket message must be a JSON object.", code="invalid_value"))
+        raise BadMessage(None, ClientError(400, "WebSocket message must be a JSON object.", code="invalid_value"))
     cid = msg.get("id")
     if not isinstance(cid, str) or not cid or len(cid) > 256:
-        raise BadMessage(None, APIError(400, "`id` must be a non-empty string (max 256 chars).", param="id",
+        raise BadMessage(None, ClientError(400, "`id` must be a non-empty string (max 256 chars).", param="id",
                                         code="invalid_value"))
     kind = msg.get("type")
     if kind == "cancel":
         return Cancel(cid)
     if kind != "request":
-        raise BadMessage(cid, APIError(400, '`type` must be "request" or "cancel".', param="type",
+        raise BadMessage(cid, ClientError(400, '`type` must be "request" or "cancel".', param="type",
                                        code="invalid_value"))
     endpoint = msg.get("endpoint", "chat.completions")
     if endpoint not in ("chat.completions", "completions"):
-        raise BadMessage(cid, APIError(400, '`endpoint` must be "chat.completions" or "completions".',
+        raise BadMessage(cid, ClientError(400, '`endpoint` must be "chat.completions" or "completions".',
                                        param="endpoint", code="invalid_value"))
     body = msg.get("body")
     if not isinstance(body, dict):
-        raise BadMessage(cid, APIError(400, "`body` must be an OpenAI request object.", param="body",
+        raise BadMessage(cid, ClientError(400, "`body` must be an OpenAI request object.", param="body",
                                        code="invalid_value"))
     return Request(cid, endpoint, body)
 
 
 def queue_full(lanes: Lanes[Request]) -> APIError:
     """The error of a request that finds its connection's generations and queue full."""
-    return APIError(429, f"This connection already has {lanes.active} generations in flight and {lanes.pending} "
+    return Refusal(429, f"This connection already has {lanes.active} generations in flight and {lanes.pending} "
                          f"requests waiting (limits: --ws-max-in-flight {lanes.max_active}, --ws-max-queued "
                          f"{lanes.max_pending}); send it again when one has finished.", type="rate_limit_error",
                     code="connection_queue_limit")
@@ -125,11 +125,11 @@ class Session(WsSession):
             elif self.lanes.cancel(msg.id):
                 self._send_cancelled(msg.id)
             else:
-                self.send_error(msg.id, APIError(404, f"No active request with id {msg.id!r}.", param="id",
+                self.send_error(msg.id, ClientError(404, f"No active request with id {msg.id!r}.", param="id",
                                                  code="not_found"))
             return
         if msg.id in self.lanes:
-            self.send_error(msg.id, APIError(400, f"Request id {msg.id!r} is already active.", param="id",
+            self.send_error(msg.id, ClientError(400, f"Request id {msg.id!r} is already active.", param="id",
                                              code="invalid_value"))
             return
         try:
@@ -170,7 +170,7 @@ class Session(WsSession):
                 await self.cut_now(outcome.ending.close_code, outcome.ending.reason)
             elif isinstance(outcome.ending.frame, str):
                 await self.write(outcome.ending.frame)
-        except (APIError, EngineError) as exc:
+        except TokenfanError as exc:
             self.send_error(req.id, to_api_error(exc))
         except asyncio.CancelledError:  # the client's cancel (or the session's end: nobody left to tell)
             if not self.closing and not self.conn.closed and not self.cut.is_set():

@@ -26,7 +26,7 @@ from gateway.api.responses.objects import (
 )
 from gateway.api.responses.request import CANCELLED_CODE, ResponsesRequest, Status
 from gateway.api.responses.templates import TextDeltaTemplate, text_delta_event
-from gateway.errors import APIError
+from gateway.errors import APIError, ClientError
 
 ItemKind = Literal["message", "reasoning", "function_call"]
 
@@ -93,11 +93,11 @@ class ResponseEvents:
         if not events or events[0].get("type") != "response.created":
             raise ValueError("a response log starts with response.created")
         first = events[0]["response"]
-        b = cls.__new__(cls)
-        b.id, b.seq, b.items, b._open, b.reasoning_tokens = first["id"], 0, [], None, 0
-        b._response = dict(first)
+        b = cls.__new__(cls)  # its own state, rebuilt: the private members are this class's
+        b.id, b.seq, b.items, b._open, b.reasoning_tokens = first["id"], 0, [], None, 0  # noqa: SLF001
+        b._response = dict(first)  # noqa: SLF001
         for ev in events:
-            b._apply(ev)
+            b._apply(ev)  # noqa: SLF001
         return b
 
     def _apply(self, ev: dict[str, Any]) -> None:
@@ -335,7 +335,7 @@ class ResponseEvents:
         code ``response_cancelled``; :meth:`response` has status ``cancelled``."""
         events = self._close("incomplete")
         self._end("cancelled")
-        err = APIError(400, f"Response '{self.id}' was cancelled.", code=CANCELLED_CODE)
+        err = ClientError(400, f"Response '{self.id}' was cancelled.", code=CANCELLED_CODE)
         return events + [self._event("error", code=err.code, message=err.message, param=None)]
 
 

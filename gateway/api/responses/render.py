@@ -8,7 +8,7 @@ import orjson
 
 from engine_worker import protocol as p
 from gateway.api.responses.events import ResponseEvents, chunk_text, delta_text
-from gateway.core.generation import ChunkEvent
+from gateway.core.streams import ChunkEvent
 from gateway.errors import APIError
 
 

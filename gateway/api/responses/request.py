@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from gateway.api.openai.request import ParsedRequest, parse_request
+from gateway.api.chat_request import ParsedRequest, parse_request
 from gateway.api.responses import chat as rc
 from gateway.api.validation import (
     Limits,
@@ -30,7 +30,7 @@ from gateway.api.validation import (
     max_tokens,
     unsupported,
 )
-from gateway.errors import APIError
+from gateway.errors import APIError, ClientError
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 
@@ -131,18 +131,18 @@ REFUSED: dict[str, tuple[Any, str]] = {
 
 def previous_response_not_found(response_id: str) -> APIError:
     """The documented error for a ``previous_response_id`` that is unknown, expired or not stored."""
-    return APIError(400, f"Previous response with id '{response_id}' not found.", param="previous_response_id",
+    return ClientError(400, f"Previous response with id '{response_id}' not found.", param="previous_response_id",
                     code="previous_response_not_found")
 
 
 def response_not_found(response_id: str) -> APIError:
     """OpenAI's 404 for an unknown or deleted response (its message; tokenfan names the code and param)."""
-    return APIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
+    return ClientError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
 
 
 def response_expired(response_id: str) -> APIError:
     """A response that existed but is no longer retained (TTL or byte budget), as 410 for streams."""
-    return APIError(410, f"Response '{response_id}' is no longer retained.", param="response_id",
+    return ClientError(410, f"Response '{response_id}' is no longer retained.", param="response_id",
                     code="response_expired")
 
 

@@ -20,8 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.api.edge import gateway_of, read_body
-from gateway.api.generations import start_generation
-from gateway.api.openai.fanout import find_stream
+from gateway.api.generations import find_stream, start_generation
 from gateway.api.responses.chat import Message, decode_transcript, encode_transcript, responses_param
 from gateway.api.responses.events import ResponseEvents, response_from_events
 from gateway.api.responses.render import ResponseRenderer
@@ -37,7 +36,7 @@ from gateway.api.responses.request import (
 from gateway.api.responses.stream import RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesSse
 from gateway.core.delivery import SseResponse, resume_point, stop
 from gateway.core.streams import Stream, StreamHub
-from gateway.errors import APIError, EngineError
+from gateway.errors import APIError, ClientError, TokenfanError
 from gateway.state import Gateway
 
 ENDPOINT = "responses"
@@ -59,8 +58,8 @@ async def history(gw: Gateway, previous_response_id: str | None) -> list[Message
     if transcript is not None:
         return list(transcript)
     # Only response ids: the broker's store also holds other APIs' entries (gateway.api.ui_chat.chats).
-    if gw.broker is not None and previous_response_id.startswith(RESPONSE_ID_PREFIX) \
-            and (data := await gw.broker.transcript(previous_response_id)) is not None:
+    if gw.remote is not None and previous_response_id.startswith(RESPONSE_ID_PREFIX) \
+            and (data := await gw.remote.transcript(previous_response_id)) is not None:
         return decode_transcript(data)
     raise previous_response_not_found(previous_response_id)
 
@@ -80,7 +79,7 @@ async def start_response(gw: Gateway, rr: ResponsesRequest, scope: Any, *, lane:
         stream = await start_generation(gw, rr.chat, scope, listed=rr.store, detached=rr.background,
                                         source=lambda _handle, _builder: ResponseRenderer(events, keep),
                                         stream_id=rid, endpoint=ENDPOINT)
-    except (APIError, EngineError) as exc:
+    except TokenfanError as exc:
         exc.param = responses_param(exc.param)  # the engine validated the chat body: name the Responses field
         raise
     stream.meta["events"] = events
@@ -103,7 +102,7 @@ async def create_response(request: Request) -> Any:
     req = decode_create(body)
     rr = build_request(req, gw.config.limits, await history(gw, req.previous_response_id))
     if rr.background and not rr.store:
-        raise APIError(400, "background responses must be stored: remove store=false or background.",
+        raise ClientError(400, "background responses must be stored: remove store=false or background.",
                        param="store", code="invalid_value")
     stream, events = await start_response(gw, rr, request.scope)
     gw.metrics.requests.labels("/v1/responses", "200").inc()
@@ -157,7 +156,7 @@ async def cancel_response(request: Request) -> Response:
     gw: Gateway = gateway_of(request)
     s = await _find(gw, request.path_params["id"])
     if not s.detached:
-        raise APIError(400, "Only background responses can be cancelled.", param="response_id",
+        raise ClientError(400, "Only background responses can be cancelled.", param="response_id",
                        code="invalid_value")
     await stop(gw.delivery, s)
     return JSONResponse(response_from_events(e.payload for e in s.events))

@@ -26,7 +26,7 @@ from gateway.errors import APIError
 
 
 class ResponsesMerge:
-    """Responses events for a lagging reader (:class:`gateway.core.streams.MergeRules`): consecutive
+    """Responses events for a lagging reader (:class:`gateway.core.merge.MergeRules`): consecutive
     ``response.output_text.delta`` events of one item merge; every other event keeps its own."""
 
     def group(self, payload: dict[str, Any]) -> object | None:
@@ -64,7 +64,7 @@ class ResponsesSse(Framing):
             if not self.timing:
                 return t.sse(ev.text, ev.seq)
             return sse.named(t.TYPE_BYTES, _with_timing(ev))
-        data = orjson.dumps(ev.chunk) if self.timing else ev.json
+        data = orjson.dumps(ev.timed_payload) if self.timing else ev.json
         return sse.named(str(ev.payload.get("type", "message")).encode(), data)
 
     def ending(self, stream: Stream) -> Ending:
@@ -91,7 +91,7 @@ class ResponsesWs(Framing):
     def build(self, ev: Event) -> str:
         if isinstance(ev.template, TextDeltaTemplate):
             return ws_text(_with_timing(ev) if self.timing else ev.json, self.stream_id)
-        return self.build_payload(ev.chunk if self.timing else ev.payload)
+        return self.build_payload(ev.timed_payload if self.timing else ev.payload)
 
     def build_payload(self, payload: dict[str, object]) -> str:
         if payload.get("type") == "error":
@@ -106,8 +106,8 @@ class ResponsesWs(Framing):
 
 
 def _with_timing(ev: Event) -> bytes:
-    """``orjson.dumps(ev.chunk)`` of a templated event without parsing it: its JSON with the ``tokenfan``
-    timing object spliced in before the closing brace (the key ``ev.chunk`` adds last)."""
+    """``orjson.dumps(ev.timed_payload)`` of a templated event without parsing it: its JSON with the ``tokenfan``
+    timing object spliced in before the closing brace (the key ``ev.timed_payload`` adds last)."""
     return ev.json[:-1] + b',"tokenfan":' + orjson.dumps(ev.timing) + b"}"
 
 

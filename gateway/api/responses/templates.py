@@ -22,7 +22,7 @@ class TextDeltaTemplate:
     the ``sequence_number``: one is ``prefix + orjson.dumps(text) + middle + str(seq) + suffix``, ~0.35 µs
     (the dict and its serialization cost ~0.5 µs, the builder's Python around them as much again). The
     bytes are cut from :func:`text_delta_event`'s own, so both paths give the same bytes; :meth:`sse` is the
-    whole SSE frame (``event:`` + ``data:``) in one formatting. A :class:`gateway.core.generation.Template`."""
+    whole SSE frame (``event:`` + ``data:``) in one formatting. A :class:`gateway.core.streams.Template`."""
 
     __slots__ = ("middle", "prefix", "sse_prefix", "suffix")
 

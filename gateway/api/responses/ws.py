@@ -32,7 +32,7 @@ from gateway.api.lanes import WsClientError
 from gateway.api.responses.chat import Message, transcript_chars
 from gateway.api.responses.request import CANCELLED_CODE, CreateRequest, decode_create
 from gateway.api.validation import unsupported
-from gateway.errors import APIError
+from gateway.errors import APIError, ClientError
 
 STREAM_ID = re.compile(r"[A-Za-z0-9_.-]{1,256}")
 CLIENT_EVENTS = ("response.create",)
@@ -70,9 +70,9 @@ def parse_client_message(data: str | bytes) -> WsCreate:
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
-        raise WsClientError(APIError(400, f"Message is not valid JSON: {exc}", code="invalid_json")) from exc
+        raise WsClientError(ClientError(400, f"Message is not valid JSON: {exc}", code="invalid_json")) from exc
     if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
-        raise WsClientError(APIError(400, "Expected a JSON object with a string 'type'.", param="type",
+        raise WsClientError(ClientError(400, "Expected a JSON object with a string 'type'.", param="type",
                                      code="invalid_event"))
     stream_id = obj.pop("stream_id", None)
     lane = stream_id if isinstance(stream_id, str) and STREAM_ID.fullmatch(stream_id) else None
@@ -80,14 +80,14 @@ def parse_client_message(data: str | bytes) -> WsCreate:
     if kind == "response.steer":
         raise WsClientError(unsupported("type", "response.steer (steering) is not supported by this server"))
     if kind != "response.create":
-        raise WsClientError(APIError(400, f"Unknown client event type {kind!r}; expected one of "
+        raise WsClientError(ClientError(400, f"Unknown client event type {kind!r}; expected one of "
                                           f"{list(CLIENT_EVENTS)}.", param="type", code="invalid_event"), lane)
     if stream_id is not None and lane is None:
-        raise WsClientError(APIError(400, "stream_id must be 1-256 ASCII letters, digits, underscores, hyphens "
+        raise WsClientError(ClientError(400, "stream_id must be 1-256 ASCII letters, digits, underscores, hyphens "
                                           "or periods.", param="stream_id", code="invalid_stream_id"))
     generate = obj.pop("generate", True)
     if not isinstance(generate, bool):
-        raise WsClientError(APIError(400, "generate must be a boolean.", param="generate", code="invalid_type"), lane)
+        raise WsClientError(ClientError(400, "generate must be a boolean.", param="generate", code="invalid_type"), lane)
     obj.pop("stream", None)  # implicit over WebSocket
     if obj.get("background"):
         raise WsClientError(unsupported("background", "background is not supported over WebSocket; use "

@@ -32,7 +32,7 @@ from gateway.api.responses.ws import (
 )
 from gateway.api.ws_session import WsSession
 from gateway.core.delivery import read, release
-from gateway.errors import APIError, EngineError, to_api_error
+from gateway.errors import APIError, TokenfanError, to_api_error
 from gateway.state import Gateway
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class ResponsesSession(WsSession):
                 self.cache.put(events.id, rr.transcript(events.turn()))
             elif create.request.previous_response_id:
                 self.cache.evict(create.request.previous_response_id)
-        except (APIError, EngineError) as exc:
+        except TokenfanError as exc:
             err = to_api_error(exc)
             self.send_event(ws_error(err, lane), err)
         finally:

@@ -52,17 +52,17 @@ class ChatIndex:
     def ended(self, gw: Gateway, chat_id: str, stream_id: str) -> None:
         if self.running.get(chat_id) == stream_id:
             del self.running[chat_id]
-        if gw.publisher is not None and gw.broker is not None:
+        if gw.publisher is not None and gw.remote is not None:
             task = asyncio.get_running_loop().create_task(self._clear(gw, chat_id, stream_id),
                                                           name=f"ui-chat-clear-{stream_id}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
     async def _clear(self, gw: Gateway, chat_id: str, stream_id: str) -> None:
-        assert gw.publisher is not None and gw.broker is not None
+        assert gw.publisher is not None and gw.remote is not None
         key = broker_key(chat_id)
         try:
-            if await gw.broker.transcript(key) == stream_id.encode():
+            if await gw.remote.transcript(key) == stream_id.encode():
                 gw.publisher.put_transcript(key, b"", gw.config.retention.finished_ttl)
         except APIError as exc:  # the broker's 503: the entry then expires by its TTL
             log.warning("ui chat %s: its ended stream stays named in Redis (%s)", chat_id, exc)
@@ -70,7 +70,7 @@ class ChatIndex:
     async def lookup(self, gw: Gateway, chat_id: str) -> str | None:
         """The id of the stream answering ``chat_id`` here or (``--broker``) on another replica, or None."""
         local = self.running.get(chat_id)
-        if local is not None or gw.publisher is None or gw.broker is None:
+        if local is not None or gw.publisher is None or gw.remote is None:
             return local
-        data = await gw.broker.transcript(broker_key(chat_id))
+        data = await gw.remote.transcript(broker_key(chat_id))
         return data.decode() if data else None

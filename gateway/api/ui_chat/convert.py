@@ -5,7 +5,7 @@
 ``submit-message`` or ``regenerate-message``, and the id of the message being edited. Everything else in the
 body is the app's (the transport's ``body`` option): here, chat completions settings under their chat
 completions names (``max_tokens``, ``temperature``, ``tools``, ``tool_choice``, vLLM's extra fields …), plus
-``system``, a system prompt put first. The result is validated by :func:`gateway.api.openai.request.parse_request`
+``system``, a system prompt put first. The result is validated by :func:`gateway.api.chat_request.parse_request`
 exactly as a ``POST /v1/chat/completions`` body.
 
 UI messages become chat messages as the SDK's ``convertToModelMessages`` splits them: an assistant message is

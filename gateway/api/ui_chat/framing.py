@@ -20,8 +20,9 @@ from typing import Any
 import orjson
 
 from gateway.core import sse
-from gateway.core.framing import Ending, Framing, slow_consumer_error
+from gateway.core.framing import Ending, Framing
 from gateway.core.streams import Event, Stream
+from gateway.errors import slow_consumer
 
 HEADER = (b"x-vercel-ai-ui-message-stream", b"v1")
 TERMINAL = {"finish", "error", "abort"}
@@ -32,7 +33,7 @@ def part_frame(part: dict[str, Any]) -> bytes:
 
 
 class UiMessageMerge:
-    """Parts for a lagging reader (:class:`gateway.core.streams.MergeRules`): consecutive ``text-delta`` (or
+    """Parts for a lagging reader (:class:`gateway.core.merge.MergeRules`): consecutive ``text-delta`` (or
     ``reasoning-delta``) parts of one part id merge into one; every other part keeps its own event."""
 
     def group(self, payload: dict[str, Any]) -> object | None:
@@ -73,7 +74,7 @@ class UiMessageSse(Framing):
         return Ending(sse.DONE)
 
     def cut(self, send_timeout: float) -> Ending:
-        err = slow_consumer_error(send_timeout, resumable=False)
+        err = slow_consumer(send_timeout, resumable=False)
         return Ending(part_frame({"type": "error", "errorText": err.message + " Reload to resume the answer."}))
 
 

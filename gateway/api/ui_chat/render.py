@@ -25,7 +25,7 @@ from typing import Any, Literal
 import orjson
 
 from engine_worker import protocol as p
-from gateway.core.generation import ChunkEvent
+from gateway.core.streams import ChunkEvent
 from gateway.errors import APIError
 
 Kind = Literal["text", "reasoning"]

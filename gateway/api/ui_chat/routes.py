@@ -16,10 +16,9 @@ from typing import Any, ClassVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.api.chat_request import parse_request
 from gateway.api.edge import gateway_of, read_body
-from gateway.api.generations import start_generation
-from gateway.api.openai.fanout import find_stream
-from gateway.api.openai.request import parse_request
+from gateway.api.generations import find_stream, start_generation
 from gateway.api.ui_chat.chats import ChatIndex
 from gateway.api.ui_chat.convert import chat_id_of, chat_turn
 from gateway.api.ui_chat.framing import HEADER, UI_MESSAGE_SSE

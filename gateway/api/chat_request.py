@@ -36,7 +36,7 @@ from gateway.api.validation import (
     stop_strings,
     text_content,
 )
-from gateway.errors import APIError
+from gateway.errors import ClientError
 
 Endpoint = Literal["chat.completions", "completions"]
 
@@ -111,7 +111,7 @@ def parse_request(endpoint: Endpoint, body: bytes | dict[str, Any], limits: Limi
         fields["prompt"] = _prompt(req)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed when stream is true.", param="stream_options")
+        raise ClientError(400, "stream_options is only allowed when stream is true.", param="stream_options")
     return ParsedRequest(endpoint=endpoint, stream=req.stream, include_usage=include_usage,
                          model=req.model, submit_fields=fields)
 
@@ -121,10 +121,10 @@ def _forwarded(endpoint: Endpoint, obj: dict[str, Any], raw: bytes, limits: Limi
     (``stream``, ``model``, tokenfan's ``--max-tokens-cap``); the engine validates the rest as vllm serve."""
     stream = obj.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
-        raise APIError(400, "stream must be a boolean.", param="stream", code="invalid_type")
+        raise ClientError(400, "stream must be a boolean.", param="stream", code="invalid_type")
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
-        raise APIError(400, "model must be a string.", param="model", code="invalid_type")
+        raise ClientError(400, "model must be a string.", param="model", code="invalid_type")
     limit = limits.default_max_tokens
     for param in ("max_tokens", "max_completion_tokens"):
         value = obj.get(param)

@@ -5,7 +5,7 @@ the delivery core), and how they merge for a lagging reader.
   (:class:`ChunkTemplate`) with only the text spliced in; role, finish and usage chunks as dicts.
 - :class:`EngineChunkRenderer`: a request served by vLLM's OpenAI layer: the engine's whole chunks.
 - :func:`chunk_events`: the same rendering over a request's deltas, for what reads a generation whole.
-- :data:`CHUNK_MERGE`: the merge rules of OpenAI chunks (:class:`gateway.core.streams.MergeRules`).
+- :data:`CHUNK_MERGE`: the merge rules of OpenAI chunks (:class:`gateway.core.merge.MergeRules`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from engine_worker import protocol as p
-from gateway.core.generation import ChunkEvent, Renderer
+from gateway.core.generation import Renderer
+from gateway.core.streams import ChunkEvent
 from gateway.errors import APIError
 
 if TYPE_CHECKING:
-    from gateway.api.openai.request import ChunkBuilder
-    from gateway.core.engine_client import RequestHandle
+    from gateway.api.chat_request import ChunkBuilder
+    from gateway.core.request import RequestHandle
     from gateway.core.streams import Event
 
 
@@ -128,7 +129,7 @@ def engine_chunk(d: p.Delta) -> ChunkEvent:
 
 
 class ChunkMerge:
-    """How OpenAI chunks merge for a lagging reader (:class:`gateway.core.streams.MergeRules`): a chunk whose
+    """How OpenAI chunks merge for a lagging reader (:class:`gateway.core.merge.MergeRules`): a chunk whose
     one choice (index 0) carries only text; tool-call, reasoning and logprob deltas and the choices of
     ``n`` > 1 are never merged (their own event each, so nothing in them is rebuilt)."""
 

@@ -6,13 +6,13 @@ arguments (:func:`add_arguments`), the values of a command line with environment
 (:func:`resolve`: the flag wins, then the environment, then the default), the config dataclasses
 (:func:`build`, and the defaults of their fields via :func:`declared`), the argv that reproduces a
 config (:func:`to_argv`, what ``tokenfan serve`` passes to its engine) and the reference table in
-docs/settings.md (``python -m tokenfan.settings --write docs/settings.md``).
+docs/settings.md (``python -m tokenfan_settings --write docs/settings.md``).
 
 ``--help`` shows the settings a user sets, in the groups of :data:`HELP_GROUPS`; every other one is
 *advanced*: it works the same (flag and environment), ``--help-all`` shows it, and docs/settings.md lists it.
 
-It lives in the engine package because the gateway imports the engine package and never the reverse;
-the engine reads only its own rows.
+It is the foundation both processes stand on: it imports nothing of tokenfan's, and the gateway, the
+engine worker and the umbrella CLI (:mod:`tokenfan.cli`) import it; the engine reads only its own rows.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +67,7 @@ def parse_bool(raw: str) -> bool:
 def parse_transport_delay(raw: str) -> tuple[str, float]:
     """``"sse:1"`` -> ``("sse", 0.001)``: a transport and a delay in seconds."""
     transport, _, ms = raw.partition(":")
-    if transport not in ("sse", "ws") or not ms:
+    if transport not in ("sse", "ws", "sse-h3", "wt") or not ms:
         raise ValueError(raw)
     return transport, float(ms) / 1000.0
 
@@ -183,6 +182,13 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("workers", INT, 1, "gateway processes sharing the port", minimum=1),
     _gw("ssl_certfile", PATH, None, "TLS certificate chain (PEM); with --ssl-keyfile the gateway serves HTTPS"),
     _gw("ssl_keyfile", PATH, None, "TLS private key (PEM) for --ssl-certfile"),
+    _gw("http3_port", INT, 0, "UDP port for HTTP/3 and WebTransport (QUIC, on --host), 0 = off: SSE over "
+        "HTTP/3 on the same routes, WebTransport sessions at `/v1/wt` (docs/api.md); needs a certificate "
+        "(--http3-certfile, else --ssl-certfile)", minimum=0),
+    _gw("http3_certfile", PATH, None, "TLS certificate chain (PEM) for --http3-port (default: --ssl-certfile); "
+        "browsers accept a self-signed one for WebTransport by its hash if it is valid for at most 14 days "
+        "(`tokenfan certs --days 13 DIR`)"),
+    _gw("http3_keyfile", PATH, None, "TLS private key (PEM) for --http3-certfile (default: --ssl-keyfile)"),
     _gw("http_header_timeout", FLOAT, 10.0, "seconds a client may take to send its request headers"),
     _gw("http_body_timeout", FLOAT, 30.0, "seconds a client may take to send a request body"),
     Setting("served_model_name", STR, "model id shown in /v1/models, accepted in requests and written in "
@@ -232,7 +238,7 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("responses_ws_cache_chars", INT, 4_000_000, "Responses WebSocket mode: total text of those transcripts "
         "(oldest dropped first)"),
     _gw("shutdown_grace", FLOAT, 10.0, "seconds in-flight streams get to finish on SIGTERM"),
-    _gw("inject_delay", TRANSPORT_DELAY, None, "DIAGNOSTIC: delay every write of a transport (sse|ws) by MS ms, "
+    _gw("inject_delay", TRANSPORT_DELAY, None, "DIAGNOSTIC: delay every write of a transport (sse|ws|sse-h3|wt) by MS ms, "
         "for bench calibration (it also turns the one-pass write off, so both arms take the same path); off by "
         "default", default_factory=dict, repeat=True, collect=dict),
     _gw("max_concurrent", INT, 4096, "generations in flight in this gateway (429 above)"),
@@ -565,7 +571,7 @@ def replace_table(text: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m tokenfan.settings",
+    ap = argparse.ArgumentParser(prog="python -m tokenfan_settings",
                                  description=f"Print or update the settings reference ({SETTINGS_DOC}).")
     ap.add_argument("--markdown", action="store_true", help="print the tables")
     ap.add_argument("--write", type=Path, metavar="PAGE", help=f"replace the tables in this page ({SETTINGS_DOC})")
@@ -579,7 +585,3 @@ def main(argv: list[str] | None = None) -> int:
     if ns.markdown or not ns.write:
         print(markdown())
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,266 @@
+#!/usr/bin/env bash
+# Build tokenfan's container images with whichever builder this machine has (`make image` calls this).
+#
+#   deploy/image.sh [build] [cpu|gpu]   build deploy/docker/Dockerfile.<cpu|gpu> (default cpu) as tokenfan:<cpu|gpu>
+#   deploy/image.sh base                make the local base image from Debian's archive (buildah only)
+#   deploy/image.sh gpu-dry             build Dockerfile.gpu FROM a stand-in for the vLLM image (see below)
+#   deploy/image.sh tool                print the builder that would be used: docker, buildah, or none
+#   deploy/image.sh hash [cpu|gpu]      the hash of the build's inputs (the image's tokenfan.source-hash label)
+#   deploy/image.sh store               print the buildah storage directory
+#   deploy/image.sh buildah-args        print buildah's storage options (--root … --storage-driver …)
+#   deploy/image.sh clean               remove the build storage (buildah) and the build cache
+#
+# Builder: a working Docker daemon (`docker info` answers), else buildah (Debian's package; installed by
+# `make image-deps`). With buildah the images live in their own storage, never in the system's: under
+# $TOKENFAN_IMAGE_STORE (default /var/tmp/tokenfan-image), so `make clean` can remove them and a test can
+# start them with `buildah --root … run --isolation chroot`.
+#
+# Base image: the official one (python:3.11-slim, vllm/vllm-openai) when its registry answers. Where no
+# registry is reachable, the CPU image is built FROM a base made here from Debian's archive with
+# mmdebstrap (bookworm, Debian's Python 3.11 in a virtual environment at /opt/python on PATH, so `python`
+# and `pip` behave as in python:3.11-slim). The GPU image has no such fallback (its base is the vLLM build
+# with CUDA): there it stops with the reason. TOKENFAN_IMAGE_BASE=official|debian forces a choice.
+#
+# GPU dry build (where vllm/vllm-openai cannot be pulled): Dockerfile.gpu, unchanged, built FROM a
+# stand-in made of the built CPU image with tokenfan, its user and its directories removed (so Python,
+# pip, torch and vLLM 0.32 are there, as in the vLLM image, but the CPU build of them, Python 3.11 and
+# Debian instead of the vLLM image's Ubuntu). It proves the Dockerfile's own steps (copy, the --no-deps
+# install and its dependency list, the import check, the user, the entrypoint), not CUDA or a GPU.
+#
+# torch comes from the PyTorch CPU index (the Dockerfile's default). Where that index is not reachable but
+# a local torch 2.13.0+cpu wheel is (pip's own find-links, e.g. /opt/wheels), that directory is mounted
+# into the build and pip takes the wheel from it; everything else still comes from PyPI. pip's cache is a
+# build cache mount (RUN --mount=type=cache): rebuilds reuse it, the image never holds it.
+#
+# An image whose tokenfan.source-hash label matches the inputs (the Dockerfile and what it copies) is not
+# built again (TOKENFAN_IMAGE_REBUILD=1 forces it). Prints the image's size and the build's wall time at
+# the end (docs/deploy.md records them).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+STORE="${TOKENFAN_IMAGE_STORE:-/var/tmp/tokenfan-image}"
+BASE_TAG="localhost/tokenfan-base:bookworm-python3.11"
+DEBIAN_MIRROR="${TOKENFAN_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+TORCH_VERSION="2.13.0"
+OFFICIAL_CPU_BASE="python:3.11-slim"
+TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
+
+log() { printf 'image.sh: %s\n' "$*" >&2; }
+die() { log "$*"; exit 1; }
+
+# buildah with its own storage (never the system's /var/lib/containers). The overlay driver where the
+# kernel mounts overlayfs here (a container is then a thin layer: seconds to make), else vfs (each
+# container a full copy of the image: about a minute for this one). TOKENFAN_IMAGE_DRIVER=vfs|overlay
+# chooses. The build cache mounts go to $STORE/tmp (buildah puts them under TMPDIR).
+driver() {
+    if [ -n "${TOKENFAN_IMAGE_DRIVER:-}" ]; then echo "$TOKENFAN_IMAGE_DRIVER"; return; fi
+    if [ -f "$STORE/driver" ]; then cat "$STORE/driver"; return; fi
+    local d="$STORE/overlay-probe" found=vfs
+    mkdir -p "$d"/{lower,upper,work,merged}
+    if mount -t overlay overlay -o "lowerdir=$d/lower,upperdir=$d/upper,workdir=$d/work" "$d/merged" 2>/dev/null; then
+        umount "$d/merged"
+        found=overlay
+    fi
+    rm -rf "$d"
+    echo "$found" > "$STORE/driver"
+    echo "$found"
+}
+
+buildah_args() {
+    local drv
+    drv=$(driver)
+    echo --root "$STORE/storage-$drv" --runroot "$STORE/run-$drv" --storage-driver "$drv"
+}
+
+bah() {
+    mkdir -p "$STORE/tmp"
+    # shellcheck disable=SC2046
+    TMPDIR="$STORE/tmp" buildah $(buildah_args) "$@"
+}
+
+tool() {
+    if [ -n "${TOKENFAN_IMAGE_TOOL:-}" ]; then echo "$TOKENFAN_IMAGE_TOOL"; return; fi
+    if command -v docker >/dev/null 2>&1 && timeout 20 docker info >/dev/null 2>&1; then echo docker; return; fi
+    if command -v buildah >/dev/null 2>&1; then echo buildah; return; fi
+    echo none
+}
+
+# Does a registry answer? (a DNS failure or refusal answers at once; a hang is cut after 15 s)
+reachable() { timeout 15 python3 -c "import sys, urllib.request
+try:
+    urllib.request.urlopen(sys.argv[1], timeout=12)
+except urllib.error.HTTPError:
+    pass  # an HTTP answer (401 from a registry) is an answer
+" "$1" >/dev/null 2>&1; }
+
+# sha256 of the Dockerfile, its .dockerignore and every file the build copies (the .dockerignore's list)
+source_hash() {
+    local variant="$1"
+    (cd "$ROOT" && find "deploy/docker/Dockerfile.$variant" "deploy/docker/Dockerfile.$variant.dockerignore" \
+        pyproject.toml README.md tokenfan engine_worker gateway tokenfan_bench web \
+        -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum) \
+        | sha256sum | cut -c1-16
+}
+
+local_torch_wheel() {
+    local dirs d
+    dirs="${PIP_FIND_LINKS:-} $(pip config get global.find-links 2>/dev/null || true) /opt/wheels"
+    for d in $dirs; do
+        d="${d#file://}"
+        ls "$d"/torch-"$TORCH_VERSION"+cpu-cp311-*.whl >/dev/null 2>&1 && { echo "$d"; return 0; }
+    done
+    return 1
+}
+
+make_base() {
+    command -v mmdebstrap >/dev/null 2>&1 || die "mmdebstrap is not installed (make image-deps)"
+    mkdir -p "$STORE"
+    local tar="$STORE/base.tar" started=$SECONDS
+    log "making $BASE_TAG from $DEBIAN_MIRROR (mmdebstrap bookworm + python3.11)"
+    # minbase: Essential (passwd, util-linux, …) + apt; the venv is the python:3.11-slim layout's stand-in.
+    mmdebstrap --variant=minbase --mode=root --format=tar \
+        --include=python3.11,python3.11-venv,ca-certificates \
+        --customize-hook='chroot "$1" python3.11 -m venv /opt/python' \
+        --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin' \
+        bookworm "$tar" \
+        "deb $DEBIAN_MIRROR bookworm main" \
+        "deb $DEBIAN_MIRROR bookworm-updates main" \
+        "deb ${DEBIAN_MIRROR%/debian}/debian-security bookworm-security main"
+    local ctr
+    bah rmi -f "$BASE_TAG" >/dev/null 2>&1 || true
+    ctr=$(bah from scratch)
+    bah add "$ctr" "$tar" / >/dev/null
+    bah config --env PATH=/opt/python/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        --env LANG=C.UTF-8 --cmd python3 \
+        --label org.opencontainers.image.description="Debian bookworm + Python 3.11 (venv /opt/python)" "$ctr"
+    bah commit --rm "$ctr" "$BASE_TAG" >/dev/null
+    rm -f "$tar"
+    log "base $BASE_TAG made in $((SECONDS - started)) s"
+}
+
+build() {
+    local variant="${1:-cpu}" t base args=() started=$SECONDS
+    local dockerfile="deploy/docker/Dockerfile.$variant" tag="tokenfan:$variant" hash
+    [ -f "$ROOT/$dockerfile" ] || die "no $dockerfile"
+    t=$(tool)
+    [ "$t" != none ] || die "no image builder: neither a Docker daemon nor buildah (make image-deps installs buildah)"
+    hash=$(source_hash "$variant")
+    if [ -z "${TOKENFAN_IMAGE_REBUILD:-}" ] && [ "$(built_hash "$t" "$tag")" = "$hash" ]; then
+        log "$tag is up to date (source hash $hash); TOKENFAN_IMAGE_REBUILD=1 builds it again"
+        return 0
+    fi
+    args+=(--label "tokenfan.source-hash=$hash")
+
+    local want="${TOKENFAN_IMAGE_BASE:-auto}"
+    if [ "$variant" = cpu ]; then
+        if [ "$want" = auto ]; then
+            if reachable https://registry-1.docker.io/v2/; then want=official; else want=debian; fi
+        fi
+        if [ "$want" = debian ]; then
+            [ "$t" = buildah ] || die "the Debian base is made with buildah; use TOKENFAN_IMAGE_BASE=official with docker"
+            if [ -n "${TOKENFAN_IMAGE_REBASE:-}" ] || ! bah inspect --type image "$BASE_TAG" >/dev/null 2>&1; then
+                make_base
+            fi
+            base="$BASE_TAG"
+            args+=(--build-arg "BASE_IMAGE=$base")
+        else
+            base="$OFFICIAL_CPU_BASE"
+        fi
+        if ! reachable "$TORCH_CPU_INDEX/torch/"; then
+            local wheels
+            wheels=$(local_torch_wheel) || die "the PyTorch CPU index is not reachable and no local torch $TORCH_VERSION+cpu wheel was found"
+            [ "$t" = buildah ] || die "the PyTorch CPU index is not reachable; a local wheel can be mounted with buildah only"
+            log "PyTorch CPU index not reachable: torch from $wheels (mounted read-only), the rest from PyPI"
+            args+=(-v "$wheels:/mnt/wheels:ro" --build-arg "TORCH_INDEX_URL=https://pypi.org/simple"
+                   --build-arg "PIP_FIND_LINKS=/mnt/wheels")
+        fi
+    else
+        if [ "$want" = debian ] || { [ "$want" = auto ] && ! reachable https://registry-1.docker.io/v2/; }; then
+            die "the GPU image's base (vllm/vllm-openai) cannot be pulled here: no registry reachable"
+        fi
+        base="(Dockerfile default)"
+    fi
+
+    # pip behind a TLS-intercepting proxy: the host's CA bundle (pip's `cert` setting), mounted for the build
+    local cert="${PIP_CERT:-$(pip config get global.cert 2>/dev/null || true)}"
+    if [ -n "$cert" ] && [ -f "$cert" ] && [ "$t" = buildah ]; then
+        args+=(-v "$cert:/mnt/pip-cert.pem:ro" --build-arg "PIP_CERT=/mnt/pip-cert.pem")
+    fi
+
+    log "building $tag from $dockerfile with $t, base $base"
+    cd "$ROOT"
+    if [ "$t" = docker ]; then
+        DOCKER_BUILDKIT=1 docker build -f "$dockerfile" -t "$tag" "${args[@]}" .
+        log "size: $(docker image inspect -f '{{.Size}}' "$tag") bytes"
+    else
+        bah bud --isolation chroot --network host --pull=false --layers=false \
+            --ignorefile "$dockerfile.dockerignore" -f "$dockerfile" -t "localhost/$tag" "${args[@]}" .
+        bah rmi --prune >/dev/null 2>&1 || true   # the image this one replaced (vfs: a full copy each)
+        bah images --filter "reference=localhost/$tag" >&2
+        log "size: $(image_size "localhost/$tag") (uncompressed, as buildah lists it)"
+    fi
+    log "built $tag in $((SECONDS - started)) s"
+}
+
+built_hash() {
+    local fmt='{{index .Config.Labels "tokenfan.source-hash"}}'
+    if [ "$1" = docker ]; then docker image inspect -f "$fmt" "$2" 2>/dev/null || true
+    else bah inspect --type image -f '{{index .OCIv1.Config.Labels "tokenfan.source-hash"}}' "localhost/$2" 2>/dev/null || true
+    fi
+}
+
+# Uncompressed size: the sum of the image's layer sizes, as buildah's storage records them.
+image_size() {
+    bah images --format '{{.Size}}' --filter "reference=$1" | head -1
+}
+
+gpu_dry() {
+    [ "$(tool)" = buildah ] || die "the GPU dry build uses buildah"
+    bah inspect --type image localhost/tokenfan:cpu >/dev/null 2>&1 || build cpu
+    local standin="localhost/tokenfan-gpu-standin:vllm-cpu" ctr started=$SECONDS args=()
+    ctr=$(bah from --pull=false localhost/tokenfan:cpu)
+    bah run --isolation chroot --network host --user 0:0 "$ctr" -- sh -c \
+        'pip uninstall -y -q tokenfan && userdel -r tokenfan 2>/dev/null; rm -rf /opt/tokenfan /run/tokenfan /var/cache/tokenfan'
+    bah config --user root --workingdir / --entrypoint '[]' --cmd '[]' \
+        --volume /run/tokenfan- --volume /var/cache/tokenfan- "$ctr"
+    bah commit --rm "$ctr" "$standin" >/dev/null
+    local cert="${PIP_CERT:-$(pip config get global.cert 2>/dev/null || true)}"
+    if [ -n "$cert" ] && [ -f "$cert" ]; then
+        args+=(-v "$cert:/mnt/pip-cert.pem:ro" --build-arg "PIP_CERT=/mnt/pip-cert.pem")
+    fi
+    cd "$ROOT"
+    bah bud --isolation chroot --network host --pull=false --layers=false \
+        --ignorefile deploy/docker/Dockerfile.gpu.dockerignore -f deploy/docker/Dockerfile.gpu \
+        --build-arg "VLLM_IMAGE=$standin" --label "tokenfan.source-hash=$(source_hash gpu)" \
+        -t localhost/tokenfan:gpu-dry "${args[@]}" .
+    bah rmi --prune >/dev/null 2>&1 || true
+    log "size: $(image_size localhost/tokenfan:gpu-dry) (uncompressed; the stand-in base is the CPU image)"
+    log "GPU dry build (FROM $standin) in $((SECONDS - started)) s"
+}
+
+clean() {
+    if [ -d "$STORE" ]; then
+        if command -v buildah >/dev/null 2>&1 && [ -f "$STORE/driver" ]; then
+            bah rm --all >/dev/null 2>&1 || true
+            # overlay: buildah's own unmount of its layers before the files go
+            umount -R "$STORE/storage-overlay/overlay" 2>/dev/null || true
+            grep -o " $STORE/[^ ]*" /proc/mounts | sort -r | xargs -r -n1 umount 2>/dev/null || true
+        fi
+        # vfs layers hold read-only directories (and root-owned files): make them removable first
+        chmod -R u+w "$STORE" 2>/dev/null || true
+        rm -rf "$STORE"
+    fi
+}
+
+case "${1:-build}" in
+    build) shift || true; build "${1:-cpu}" ;;
+    cpu|gpu) build "$1" ;;
+    base) make_base ;;
+    gpu-dry) gpu_dry ;;
+    tool) tool ;;
+    hash) source_hash "${2:-cpu}" ;;
+    store) echo "$STORE" ;;
+    buildah-args) mkdir -p "$STORE"; buildah_args ;;
+    clean) clean ;;
+    *) die "usage: $0 [build [cpu|gpu]|base|gpu-dry|tool|hash|store|buildah-args|clean]" ;;
+esac

@@ -1,0 +1,152 @@
+"""A reader's own loop over a stream (:func:`follow`) and the one watchdog of all of them.
+
+:func:`follow` sends a reader everything past its cursor, then parks at the tail, where the publisher
+writes for it in its own pass (:meth:`gateway.core.streams.Stream.append`); it wakes only for what that
+could not write (replay, resume, a full buffer, the end). The :class:`Watchdog` cuts a reader whose write is
+blocked past the policy's send timeout and asks idle readers for a keep-alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.core.backpressure import SlowConsumer, SlowConsumerPolicy
+from gateway.core.merge import MergeRules
+from gateway.core.streams import Event, LiveWriter, Stream, Transport
+
+# Writers: the transport-specific half of a subscriber.
+WriteEvents = Callable[[list[Event]], Awaitable[None]]
+WriteIdle = Callable[[], Awaitable[None]]
+
+
+@dataclass(eq=False, slots=True)
+class Subscription:
+    """One subscriber's state as the :class:`Watchdog` sees it."""
+
+    transport: Transport
+    task: asyncio.Task[Any] | None
+    waiter: asyncio.Event = field(default_factory=asyncio.Event)
+    cursor: int = 0  # the next seq this reader sends
+    parked: bool = False  # its loop waits, caught up: the publisher may write for it (``reader``)
+    reader: LiveWriter | None = None  # writes in the publisher's pass (None: only its own loop writes)
+    busy_since: float | None = None  # monotonic start of the write in progress
+    last_write: float = field(default_factory=time.monotonic)
+    ping_due: bool = False
+    slow: bool = False
+
+
+class Watchdog:
+    """One task per gateway instead of one timer per write or wait.
+
+    Every ``tick`` seconds it closes subscribers whose current write has been blocked longer than
+    ``send_timeout`` (their task is cancelled and :func:`follow` turns that into
+    :class:`SlowConsumer`), and wakes subscribers idle longer than ``keepalive`` so they send a
+    keep-alive. Timers per write cost more than the writes themselves at thousands of subscribers.
+    """
+
+    def __init__(self, send_timeout: float, keepalive: float | None, tick: float = 0.25) -> None:
+        self.send_timeout = send_timeout
+        self.keepalive = keepalive
+        self.tick = min(tick, send_timeout / 2, keepalive / 2 if keepalive else tick)
+        self.subs: dict[Subscription, None] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, sub: Subscription) -> None:
+        self.subs[sub] = None
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="stream-watchdog")
+
+    def remove(self, sub: Subscription) -> None:
+        self.subs.pop(sub, None)
+
+    async def _run(self) -> None:
+        while self.subs:
+            await asyncio.sleep(self.tick)
+            self.check(time.monotonic())
+
+    def check(self, now: float) -> None:
+        for sub in list(self.subs):
+            if sub.busy_since is not None:
+                if now - sub.busy_since > self.send_timeout and not sub.slow and sub.task is not None:
+                    sub.slow = True
+                    sub.task.cancel()
+            elif self.keepalive is not None and now - sub.last_write > self.keepalive:
+                sub.ping_due = True
+                sub.waiter.set()
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+async def follow(
+    stream: Stream, transport: Transport, after: int, write: WriteEvents, policy: SlowConsumerPolicy,
+    watchdog: Watchdog, *, idle: WriteIdle | None = None, reader: LiveWriter | None = None,
+    merge: MergeRules | None = None,
+) -> int:
+    """Send every event with ``seq > after`` and then the live tail until the stream ends.
+
+    Returns the last ``seq`` sent (``after`` if none). Raises :class:`SlowConsumer` when the
+    watchdog finds a write blocked past the send timeout. ``idle`` (if given) is called when the
+    watchdog asks for a keep-alive. With ``reader``, a caught-up reader's live events are written by
+    the publisher in its one pass over the readers (:meth:`Stream.append`); this loop only wakes for
+    what that could not write (replay, a full buffer, the end). ``merge``: the API's rules for merging
+    the content events of a reader that lags (None: never merged). The caller writes the stream's ending.
+    """
+    # Lagging = more than coalesce_after events were published while our last write was in progress:
+    # the client is the bottleneck, so merge. Events that were already there when a write started
+    # (a late joiner's replay, a burst from the broker) are history, sent event by event.
+    lagging = False
+    # A reader that was following a running stream gets its backlog merged when the stream fails, so the
+    # notice is not stuck behind it; one that joins a finished stream replays it event by event.
+    live = not stream.finished
+    sub = Subscription(transport, asyncio.current_task(), cursor=after + 1, reader=reader)
+    stream.add_follower(sub)
+    watchdog.add(sub)
+
+    async def timed(coro: Awaitable[None]) -> None:
+        sub.busy_since = time.monotonic()
+        try:
+            await coro
+        except asyncio.CancelledError:
+            if sub.slow:
+                if sub.task is not None:
+                    sub.task.uncancel()
+                raise SlowConsumer(f"a write was blocked for more than {watchdog.send_timeout:g}s") from None
+            raise
+        sub.busy_since = None
+        sub.last_write = time.monotonic()
+
+    try:
+        while True:
+            sub.waiter.clear()
+            if sub.cursor < len(stream.events):
+                batch = policy.plan(stream.events, sub.cursor, lagging,
+                                    live and stream.state in ("error", "cancelled"), merge)
+                sub.cursor = batch[-1].seq + 1
+                head = len(stream.events)
+                await timed(write(batch))
+                lagging = len(stream.events) - head > policy.coalesce_after
+                continue
+            lagging = False
+            if stream.finished:
+                return sub.cursor - 1
+            if sub.ping_due:
+                sub.ping_due = False
+                if idle is not None:
+                    await timed(idle())
+                else:
+                    sub.last_write = time.monotonic()
+                continue
+            sub.parked = True
+            try:
+                await sub.waiter.wait()
+            finally:
+                sub.parked = False
+    finally:
+        stream.remove_follower(sub)
+        watchdog.remove(sub)

@@ -1,0 +1,430 @@
+"""Tool calls and reasoning survive an engine's death: vLLM's own parsers continue where they were.
+
+Two scripted synthetic engines (vLLM's OpenAI layer with the ``hermes`` tool parser and the ``qwen3``
+reasoning parser over the tiny model's tokenizer; the "model" writes a script, see
+``engine_worker/backends/scripted.py``) behind one gateway. Clients on every transport ask for answers that
+think, then call tools (Hermes ``<tool_call>`` blocks split inside tags, keys and values), or think at length
+and answer; one engine is killed with SIGKILL once every client has read a few events. Each client's answer
+must equal the uninterrupted control's: the same content, reasoning, tool calls (one header each, the same
+name and arguments), finish reason and usage, with no error and nothing repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+
+from gateway.scaleout.workers import worker_socket
+from tests.e2e.helpers import in_flight, metric, sse_events, wait_until
+from tests.e2e.test_adoption import LEASE, Reader, responses_reader, server_children, sse_reader, until_killed
+from tests.e2e.test_broker import RedisServer, redis_server  # noqa: F401  (the fixture)
+from tests.procs import NO_CLIENT_LIMITS, Proc, spawn, start_engine, start_gateway, stop_all, wait_healthy
+from tokenfan_bench.servers.processes import free_port
+
+pytestmark = pytest.mark.vllm  # imports vLLM's layer (no weights, no engine core)
+
+THINK = "<think>The user wants the weather, so I will call two tools and compare them.</think>"
+CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+         '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+LONG_THOUGHT = ("<think>" + " ".join(f"step {i} of the argument holds." for i in range(16)) + "</think>"
+                "The answer is forty-two, as every step above shows.")
+TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {
+    key: {"type": "string"} for key in keys}}}} for name, keys in (("get_weather", ("city", "unit")),
+                                                                  ("get_time", ("zone",)))]
+
+
+def pieces(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+SCRIPT = [{"match": "weather", "reply": pieces(THINK + CALLS, 3)},
+          {"match": "think long", "reply": pieces(LONG_THOUGHT, 4)}]
+# ~50 tokens a second: an answer takes 2-3 s, the kill lands in its middle
+ENGINE_ARGS = ("--engine", "synthetic", "--synthetic-tokens-per-s", "50", "--synthetic-ttft-ms", "5",
+               "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+
+
+@dataclass
+class Answer:
+    """What a client assembled: content, reasoning, tool calls by index, finish, usage, errors."""
+
+    content: str = ""
+    reasoning: str = ""
+    tools: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish: str | None = None
+    usage: dict[str, int] | None = None
+    errors: list[Any] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+
+    def fold(self, chunk: dict[str, Any]) -> None:
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or choice.get("message") or {}
+            self.content += delta.get("content") or ""
+            self.reasoning += delta.get("reasoning") or ""
+            for k, tc in enumerate(delta.get("tool_calls") or []):
+                call = self.tools.setdefault(tc.get("index", k), {"headers": 0, "name": "", "arguments": ""})
+                call["headers"] += 1 if tc.get("id") else 0
+                call["name"] += (tc.get("function") or {}).get("name") or ""
+                call["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+            self.finish = choice.get("finish_reason") or self.finish
+        if chunk.get("usage"):
+            self.usage = {k: chunk["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
+
+    def fold_response(self, response: dict[str, Any]) -> None:
+        """A final Responses object: its items as the chat fields they come from."""
+        for k, item in enumerate(i for i in response["output"] if i["type"] == "function_call"):
+            self.tools[k] = {"headers": 1, "name": item["name"], "arguments": item["arguments"]}
+        for item in response["output"]:
+            if item["type"] == "message":
+                self.content += "".join(part["text"] for part in item["content"])
+            elif item["type"] == "reasoning":
+                self.reasoning += "".join(part["text"] for part in item.get("content") or ())
+        self.finish = response["status"]
+        u = response["usage"]
+        self.usage = {"prompt_tokens": u["input_tokens"], "completion_tokens": u["output_tokens"]}
+
+
+def chat(question: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": question}], "tools": TOOLS,
+            "max_tokens": 400, **extra}
+
+
+def responses(question: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "input": question, "tools": [{"type": "function", **t["function"]} for t in TOOLS],
+            "max_output_tokens": 400, **extra}
+
+
+# name -> (question, transport)
+CASES = {
+    "sse-tools": ("What is the weather in Paris?", "sse"), "sse-think": ("think long about it", "sse"),
+    "full-tools": ("weather in Rome?", "full"), "ws-tools": ("weather at home?", "ws"),
+    "ws-think": ("think long, please", "ws"), "fanout-tools": ("the weather, for all", "fanout"),
+    "responses-sse": ("weather, as a response", "responses-sse"),
+    "responses-ws": ("think long in a response", "responses-ws"),
+    "responses-bg": ("weather in the background", "responses-bg"),
+}
+
+
+class Clients:
+    """The clients of the scenario; each releases ``started`` once it has read a few events."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.ws = url, url.replace("http", "ws")
+        self.started = asyncio.Semaphore(0)
+        self.killed = asyncio.Event()
+        self.answers: dict[str, Answer] = {}
+
+    async def sse(self, c: httpx.AsyncClient, name: str, path: str, body: dict[str, Any] | None,
+                  headers: dict[str, str] | None = None) -> None:
+        answer = self.answers.setdefault(name, Answer())
+        seen = 0
+        method = "POST" if body is not None else "GET"
+        async with c.stream(method, self.url + path, json=body, headers=headers) as r:
+            assert r.status_code == 200, await r.aread()
+            buf = ""
+            async for text in r.aiter_text():
+                buf += text
+                *whole, buf = buf.split("\n\n")
+                for ev in sse_events("\n\n".join(whole) + "\n\n") if whole else []:
+                    if ev.get("event") == "error":
+                        answer.errors.append(ev["data"])
+                        continue
+                    if ev.get("data") in (None, "[DONE]"):
+                        continue
+                    if "id" in ev:
+                        answer.seqs.append(int(ev["id"]))
+                    data = json.loads(ev["data"])
+                    if data.get("type", "").startswith("response."):
+                        if data["type"] in ("response.completed", "response.incomplete", "response.failed"):
+                            answer.fold_response(data["response"])
+                    else:
+                        answer.fold(data)
+                    seen += 1
+                    if seen == 3:
+                        self.started.release()
+
+    async def full(self, c: httpx.AsyncClient, name: str, body: dict[str, Any]) -> None:
+        self.started.release()
+        r = await c.post(self.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        self.answers.setdefault(name, Answer()).fold(r.json())
+
+    async def mux(self, name: str, body: dict[str, Any]) -> None:
+        answer = self.answers.setdefault(name, Answer())
+        async with websockets.connect(self.ws + "/v1/ws") as sock:
+            await sock.send(json.dumps({"type": "request", "id": name, "endpoint": "chat.completions",
+                                        "body": body}))
+            seen = 0
+            while True:
+                msg = json.loads(await sock.recv())
+                if msg["type"] == "chunk":
+                    answer.fold(msg["data"])
+                    seen += 1
+                    if seen == 3:
+                        self.started.release()
+                elif msg["type"] == "done":
+                    return
+                else:
+                    answer.errors.append(msg)
+                    return
+
+    async def fanout(self, c: httpx.AsyncClient, name: str, body: dict[str, Any]) -> None:
+        r = await c.post(self.url + "/v1/streams", json=body)
+        assert r.status_code == 201, r.text
+        created = r.json()
+        ws_answer = self.answers.setdefault(name + "/ws", Answer())
+
+        async def ws_reader() -> None:
+            async with websockets.connect(created["ws_url"]) as sock:
+                while True:
+                    msg = json.loads(await sock.recv())
+                    if msg["type"] == "chunk":
+                        ws_answer.seqs.append(msg["seq"])
+                        ws_answer.fold(msg["data"])
+                    elif msg["type"] == "done":
+                        return
+                    else:
+                        ws_answer.errors.append(msg)
+                        return
+
+        async def resumer() -> None:
+            """Reads 4 events, leaves, and comes back after the kill with Last-Event-ID."""
+            first = self.answers.setdefault(name + "/resumed", Answer())
+            async with c.stream("GET", created["events_url"]) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("id: "):
+                        first.seqs.append(int(line[4:]))
+                    elif line.startswith("data: {"):
+                        first.fold(json.loads(line[6:]))
+                        if len(first.seqs) == 4:
+                            break
+            self.started.release()
+            await self.killed.wait()
+            await self.sse(c, name + "/resumed", f"/v1/streams/{created['id']}/events", None,
+                           headers={"Last-Event-ID": str(first.seqs[-1])})
+
+        await asyncio.gather(self.sse(c, name + "/sse", f"/v1/streams/{created['id']}/events", None),
+                             ws_reader(), resumer())
+
+    async def responses_ws(self, name: str, body: dict[str, Any]) -> None:
+        answer = self.answers.setdefault(name, Answer())
+        async with websockets.connect(self.ws + "/v1/responses") as sock:
+            await sock.send(json.dumps({"type": "response.create", **body}))
+            seen = 0
+            while True:
+                ev = json.loads(await sock.recv())
+                seen += 1
+                if seen == 4:
+                    self.started.release()
+                if ev["type"] in ("response.completed", "response.incomplete", "response.failed"):
+                    answer.fold_response(ev["response"])
+                    return
+                if ev["type"] == "error":
+                    answer.errors.append(ev)
+                    return
+
+    async def background(self, c: httpx.AsyncClient, name: str, body: dict[str, Any]) -> None:
+        r = await c.post(self.url + "/v1/responses", json={**body, "background": True, "store": True})
+        assert r.status_code == 200, r.text
+        await self.sse(c, name, f"/v1/responses/{r.json()['id']}?stream=true", None)
+
+    def jobs(self, c: httpx.AsyncClient) -> list[Any]:
+        usage = {"stream": True, "stream_options": {"include_usage": True}}
+        out: list[Any] = []
+        for name, (question, transport) in CASES.items():
+            if transport == "sse":
+                out.append(self.sse(c, name, "/v1/chat/completions", chat(question, **usage)))
+            elif transport == "full":
+                out.append(self.full(c, name, chat(question)))
+            elif transport == "ws":
+                out.append(self.mux(name, chat(question, stream_options={"include_usage": True})))
+            elif transport == "fanout":
+                out.append(self.fanout(c, name, chat(question, stream_options={"include_usage": True})))
+            elif transport == "responses-sse":
+                out.append(self.sse(c, name, "/v1/responses", responses(question, stream=True)))
+            elif transport == "responses-ws":
+                out.append(self.responses_ws(name, responses(question)))
+            else:
+                out.append(self.background(c, name, responses(question)))
+        return out
+
+
+async def scenario(url: str, kill: Any) -> dict[str, Answer]:
+    clients = Clients(url)
+    async with httpx.AsyncClient(timeout=60) as c:
+        jobs = clients.jobs(c)
+        running = asyncio.gather(*jobs)
+        for _ in range(len(jobs) + 1):  # the fan-out stream's resuming reader too
+            await asyncio.wait_for(clients.started.acquire(), 60)
+        kill()
+        clients.killed.set()
+        await asyncio.wait_for(running, 90)
+    return clients.answers
+
+
+def control(url: str) -> dict[str, Answer]:
+    """Every case read whole and uninterrupted (the non-streamed response), all at once."""
+    def one(question: str, transport: str) -> Answer:
+        answer = Answer()
+        if transport.startswith("responses"):
+            answer.fold_response(httpx.post(url + "/v1/responses", json=responses(question), timeout=60).json())
+        else:
+            answer.fold(httpx.post(url + "/v1/chat/completions", json=chat(question), timeout=60).json())
+        return answer
+
+    with ThreadPoolExecutor(len(CASES)) as pool:
+        futures = {name: pool.submit(one, *case) for name, case in CASES.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def script(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    path = tmp_path_factory.mktemp("resume-script") / "script.json"
+    path.write_text(json.dumps(SCRIPT))
+    yield path, tiny_model
+
+
+def test_tool_calls_and_reasoning_continue_exactly_when_their_engine_is_killed(
+        ipc_dir: Path, script: tuple[Path, Path]) -> None:
+    path, model = script
+    addresses = [f"ipc://{ipc_dir / f'resume-{k}.sock'}" for k in "ab"]
+    engines = [start_engine(a, *ENGINE_ARGS, "--synthetic-script", str(path), "--model", str(model),
+                            "--served-model-name", "tiny", name=f"engine-resume-{k}")
+               for a, k in zip(addresses, "ab")]
+    gateway: Proc | None = None
+    t0 = time.monotonic()
+    try:
+        gateway, url = start_gateway(",".join(addresses), "--heartbeat-timeout", "30", *NO_CLIENT_LIMITS,
+                                     name="gateway-resume", timeout=300)
+        wait_until(lambda: all(e["healthy"] for e in httpx.get(url + "/health").json()["engines"]), timeout=300,
+                   what="both engines")
+        t1 = time.monotonic()
+        answers = asyncio.run(scenario(url, lambda: os.kill(engines[0].popen.pid, signal.SIGKILL)))
+        t2 = time.monotonic()
+        expected = control(url)
+        print(f"boot {t1 - t0:.1f} s, scenario {t2 - t1:.1f} s, control {time.monotonic() - t2:.1f} s")
+        for name, got in answers.items():
+            want = expected[name.split("/")[0]]
+            assert not got.errors, (name, got.errors)
+            assert (got.content, got.reasoning, got.tools, got.finish) == \
+                (want.content, want.reasoning, want.tools, want.finish), name
+            if got.usage is not None:
+                assert got.usage == want.usage, (name, got.usage, want.usage)
+            if got.seqs:  # numbered events: each once, in order
+                assert got.seqs == list(range(got.seqs[0], got.seqs[0] + len(got.seqs))), (name, got.seqs)
+        # the cases' answers really are tool calls and reasoning, each call announced once
+        assert all(call["headers"] == 1 for a in answers.values() for call in a.tools.values())
+        assert expected["sse-tools"].tools[1]["name"] == "get_time" and expected["sse-think"].reasoning
+        # about half of the 9 generations ran on the killed engine: each was continued, none refused
+        lost = in_flight(engines[0].log())
+        continued = metric(url, "tokenfan_migrations_total", {"outcome": "continued"})
+        assert len(lost) >= 2 and continued >= len(lost), (lost, continued, gateway.log()[-3000:])
+        for outcome in ("refused", "timeout", "failed"):
+            assert metric(url, "tokenfan_migrations_total", {"outcome": outcome}) == 0
+        print(f"in flight on the killed engine: {len(lost)} of {len(CASES)}, continued {continued}")
+    finally:
+        stop_all([p for p in (gateway, *engines) if p is not None])
+
+
+@dataclass
+class PartsReader(Reader):
+    """An EventSource reader (tests.e2e.test_adoption.sse_reader) assembling tool calls and reasoning too."""
+
+    answer: Answer = field(default_factory=Answer)
+
+
+def fold_parts(reader: Reader, seq: int, chunk: dict[str, Any]) -> None:
+    assert isinstance(reader, PartsReader)
+    reader.seqs.append(seq)
+    reader.answer.fold(chunk)
+
+
+@pytest.mark.parametrize("broker", [False, True], ids=["peers", "broker"])
+def test_tool_call_and_reasoning_streams_of_a_killed_worker_are_adopted_exactly(
+        redis_server: RedisServer, script: tuple[Path, Path], broker: bool) -> None:  # noqa: F811
+    """``tokenfan serve --workers 2`` on the scripted engine (with ``--broker``, or the workers' own standbys):
+    fan-out streams that think and call tools are created on worker 0 and read on the public port; worker 0
+    is killed mid-stream. Worker 1 adopts each stream from its log (the engine steps behind its chunks) and
+    the engine replays them through the parsers: every reader gets each event once and the control's answer."""
+    path, model = script
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    scaleout = ("--broker", redis_server.url, *LEASE) if broker else ("--broker-lease-interval", "0.2")
+    server = spawn(["-m", "tokenfan.cli", "serve", *ENGINE_ARGS, "--synthetic-script", str(path), "--model",
+                    str(model), "--served-model-name", "tiny", "--workers", "2", *scaleout, *NO_CLIENT_LIMITS,
+                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], "serve-resume-workers")
+    questions = ["What is the weather in Paris?", "think long about it", "weather, again"]
+    try:
+        wait_healthy(url, server, 300)
+        wait_until(lambda: httpx.get(url + "/health").json()["workers"]["ready"] == 2, timeout=60,
+                   what="both workers serving")
+        worker0 = server_children(server)[1]
+        owner = httpx.AsyncHTTPTransport(uds=str(worker_socket(port, 0)))
+
+        background = responses("weather in the background", background=True, store=True)
+        events: list[dict[str, Any]] = []
+
+        async def scenario() -> dict[str, PartsReader]:
+            readers: dict[str, PartsReader] = {}
+            async with httpx.AsyncClient(timeout=60) as c, httpx.AsyncClient(transport=owner, timeout=60) as w0:
+                jobs, started = [], []
+                for i, question in enumerate(questions):
+                    r = await w0.post("http://worker/v1/streams", json=chat(question))
+                    assert r.status_code == 201, r.text
+                    for k in range(2):
+                        reader = readers[f"{i}/sse-{k}"] = PartsReader()
+                        ev = asyncio.Event()
+                        started.append(ev)
+                        jobs.append(sse_reader(c, [url], r.json()["id"], reader, ev, fold_parts))
+                r = await w0.post("http://worker/v1/responses", json=background)
+                assert r.status_code == 200, r.text
+                started.append(asyncio.Event())
+                jobs.append(responses_reader(c, [url], r.json()["id"], events, started[-1]))
+                await until_killed(jobs, started, lambda: os.kill(worker0, signal.SIGKILL))
+            return readers
+
+        t0 = time.monotonic()
+        readers = asyncio.run(scenario())
+        t1 = time.monotonic()
+
+        def control(question: str) -> Answer:
+            answer = Answer()
+            answer.fold(httpx.post(url + "/v1/chat/completions", json=chat(question), timeout=60).json())
+            return answer
+
+        with ThreadPoolExecutor(len(questions)) as pool:
+            expected = list(pool.map(control, questions))
+        print(f"scenario {t1 - t0:.1f} s, control {time.monotonic() - t1:.1f} s")
+        for name, reader in readers.items():
+            want = expected[int(name.split("/")[0])]
+            got = reader.answer
+            assert not reader.errors and reader.ended, (name, reader.errors)
+            assert reader.seqs == list(range(len(reader.seqs))), (name, reader.seqs)  # each event once
+            assert (got.content, got.reasoning, got.tools, got.finish) == \
+                (want.content, want.reasoning, want.tools, want.finish), name
+        assert readers["0/sse-0"].answer.tools[1]["headers"] == 1 and readers["1/sse-0"].answer.reasoning
+        # the background response: each event once, and the control's function calls and reasoning
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        got_response, want_response = Answer(), Answer()
+        got_response.fold_response(events[-1]["response"])
+        want_response.fold_response(httpx.post(url + "/v1/responses", timeout=60, json=responses(
+            "weather in the background")).json())
+        assert (got_response.tools, got_response.reasoning, got_response.finish) == \
+            (want_response.tools, want_response.reasoning, "completed"), events[-1]
+        assert len(got_response.tools) == 2
+        # every stream was in flight on worker 0 at the kill, and was adopted
+        assert metric(url, "tokenfan_adoptions_total", {"outcome": "adopted"}) == len(questions) + 1
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]

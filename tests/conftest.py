@@ -46,6 +46,16 @@ def gateway_url(synthetic_engine: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def scripted_gateway(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The scripted engine behind vLLM's tool and reasoning parsers (tests/scripted.py), started once."""
+    from tests.scripted import start_scripted
+
+    proc, url = start_scripted(tiny_model, tmp_path_factory.mktemp("scripted"))
+    yield url
+    proc.stop(timeout=30)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine_worker.models import build_tiny_llama
 

@@ -37,6 +37,7 @@ FOREIGN_FLAGS = {
     "iptables": {"--mode", "--probability"},  # the loss rules of tokenfan_bench/network/lossy.py
     "curl": {"--http3"},
     "docker": {"--build", "--build-arg", "--rm"},
+    "buildah run": {"--isolation"},  # how tests/e2e/test_image.py starts the image (deploy/README.md)
     "pip": {"--no-deps"},
     "kubectl": {"--raw"},
     "py-spy record": {"--gil", "--format"},  # the front end's profile in vs-vllm.md
@@ -174,3 +175,23 @@ def test_every_request_field_of_vllm_serve_is_in_the_fields_page() -> None:
     for model, section in ((ChatCompletionRequest, chat), (CompletionRequest, completions)):
         named = set(re.findall(r"`([a-z_]+)`", section))
         assert not set(model.model_fields) - named, (model.__name__, sorted(set(model.model_fields) - named))
+
+
+# Words about how the work was done, not about the software: the docs are for its users.
+PROCESS_WORDS = re.compile(r"\bissue[- ]?#?\d+|\bissues? \d+|\bnot met\b|\bsitting\b|under the (shared )?lock\b|"
+                           r"throwaway|other sessions|\bblocked on\b|\bTODO\b|\bFIXME\b", re.IGNORECASE)
+
+
+def test_the_docs_use_no_words_about_how_the_work_was_done() -> None:
+    found = [f"{doc.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
+             for doc in [*DOCS, ROOT / "CHANGELOG.md"] for text in [doc.read_text()]
+             for m in PROCESS_WORDS.finditer(text)]
+    assert not found, "\n".join(found)
+
+
+def test_sections_with_dated_figures_come_newest_first() -> None:
+    """Within a page, headings that carry a date (YYYY-MM-DD) go from the newest to the oldest."""
+    for doc in (PAGES):
+        dates = [d for h in HEADING.findall(FENCED.sub("", doc.read_text()))
+                 for d in re.findall(r"\d{4}-\d{2}-\d{2}", h)[:1]]
+        assert dates == sorted(dates, reverse=True), f"{doc.name}: {dates}"

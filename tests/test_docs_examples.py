@@ -7,8 +7,9 @@ Markers (one HTML comment on the line before the block, invisible on GitHub):
 - ``<!-- example: continues -->``: a Python block that goes on from the page's previous Python block;
 - ``<!-- example: serves -->``: a shell block that starts a server and keeps running: it passes when ``/health``
   on its port answers 200 while it still runs;
-- ``<!-- example: tools -->``: runs against a gateway whose scripted engine writes tool calls, parsed by
-  vLLM's own ``hermes`` parser (docs/models.md), instead of the plain synthetic one.
+- ``<!-- example: tools -->``: runs against the suite's scripted engine, whose replies to a weather question
+  are tool calls parsed by vLLM's own ``hermes`` parser (tests/scripted.py, docs/models.md), instead of the
+  plain synthetic one.
 
 How each runs: ``http://127.0.0.1:8000`` (and ``ws://``) become the shared gateway's address; shell blocks run
 under ``bash -euo pipefail`` with ``.venv/bin`` first on ``PATH``, ``curl`` failing on an HTTP error, in a
@@ -16,12 +17,12 @@ scratch folder, ``TOKENFAN_PORT`` set to a free port for the servers they start 
 group at the end) and ``TOKENFAN_ENGINE=synthetic`` (a server that names no engine gets the synthetic one here:
 booting the default model takes minutes); Python blocks run in a fresh interpreter; JavaScript with ``import``s runs in Node with the
 SDKs of ``tests/node``; the other JavaScript (browser code) runs in headless Chromium on a page of the gateway's
-own origin with an ``out`` element, and passes when the tokens arrive in ``out`` with no error logged.
+own origin with an ``out`` element, and passes when the tokens arrive in ``out`` with no error logged; a React
+component (``jsx``) is bundled with esbuild and used in Chromium as a person would.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -35,13 +36,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import NODE_DIR, ROOT, npm_ci, spawn
-from tokenfan_bench.servers.processes import Proc, free_port, wait_healthy
+from tests.procs import NODE_DIR, ROOT, npm_ci
+from tokenfan_bench.servers.processes import free_port
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 MARKER = re.compile(r"<!-- example: (.*?) -->\s*\n$")
 RUNNABLE = {"bash", "sh", "python", "js", "jsx"}
+UI_NODE_DIR = NODE_DIR / "ui_chat"  # React, the AI SDK's React hooks and esbuild, pinned in its lockfile
+PAGE_PATH = "/docs-example/"  # where the browser gets a bundled React example, on the gateway's own origin
 BASE = "http://127.0.0.1:8000"
 # What the suite changes in an example so that it takes seconds (never what the example shows)
 SHORTER = {"--duration 30": "--duration 1", "--streams 100": "--streams 20", "--max-tokens 100": "--max-tokens 20"}
@@ -103,34 +106,11 @@ def test_every_example_is_run_or_says_why_not() -> None:
 def test_no_example_marker_is_left_without_its_block() -> None:
     for page in PAGES:
         text = page.read_text()
-        for m in re.finditer(r"<!-- example: .*? -->", text):
+        for m in re.finditer(r"^<!-- example: .*? -->", text, re.MULTILINE):
             assert text[m.end():].lstrip(" \n").startswith("```"), f"{page.name}: {m.group(0)} precedes no code block"
 
 
 # -- the runners ----------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tools_gateway(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The scripted engine of docs/models.md (the tiny model's tokenizer and chat template, no weights) behind
-    vLLM's hermes tool parser: a weather question gets a call of ``get_weather``, its result an answer."""
-    script = tmp_path_factory.mktemp("docs-script") / "script.json"
-    script.write_text(json.dumps([
-        {"match": "18 C|celsius", "reply": ["It is 18 C", " in Paris."]},
-        {"match": "[Ww]eather", "reply": ['<tool_call>\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}',
-                                          "\n</tool_call>"]},
-        {"match": "Paris in France", "reply": ['{"answer": "yes"}']},
-    ]))
-    port = free_port()
-    proc: Proc = spawn(["-m", "tokenfan.cli", "serve", "--engine", "synthetic", "--synthetic-script", str(script),
-                        "--model", str(tiny_model), "--port", str(port), "--synthetic-tokens-per-s", "2000",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "docs-tools-serve")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, timeout=300)
-        yield url
-    finally:
-        proc.stop(timeout=30)
 
 
 def run_python(e: Example, url: str, tmp: Path) -> None:
@@ -217,6 +197,48 @@ def run_node(e: Example, url: str, tmp: Path) -> None:
     assert proc.returncode == 0, f"{e.id} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
 
 
+def run_react(e: Example, url: str, browser: object, tmp: Path) -> None:
+    """A React component (``export default``): bundled with esbuild, mounted in a page served on the gateway's
+    origin, then used as a person would: a weather question typed and sent; passes when the answer that
+    follows the tool's result is on the page, with no error logged."""
+    npm_ci(UI_NODE_DIR)
+    stem = f".docs-example-{os.getpid()}"
+    component, entry = UI_NODE_DIR / f"{stem}.jsx", UI_NODE_DIR / f"{stem}-entry.jsx"
+    component.write_text(with_url(e.code, url))
+    entry.write_text(f'import Chat from "./{stem}.jsx";\nimport {{ createRoot }} from "react-dom/client";\n'
+                     'createRoot(document.getElementById("root")).render(<Chat />);\n')
+    build = ('import { build } from "esbuild"; await build({ entryPoints: [process.argv[1]], bundle: true, '
+             'format: "esm", jsx: "automatic", outfile: process.argv[2], logLevel: "error", '
+             'define: { "process.env.NODE_ENV": \'"production"\' } });')
+    try:
+        proc = subprocess.run(["node", "--input-type=module", "-e", build, str(entry), str(tmp / "page.js")],
+                              cwd=UI_NODE_DIR, capture_output=True, text=True, timeout=120, check=False)
+    finally:
+        component.unlink()
+        entry.unlink()
+    assert proc.returncode == 0, f"{e.id}: esbuild failed:\n{proc.stderr[-4000:]}"
+    files = {"index.html": ((b'<!doctype html><meta charset="utf-8"><div id="root"></div>'
+                            b'<script type="module" src="page.js"></script>'), "text/html"),
+             "page.js": ((tmp / "page.js").read_bytes(), "text/javascript")}
+    page = browser.new_page()  # type: ignore[attr-defined]
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(m.text)
+            if m.type == "error" and not m.location.get("url", "").endswith("/favicon.ico") else None)
+    page.on("pageerror", lambda exc: problems.append(str(exc)))
+    page.route(f"{url}{PAGE_PATH}**", lambda route: route.fulfill(
+        status=200, body=files[route.request.url.rsplit("/", 1)[1].split("?")[0] or "index.html"][0],
+        content_type=files[route.request.url.rsplit("/", 1)[1].split("?")[0] or "index.html"][1]))
+    try:
+        page.goto(f"{url}{PAGE_PATH}index.html")
+        page.fill("input", "What is the weather in Paris?")
+        page.press("input", "Enter")
+        page.wait_for_function("() => document.body.innerText.includes('18 C')", timeout=30_000)
+        assert "tool-get_weather output-available" in page.inner_text("body"), page.inner_text("body")
+        assert not problems, f"{e.id}: {problems}"
+    finally:
+        page.close()
+
+
 def run_browser(e: Example, url: str, browser: object) -> None:
     page = browser.new_page()  # type: ignore[attr-defined]
     problems: list[str] = []
@@ -249,11 +271,13 @@ def browser() -> Iterator[object]:
 @pytest.mark.parametrize("example", RUN, ids=[e.id for e in RUN])
 def test_the_example_runs(example: Example, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     e = example
-    url: str = request.getfixturevalue("tools_gateway" if e.marker == "tools" else "gateway_url")
+    url: str = request.getfixturevalue("scripted_gateway" if e.marker == "tools" else "gateway_url")
     if e.lang == "python":
         run_python(e, url, tmp_path)
     elif e.lang in ("bash", "sh"):
         run_bash(e, url, tmp_path)
+    elif e.lang == "jsx":
+        run_react(e, url, request.getfixturevalue("browser"), tmp_path)
     elif re.search(r"^import ", e.code, re.MULTILINE):
         run_node(e, url, tmp_path)
     else:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,47 +19,22 @@ import pytest
 import websockets
 
 from tests.e2e.helpers import sse_events
-from tests.procs import spawn
-from tokenfan_bench.servers.processes import Proc, free_port, wait_healthy
+from tests.scripted import PARSER_SCRIPT, SPLITS, pieces
+from tokenfan_bench.servers.processes import Proc
 
 pytestmark = pytest.mark.vllm  # imports vLLM's layer (no engine process, no weights)
 
-THINK = "<think>The user wants the weather.</think>"
-CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-         '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
 EXPECTED_CALLS = {0: {"name": "get_weather", "arguments": '{"city": "Paris"}'},
                   1: {"name": "get_time", "arguments": '{"zone": "CET"}'}}
-SPLITS = (1, 2, 3, 5, 7, 11, 64)  # characters per engine step
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {
     key: {"type": "string"}}}}} for name, key in (("get_weather", "city"), ("get_time", "zone"))]
-
-
-def pieces(text: str, size: int) -> list[str]:
-    return [text[i:i + size] for i in range(0, len(text), size)]
-
-
-SCRIPT = [
-    *({"match": f"split {k}\\b", "reply": pieces(THINK + CALLS, k)} for k in SPLITS),
-    {"match": "tool says", "reply": pieces(THINK + "It is 18 C in Paris.", 4)},
-    {"match": "just think", "reply": ["<thi", "nk>hm", "m</th", "ink>Bon", "jour"]},
-]
+SCRIPT = PARSER_SCRIPT
 
 
 @pytest.fixture(scope="module")
-def scripted(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    script = tmp_path_factory.mktemp("script") / "script.json"
-    script.write_text(json.dumps(SCRIPT))
-    port = free_port()
-    proc: Proc = spawn(["-m", "tokenfan.cli", "serve", "--engine", "synthetic", "--synthetic-script", str(script),
-                        "--model", str(tiny_model), "--served-model-name", "tiny", "--port", str(port),
-                        "--synthetic-tokens-per-s", "2000", "--enable-auto-tool-choice", "--tool-call-parser",
-                        "hermes", "--reasoning-parser", "qwen3"], "scripted-serve")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, timeout=300)
-        yield url
-    finally:
-        proc.stop(timeout=30)
+def scripted(scripted_gateway: str) -> str:
+    """The session's scripted engine (tests/scripted.py), shared with the docs' tool examples."""
+    return scripted_gateway
 
 
 def _body(question: str, **extra: Any) -> dict[str, Any]:
@@ -159,12 +133,12 @@ def test_every_transport_carries_the_same_tool_call_deltas(scripted: str) -> Non
     assert resumed == fanned[middle + 1:]
 
 
-def test_a_tool_call_or_reasoning_stream_whose_engine_dies_fails_explicitly(
+def test_with_migration_off_a_tool_call_or_reasoning_stream_whose_engine_dies_fails_explicitly(
         tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Requests served by vLLM's OpenAI layer are not migrated (docs/failures.md: the parsers' state lives in
-    vLLM's stream generator): killed in the middle of a tool call's arguments or of the reasoning, each client
+    """``--migration-limit 0``: killed in the middle of a tool call's arguments or of the reasoning, each client
     gets an explicit ``engine_unavailable`` error event after what it had, never a silent end or a hang, and
-    the gateway counts the migration ``refused``."""
+    the gateway counts the migration ``refused`` (reason ``limit``). With migration on they are continued:
+    tests/e2e/test_resume_parsers.py."""
     from tests.e2e.helpers import metric
     from tests.procs import start_engine, start_gateway, stop_all
 
@@ -178,7 +152,8 @@ def test_a_tool_call_or_reasoning_stream_whose_engine_dies_fails_explicitly(
                           name="engine-scripted-kill")
     gateway: Proc | None = None
     try:
-        gateway, url = start_gateway(address, "--heartbeat-timeout", "30", name="gateway-scripted-kill", timeout=300)
+        gateway, url = start_gateway(address, "--heartbeat-timeout", "30", "--migration-limit", "0",
+                                     name="gateway-scripted-kill", timeout=300)
 
         async def run() -> dict[str, list[dict[str, str]]]:
             seen: dict[str, list[dict[str, str]]] = {"tool": [], "think": []}
@@ -218,5 +193,6 @@ def test_a_tool_call_or_reasoning_stream_whose_engine_dies_fails_explicitly(
             assert errors == ["engine_unavailable"], (kind, events[-3:])
             assert all(e.get("data") != "[DONE]" for e in events), kind
         assert metric(url, "tokenfan_migrations_total", {"outcome": "refused"}) == 2
+        assert metric(url, "tokenfan_migration_refusals_total", {"reason": "limit"}) == 2
     finally:
         stop_all([p for p in (gateway, engine) if p is not None])

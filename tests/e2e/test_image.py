@@ -28,6 +28,7 @@ import signal
 import socket
 import stat
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -107,11 +108,30 @@ class Container:
         name = f"tokenfan-test-{os.getpid()}-{next(self._n)}"
         add = [f"--add-host={h}:{ip}" for h, ip in (hosts or {}).items()]
         self.id = bah("from", "--pull=false", "--name", name, *add, IMAGE)
+        # buildah run mounts the image's VOLUMEs itself (a fresh directory each), and in no fixed order with
+        # `-v` on the same path: the engine's socket landed in either (seen here). Docker and Kubernetes
+        # mount the given volume there; so does the test, with the image's own volume list dropped.
+        config = json.loads(bah("inspect", "--type", "container", self.id))["OCIv1"]["config"]
+        self.volumes = sorted(config.get("Volumes") or {})
+        if self.volumes:
+            bah("config", *[f"--volume={v}-" for v in self.volumes], self.id)
         self.rootfs = Path(bah("mount", self.id))
 
     def remove(self) -> None:
         with contextlib.suppress(subprocess.SubprocessError):
             bah("rm", self.id)
+
+
+@pytest.fixture
+def work() -> Iterator[Path]:
+    """The test's volumes and logs, in the image store's folder, not pytest's tmp_path: pytest sessions of
+    the same user (root) prune each other's older ``/tmp/pytest-of-root/pytest-N``, and a volume deleted
+    under a running container was seen to fail these tests."""
+    base = Path(_image_sh("store")) / "tests"
+    base.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=base))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -377,17 +397,17 @@ def _snapshot(rootfs: Path, skip: set[str]) -> dict[str, tuple[int, int, int, in
 
 
 def test_the_default_entrypoint_serves_streams_writes_only_its_volumes_and_stops_on_sigterm(
-        image: dict[str, Any], container: Container, netns: Netns, tmp_path: Path) -> None:
-    run_dir = volume_dir(tmp_path / "run")
-    cache_dir = volume_dir(tmp_path / "cache", mode=0o755)
+        image: dict[str, Any], container: Container, netns: Netns, work: Path) -> None:
+    run_dir = volume_dir(work / "run")
+    cache_dir = volume_dir(work / "cache", mode=0o755)
     volumes = {run_dir: "/run/tokenfan", cache_dir: "/var/cache/tokenfan"}
     skip = {"/proc", "/sys", "/dev", "/run/tokenfan", "/var/cache/tokenfan"}
     # buildah itself writes /etc/hosts, /etc/resolv.conf, … at each run: a first run makes them, then the snapshot
-    warm = run_in(container, netns, ["true"], tmp_path / "warm.log", volumes=volumes)
+    warm = run_in(container, netns, ["true"], work / "warm.log", volumes=volumes)
     assert warm.popen.wait(60) == 0, warm.text()
     before = _snapshot(container.rootfs, skip)
 
-    serve = run_in(container, netns, entry_argv(image), tmp_path / "serve.log",
+    serve = run_in(container, netns, entry_argv(image), work / "serve.log",
                    env={"TOKENFAN_ENGINE": "synthetic"}, volumes=volumes)
     try:
         url = netns.relay(PORT)
@@ -452,10 +472,10 @@ def redis_keys(ns: Netns, port: int = 6379) -> list[str]:
 
 
 def test_compose_engine_gateway_and_redis_serve_a_stream_through_the_shared_socket_volume(
-        image: dict[str, Any], netns: Netns, tmp_path: Path) -> None:
+        image: dict[str, Any], netns: Netns, work: Path) -> None:
     services = compose_services()
     engine, gateway, redis = services["engine"], services["gateway"], services["redis"]
-    named = {name: volume_dir(tmp_path / name, mode=0o700 if name == "ipc" else 0o755) for name in ("ipc", "models")}
+    named = {name: volume_dir(work / name, mode=0o700 if name == "ipc" else 0o755) for name in ("ipc", "models")}
 
     def mounts(service: dict[str, Any]) -> dict[Path, str]:
         return {named[v.split(":")[0]]: v.split(":")[1] for v in service["volumes"]}
@@ -463,13 +483,13 @@ def test_compose_engine_gateway_and_redis_serve_a_stream_through_the_shared_sock
     # two containers of one image, as Compose starts them (one root filesystem each), `redis` in /etc/hosts
     eng_c, gw_c = Container(), Container(hosts={"redis": "127.0.0.1"})
     procs: list[Running] = []
-    redis_proc = redis_in(netns, redis["command"], tmp_path / "redis.log")
+    redis_proc = redis_in(netns, redis["command"], work / "redis.log")
     try:
         # `command:` replaces the image's CMD; its ENTRYPOINT stays
-        procs.append(run_in(eng_c, netns, with_entrypoint(image, engine["command"]), tmp_path / "engine.log",
+        procs.append(run_in(eng_c, netns, with_entrypoint(image, engine["command"]), work / "engine.log",
                             user=engine["user"],
                             env=compose_env(engine, TOKENFAN_ENGINE="synthetic"), volumes=mounts(engine)))
-        procs.append(run_in(gw_c, netns, with_entrypoint(image, gateway["command"]), tmp_path / "gateway.log",
+        procs.append(run_in(gw_c, netns, with_entrypoint(image, gateway["command"]), work / "gateway.log",
                             user=gateway["user"],
                             env=compose_env(gateway), volumes=mounts(gateway)))
         url = netns.relay(PORT)
@@ -485,7 +505,7 @@ def test_compose_engine_gateway_and_redis_serve_a_stream_through_the_shared_sock
         assert events[-1]["data"] == "[DONE]"
         assert any(info["id"] in k for k in redis_keys(netns)), redis_keys(netns)
         # Compose's health check, run in the gateway container as Compose runs it
-        check = run_in(gw_c, netns, gateway["healthcheck"]["test"][1:], tmp_path / "healthcheck.log",
+        check = run_in(gw_c, netns, gateway["healthcheck"]["test"][1:], work / "healthcheck.log",
                        user=gateway["user"])
         assert check.popen.wait(30) == 0, check.text()
         # stop as `docker compose down` does: SIGTERM to each container
@@ -528,13 +548,13 @@ def probe_ok(url: str, container: dict[str, Any], probe: str) -> int:
 
 
 def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_prestop_and_grace(
-        image: dict[str, Any], netns: Netns, tmp_path: Path) -> None:
+        image: dict[str, Any], netns: Netns, work: Path) -> None:
     pod = k8s_pod()
     spec = {c["name"]: c for c in pod["containers"]}
     user = f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"
     # emptyDirs: root's, 0777 (the engine makes its own 0700 ipc/ below, as the manifest says)
-    ipc = volume_dir(tmp_path / "ipc", uid=0, gid=0, mode=0o777)
-    models = volume_dir(tmp_path / "models", uid=0, gid=0, mode=0o777)
+    ipc = volume_dir(work / "ipc", uid=0, gid=0, mode=0o777)
+    models = volume_dir(work / "models", uid=0, gid=0, mode=0o777)
     env = k8s_cpu_env()
     broker = env["TOKENFAN_BROKER"].split("//")[1].split(":")[0]  # the Service name of redis.yaml
     # the synthetic engine, paced so a stream outlasts the gateway's drain (the pod's model would need minutes)
@@ -544,13 +564,13 @@ def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_pre
     (redis_doc,) = [d for d in yaml.safe_load_all((K8S / "base" / "redis.yaml").read_text())
                     if d and d["kind"] == "Deployment"]
     redis_proc = redis_in(netns, redis_doc["spec"]["template"]["spec"]["containers"][0]["args"],
-                          tmp_path / "redis.log")
+                          work / "redis.log")
     try:
         for name, c in ((("engine", eng_c)), ("gateway", gw_c)):
             mounts = {ipc if m["name"] == "ipc" else models: m["mountPath"]
                       for m in spec[name]["volumeMounts"] if m["name"] in ("ipc", "models")}
             # `args:` replace the image's CMD; its ENTRYPOINT stays
-            procs.append(run_in(c, netns, with_entrypoint(image, spec[name]["args"]), tmp_path / f"{name}.log",
+            procs.append(run_in(c, netns, with_entrypoint(image, spec[name]["args"]), work / f"{name}.log",
                                 user=user,
                                 env=env_engine if name == "engine" else env, volumes=mounts))
         engine, gateway = procs
@@ -585,6 +605,8 @@ def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_pre
         assert "server_shutdown" in json.dumps(body.get("events")), body
         # the engine outlives the gateway's drain: its preStop covers the gateway's preStop plus the drain
         assert pre["gateway"] + drain <= pre["engine"], (pre, drain)
+        # the same gateway under Compose: `docker stop` waits stop_grace_period before SIGKILL
+        assert drain < int(compose_services()["gateway"]["stop_grace_period"].removesuffix("s"))
         rc_en, engine_stop = engine.sigterm(timeout=grace)
         assert rc_en == 0, engine.text()[-2000:]
         # and the whole pod is gone within the grace period (measured: printed for docs/deploy.md)
@@ -602,21 +624,21 @@ def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_pre
 
 
 def test_readiness_drops_and_gateway_liveness_holds_when_the_engine_is_gone(
-        image: dict[str, Any], netns: Netns, tmp_path: Path) -> None:
+        image: dict[str, Any], netns: Netns, work: Path) -> None:
     """The manifest's design: /health (readiness, the engine's liveness) fails without an engine, while the
     gateway's own liveness probe (/metrics) still passes, so only the engine is restarted."""
     pod = k8s_pod()
     spec = {c["name"]: c for c in pod["containers"]}
     user = f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"
-    ipc = volume_dir(tmp_path / "ipc", uid=0, gid=0, mode=0o777)
+    ipc = volume_dir(work / "ipc", uid=0, gid=0, mode=0o777)
     env = {k: v for k, v in k8s_cpu_env().items() if k != "TOKENFAN_BROKER"}  # this test runs no Redis
     env_engine = {**env, "TOKENFAN_ENGINE": "synthetic"}
     eng_c, gw_c = Container(), Container()
     procs: list[Running] = []
     try:
-        procs.append(run_in(eng_c, netns, with_entrypoint(image, spec["engine"]["args"]), tmp_path / "engine.log",
+        procs.append(run_in(eng_c, netns, with_entrypoint(image, spec["engine"]["args"]), work / "engine.log",
                             user=user, env=env_engine, volumes={ipc: "/run/tokenfan"}))
-        procs.append(run_in(gw_c, netns, with_entrypoint(image, spec["gateway"]["args"]), tmp_path / "gateway.log",
+        procs.append(run_in(gw_c, netns, with_entrypoint(image, spec["gateway"]["args"]), work / "gateway.log",
                             user=user, env=env, volumes={ipc: "/run/tokenfan"}))
         url = netns.relay(PORT)
         wait_health(url, procs)

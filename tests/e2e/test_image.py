@@ -104,10 +104,10 @@ class Container:
 
     _n = itertools.count()
 
-    def __init__(self, hosts: dict[str, str] | None = None) -> None:
+    def __init__(self, hosts: dict[str, str] | None = None, image: str = IMAGE) -> None:
         name = f"tokenfan-test-{os.getpid()}-{next(self._n)}"
         add = [f"--add-host={h}:{ip}" for h, ip in (hosts or {}).items()]
-        self.id = bah("from", "--pull=false", "--name", name, *add, IMAGE)
+        self.id = bah("from", "--pull=false", "--name", name, *add, image)
         # buildah run mounts the image's VOLUMEs itself (a fresh directory each), and in no fixed order with
         # `-v` on the same path: the engine's socket landed in either (seen here). Docker and Kubernetes
         # mount the given volume there; so does the test, with the image's own volume list dropped.
@@ -652,3 +652,34 @@ def test_readiness_drops_and_gateway_liveness_holds_when_the_engine_is_gone(
             p.stop()
         eng_c.remove()
         gw_c.remove()
+
+
+# --------------------------------------------------------------------------- the GPU Dockerfile, dry
+
+
+def test_the_gpu_dockerfile_dry_build_starts_its_entrypoint(image: dict[str, Any], netns: Netns, work: Path) -> None:
+    """Dockerfile.gpu built FROM a stand-in for the vLLM image (``deploy/image.sh gpu-dry``, run by ``make
+    image``): its entrypoint and command serve (synthetic engine) as its user. No CUDA, no GPU."""
+    gpu = "localhost/tokenfan:gpu-dry"
+    try:
+        config = json.loads(bah("inspect", "--type", "image", gpu))["OCIv1"]["config"]
+    except subprocess.CalledProcessError:
+        pytest.fail(f"no {gpu}: run `make image` (deploy/image.sh gpu-dry)")
+    want = f"{_image_sh('hash', 'gpu')}-{image['Labels']['tokenfan.source-hash']}"
+    assert (config.get("Labels") or {}).get("tokenfan.source-hash") == want, (
+        f"{gpu} was built from another tree or CPU image: run `make image`")
+    assert config["User"] == "tokenfan" and entry_argv(config) == entry_argv(image)
+    c = Container(image=gpu)
+    run_dir = volume_dir(work / "run")
+    serve = run_in(c, netns, entry_argv(config), work / "serve-gpu.log", env={"TOKENFAN_ENGINE": "synthetic"},
+                   volumes={run_dir: "/run/tokenfan", volume_dir(work / "cache", mode=0o755): "/var/cache/tokenfan"})
+    try:
+        url = netns.relay(PORT)
+        wait_health(url, [serve])
+        assert serve.uid() == UID
+        assert stream_chat(url)[0]
+        rc, took = serve.sigterm(timeout=30)
+        assert rc == 0 and took < 10, (rc, took)
+    finally:
+        serve.stop()
+        c.remove()

@@ -225,7 +225,7 @@ gpu_dry() {
     ctr=$(bah from --pull=false localhost/tokenfan:cpu)
     # the VOLUMEs first: buildah run would mount them over the directories being removed
     bah config --user root --workingdir / --entrypoint '[]' --cmd '[]' --env HOME=/root \
-        --volume /run/tokenfan- --volume /var/cache/tokenfan- "$ctr"
+        --volume /run/tokenfan- --volume /var/cache/tokenfan- --volume /tmp- "$ctr"
     bah run --isolation chroot --network host "$ctr" -- sh -c \
         'pip uninstall -y -q tokenfan && userdel -r tokenfan && rm -rf /opt/tokenfan /run/tokenfan /var/cache/tokenfan'
     bah commit --rm "$ctr" "$standin" >/dev/null

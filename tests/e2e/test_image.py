@@ -320,6 +320,18 @@ def volume_dir(path: Path, *, uid: int = UID, gid: int = UID, mode: int = 0o700)
     return path
 
 
+def with_anonymous_volumes(c: Container, work: Path, given: dict[Path, str], tag: str) -> dict[Path, str]:
+    """``given`` plus, for each VOLUME of the image not among them, a fresh directory with the image
+    directory's owner and mode: what Docker gives a container for a VOLUME that no ``-v`` names."""
+    out = dict(given)
+    for target in c.volumes:
+        if target not in given.values():
+            st = (c.rootfs / target.lstrip("/")).stat()
+            out[volume_dir(work / f"{tag}-anon{target.replace('/', '-')}", uid=st.st_uid, gid=st.st_gid,
+                           mode=stat.S_IMODE(st.st_mode))] = target
+    return out
+
+
 def wait_health(url: str, running: list[Running], timeout: float = 90) -> httpx.Response:
     deadline = time.monotonic() + timeout
     last = "no answer"
@@ -357,7 +369,7 @@ def test_the_image_names_a_non_root_user_and_holds_no_compiler_tests_or_pip_cach
     passwd = {ln.split(":")[0]: ln.split(":") for ln in (container.rootfs / "etc/passwd").read_text().splitlines()}
     assert int(passwd["tokenfan"][2]) == UID and int(passwd["tokenfan"][3]) == UID
     assert entry_argv(image) == ["tokenfan", "serve", "--host", "0.0.0.0", "--port", str(PORT)]
-    assert set(image.get("Volumes") or {}) == {"/run/tokenfan", "/var/cache/tokenfan"}
+    assert set(image.get("Volumes") or {}) == {"/run/tokenfan", "/var/cache/tokenfan", "/tmp"}
     env = dict(e.split("=", 1) for e in image["Env"])
     assert "PIP_CERT" not in env and "PIP_FIND_LINKS" not in env and "TORCH_INDEX_URL" not in env  # build args only
     rootfs = container.rootfs
@@ -400,8 +412,9 @@ def test_the_default_entrypoint_serves_streams_writes_only_its_volumes_and_stops
         image: dict[str, Any], container: Container, netns: Netns, work: Path) -> None:
     run_dir = volume_dir(work / "run")
     cache_dir = volume_dir(work / "cache", mode=0o755)
-    volumes = {run_dir: "/run/tokenfan", cache_dir: "/var/cache/tokenfan"}
-    skip = {"/proc", "/sys", "/dev", "/run/tokenfan", "/var/cache/tokenfan"}
+    volumes = with_anonymous_volumes(container, work, {run_dir: "/run/tokenfan", cache_dir: "/var/cache/tokenfan"},
+                                     "serve")
+    skip = {"/proc", "/sys", "/dev", *volumes.values()}
     # buildah itself writes /etc/hosts, /etc/resolv.conf, … at each run: a first run makes them, then the snapshot
     warm = run_in(container, netns, ["true"], work / "warm.log", volumes=volumes)
     assert warm.popen.wait(60) == 0, warm.text()
@@ -488,10 +501,12 @@ def test_compose_engine_gateway_and_redis_serve_a_stream_through_the_shared_sock
         # `command:` replaces the image's CMD; its ENTRYPOINT stays
         procs.append(run_in(eng_c, netns, with_entrypoint(image, engine["command"]), work / "engine.log",
                             user=engine["user"],
-                            env=compose_env(engine, TOKENFAN_ENGINE="synthetic"), volumes=mounts(engine)))
+                            env=compose_env(engine, TOKENFAN_ENGINE="synthetic"),
+                            volumes=with_anonymous_volumes(eng_c, work, mounts(engine), "engine")))
         procs.append(run_in(gw_c, netns, with_entrypoint(image, gateway["command"]), work / "gateway.log",
                             user=gateway["user"],
-                            env=compose_env(gateway), volumes=mounts(gateway)))
+                            env=compose_env(gateway),
+                            volumes=with_anonymous_volumes(gw_c, work, mounts(gateway), "gateway")))
         url = netns.relay(PORT)
         wait_health(url, procs)
         assert [p.uid() for p in procs] == [UID, UID]
@@ -553,8 +568,8 @@ def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_pre
     spec = {c["name"]: c for c in pod["containers"]}
     user = f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"
     # emptyDirs: root's, 0777 (the engine makes its own 0700 ipc/ below, as the manifest says)
-    ipc = volume_dir(work / "ipc", uid=0, gid=0, mode=0o777)
-    models = volume_dir(work / "models", uid=0, gid=0, mode=0o777)
+    empty = {name: volume_dir(work / name, uid=0, gid=0, mode=0o777) for name in ("ipc", "models", "tmp")}
+    ipc = empty["ipc"]
     env = k8s_cpu_env()
     broker = env["TOKENFAN_BROKER"].split("//")[1].split(":")[0]  # the Service name of redis.yaml
     # the synthetic engine, paced so a stream outlasts the gateway's drain (the pod's model would need minutes)
@@ -567,8 +582,7 @@ def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_pre
                           work / "redis.log")
     try:
         for name, c in ((("engine", eng_c)), ("gateway", gw_c)):
-            mounts = {ipc if m["name"] == "ipc" else models: m["mountPath"]
-                      for m in spec[name]["volumeMounts"] if m["name"] in ("ipc", "models")}
+            mounts = {empty[m["name"]]: m["mountPath"] for m in spec[name]["volumeMounts"] if m["name"] in empty}
             # `args:` replace the image's CMD; its ENTRYPOINT stays
             procs.append(run_in(c, netns, with_entrypoint(image, spec[name]["args"]), work / f"{name}.log",
                                 user=user,
@@ -671,8 +685,9 @@ def test_the_gpu_dockerfile_dry_build_starts_its_entrypoint(image: dict[str, Any
     assert config["User"] == "tokenfan" and entry_argv(config) == entry_argv(image)
     c = Container(image=gpu)
     run_dir = volume_dir(work / "run")
+    volumes = {run_dir: "/run/tokenfan", volume_dir(work / "cache", mode=0o755): "/var/cache/tokenfan"}
     serve = run_in(c, netns, entry_argv(config), work / "serve-gpu.log", env={"TOKENFAN_ENGINE": "synthetic"},
-                   volumes={run_dir: "/run/tokenfan", volume_dir(work / "cache", mode=0o755): "/var/cache/tokenfan"})
+                   volumes=with_anonymous_volumes(c, work, volumes, "gpu"))
     try:
         url = netns.relay(PORT)
         wait_health(url, [serve])
@@ -683,3 +698,44 @@ def test_the_gpu_dockerfile_dry_build_starts_its_entrypoint(image: dict[str, Any
     finally:
         serve.stop()
         c.remove()
+
+
+# --------------------------------------------------------------------------- the default model, opt-in
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(os.environ.get("TOKENFAN_IMAGE_TEST_MODEL") != "1",
+                    reason="the default model in the image takes minutes and ~3 GB: TOKENFAN_IMAGE_TEST_MODEL=1")
+def test_the_default_entrypoint_serves_the_default_model(
+        image: dict[str, Any], container: Container, netns: Netns, work: Path) -> None:
+    """The image's default command with its default engine (vLLM, Gemma 3 270M prepared from the PyPI package
+    into the /var/cache/tokenfan volume on first start): a real completion, nothing written outside the volumes."""
+    run_dir = volume_dir(work / "run")
+    cache_dir = volume_dir(work / "cache", mode=0o755)
+    volumes = with_anonymous_volumes(container, work, {run_dir: "/run/tokenfan", cache_dir: "/var/cache/tokenfan"},
+                                     "model")
+    skip = {"/proc", "/sys", "/dev", *volumes.values()}
+    warm = run_in(container, netns, ["true"], work / "warm.log", volumes=volumes)
+    assert warm.popen.wait(60) == 0, warm.text()
+    before = _snapshot(container.rootfs, skip)
+    started = time.monotonic()
+    serve = run_in(container, netns, entry_argv(image), work / "serve-model.log", volumes=volumes,
+                   env={"TOKENFAN_KV_CACHE_GIB": "1"})  # the machine is shared: 1 GiB of KV cache, not 4
+    try:
+        url = netns.relay(PORT)
+        health = wait_health(url, [serve], timeout=840).json()
+        ready = time.monotonic() - started
+        assert health["engine"]["backend"] == "vllm", health
+        text, _ = stream_chat(url, max_tokens=16)
+        assert text.strip()
+        rc, took = serve.sigterm(timeout=60)
+    finally:
+        serve.stop()
+    print(f"\ndefault model: ready {ready:.0f} s after start (first start: model prepared), "
+          f"stopped {took:.1f} s after SIGTERM; reply {text!r}")
+    assert rc == 0, serve.text()[-3000:]
+    # the engine's stop, which compose's stop_grace_period for the engine covers (Docker's default 10 s may not)
+    assert took < int(compose_services()["engine"]["stop_grace_period"].removesuffix("s"))
+    after = _snapshot(container.rootfs, skip)
+    changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+    assert not changed, f"written outside the volumes: {changed[:20]}"

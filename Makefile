@@ -51,8 +51,10 @@ image-deps:
 	  if [ -n "$$missing" ]; then $(SUDO) apt-get update -qq && \
 	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; fi; fi
 
+# `gpu-dry`: Dockerfile.gpu built FROM a stand-in for the vLLM image (buildah only; about a minute).
 image: image-deps
 	deploy/image.sh build cpu
+	deploy/image.sh gpu-dry
 
 # CI (.ci/run) runs exactly `make test`: the lint first, so a finding fails the build before the suite runs.
 # One process, about 15 min of pytest on 2 cores (docs/tests.md). Two pytest-xdist workers (PYTEST_ARGS="-n 2 --dist

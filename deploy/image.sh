@@ -215,14 +215,19 @@ image_size() {
 }
 
 gpu_dry() {
-    [ "$(tool)" = buildah ] || die "the GPU dry build uses buildah"
-    bah inspect --type image localhost/tokenfan:cpu >/dev/null 2>&1 || build cpu
+    if [ "$(tool)" != buildah ]; then log "GPU dry build skipped: it uses buildah"; return 0; fi
+    build cpu
+    if [ -z "${TOKENFAN_IMAGE_REBUILD:-}" ] && [ "$(built_hash buildah tokenfan:gpu-dry)" = "$(source_hash gpu)-$(built_hash buildah tokenfan:cpu)" ]; then
+        log "tokenfan:gpu-dry is up to date"
+        return 0
+    fi
     local standin="localhost/tokenfan-gpu-standin:vllm-cpu" ctr started=$SECONDS args=()
     ctr=$(bah from --pull=false localhost/tokenfan:cpu)
-    bah run --isolation chroot --network host --user 0:0 "$ctr" -- sh -c \
-        'pip uninstall -y -q tokenfan && userdel -r tokenfan 2>/dev/null; rm -rf /opt/tokenfan /run/tokenfan /var/cache/tokenfan'
-    bah config --user root --workingdir / --entrypoint '[]' --cmd '[]' \
-        --volume /run/tokenfan- --volume /var/cache/tokenfan- "$ctr"
+    # the VOLUMEs first: buildah run would mount them over the directories being removed
+    bah config --user root --workingdir / --entrypoint '[]' --cmd '[]' --env HOME=/root \
+        --volume /run/tokenfan- --volume /var/cache/tokenfan- --volume /tmp- "$ctr"
+    bah run --isolation chroot --network host "$ctr" -- sh -c \
+        'pip uninstall -y -q tokenfan && userdel -r tokenfan && rm -rf /opt/tokenfan /run/tokenfan /var/cache/tokenfan'
     bah commit --rm "$ctr" "$standin" >/dev/null
     local cert="${PIP_CERT:-$(pip config get global.cert 2>/dev/null || true)}"
     if [ -n "$cert" ] && [ -f "$cert" ]; then
@@ -231,7 +236,7 @@ gpu_dry() {
     cd "$ROOT"
     bah bud --isolation chroot --network host --pull=false --layers=false \
         --ignorefile deploy/docker/Dockerfile.gpu.dockerignore -f deploy/docker/Dockerfile.gpu \
-        --build-arg "VLLM_IMAGE=$standin" --label "tokenfan.source-hash=$(source_hash gpu)" \
+        --build-arg "VLLM_IMAGE=$standin" --label "tokenfan.source-hash=$(source_hash gpu)-$(built_hash buildah tokenfan:cpu)" \
         -t localhost/tokenfan:gpu-dry "${args[@]}" .
     bah rmi --prune >/dev/null 2>&1 || true
     log "size: $(image_size localhost/tokenfan:gpu-dry) (uncompressed; the stand-in base is the CPU image)"

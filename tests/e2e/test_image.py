@@ -28,6 +28,7 @@ import signal
 import socket
 import stat
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -103,15 +104,34 @@ class Container:
 
     _n = itertools.count()
 
-    def __init__(self, hosts: dict[str, str] | None = None) -> None:
+    def __init__(self, hosts: dict[str, str] | None = None, image: str = IMAGE) -> None:
         name = f"tokenfan-test-{os.getpid()}-{next(self._n)}"
         add = [f"--add-host={h}:{ip}" for h, ip in (hosts or {}).items()]
-        self.id = bah("from", "--pull=false", "--name", name, *add, IMAGE)
+        self.id = bah("from", "--pull=false", "--name", name, *add, image)
+        # buildah run mounts the image's VOLUMEs itself (a fresh directory each), and in no fixed order with
+        # `-v` on the same path: the engine's socket landed in either (seen here). Docker and Kubernetes
+        # mount the given volume there; so does the test, with the image's own volume list dropped.
+        config = json.loads(bah("inspect", "--type", "container", self.id))["OCIv1"]["config"]
+        self.volumes = sorted(config.get("Volumes") or {})
+        if self.volumes:
+            bah("config", *[f"--volume={v}-" for v in self.volumes], self.id)
         self.rootfs = Path(bah("mount", self.id))
 
     def remove(self) -> None:
         with contextlib.suppress(subprocess.SubprocessError):
             bah("rm", self.id)
+
+
+@pytest.fixture
+def work() -> Iterator[Path]:
+    """The test's volumes and logs, in the image store's folder, not pytest's tmp_path: pytest sessions of
+    the same user (root) prune each other's older ``/tmp/pytest-of-root/pytest-N``, and a volume deleted
+    under a running container was seen to fail these tests."""
+    base = Path(_image_sh("store")) / "tests"
+    base.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=base))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -300,6 +320,18 @@ def volume_dir(path: Path, *, uid: int = UID, gid: int = UID, mode: int = 0o700)
     return path
 
 
+def with_anonymous_volumes(c: Container, work: Path, given: dict[Path, str], tag: str) -> dict[Path, str]:
+    """``given`` plus, for each VOLUME of the image not among them, a fresh directory with the image
+    directory's owner and mode: what Docker gives a container for a VOLUME that no ``-v`` names."""
+    out = dict(given)
+    for target in c.volumes:
+        if target not in given.values():
+            st = (c.rootfs / target.lstrip("/")).stat()
+            out[volume_dir(work / f"{tag}-anon{target.replace('/', '-')}", uid=st.st_uid, gid=st.st_gid,
+                           mode=stat.S_IMODE(st.st_mode))] = target
+    return out
+
+
 def wait_health(url: str, running: list[Running], timeout: float = 90) -> httpx.Response:
     deadline = time.monotonic() + timeout
     last = "no answer"
@@ -337,7 +369,7 @@ def test_the_image_names_a_non_root_user_and_holds_no_compiler_tests_or_pip_cach
     passwd = {ln.split(":")[0]: ln.split(":") for ln in (container.rootfs / "etc/passwd").read_text().splitlines()}
     assert int(passwd["tokenfan"][2]) == UID and int(passwd["tokenfan"][3]) == UID
     assert entry_argv(image) == ["tokenfan", "serve", "--host", "0.0.0.0", "--port", str(PORT)]
-    assert set(image.get("Volumes") or {}) == {"/run/tokenfan", "/var/cache/tokenfan"}
+    assert set(image.get("Volumes") or {}) == {"/run/tokenfan", "/var/cache/tokenfan", "/tmp"}
     env = dict(e.split("=", 1) for e in image["Env"])
     assert "PIP_CERT" not in env and "PIP_FIND_LINKS" not in env and "TORCH_INDEX_URL" not in env  # build args only
     rootfs = container.rootfs
@@ -377,17 +409,18 @@ def _snapshot(rootfs: Path, skip: set[str]) -> dict[str, tuple[int, int, int, in
 
 
 def test_the_default_entrypoint_serves_streams_writes_only_its_volumes_and_stops_on_sigterm(
-        image: dict[str, Any], container: Container, netns: Netns, tmp_path: Path) -> None:
-    run_dir = volume_dir(tmp_path / "run")
-    cache_dir = volume_dir(tmp_path / "cache", mode=0o755)
-    volumes = {run_dir: "/run/tokenfan", cache_dir: "/var/cache/tokenfan"}
-    skip = {"/proc", "/sys", "/dev", "/run/tokenfan", "/var/cache/tokenfan"}
+        image: dict[str, Any], container: Container, netns: Netns, work: Path) -> None:
+    run_dir = volume_dir(work / "run")
+    cache_dir = volume_dir(work / "cache", mode=0o755)
+    volumes = with_anonymous_volumes(container, work, {run_dir: "/run/tokenfan", cache_dir: "/var/cache/tokenfan"},
+                                     "serve")
+    skip = {"/proc", "/sys", "/dev", *volumes.values()}
     # buildah itself writes /etc/hosts, /etc/resolv.conf, … at each run: a first run makes them, then the snapshot
-    warm = run_in(container, netns, ["true"], tmp_path / "warm.log", volumes=volumes)
+    warm = run_in(container, netns, ["true"], work / "warm.log", volumes=volumes)
     assert warm.popen.wait(60) == 0, warm.text()
     before = _snapshot(container.rootfs, skip)
 
-    serve = run_in(container, netns, entry_argv(image), tmp_path / "serve.log",
+    serve = run_in(container, netns, entry_argv(image), work / "serve.log",
                    env={"TOKENFAN_ENGINE": "synthetic"}, volumes=volumes)
     try:
         url = netns.relay(PORT)
@@ -452,10 +485,10 @@ def redis_keys(ns: Netns, port: int = 6379) -> list[str]:
 
 
 def test_compose_engine_gateway_and_redis_serve_a_stream_through_the_shared_socket_volume(
-        image: dict[str, Any], netns: Netns, tmp_path: Path) -> None:
+        image: dict[str, Any], netns: Netns, work: Path) -> None:
     services = compose_services()
     engine, gateway, redis = services["engine"], services["gateway"], services["redis"]
-    named = {name: volume_dir(tmp_path / name, mode=0o700 if name == "ipc" else 0o755) for name in ("ipc", "models")}
+    named = {name: volume_dir(work / name, mode=0o700 if name == "ipc" else 0o755) for name in ("ipc", "models")}
 
     def mounts(service: dict[str, Any]) -> dict[Path, str]:
         return {named[v.split(":")[0]]: v.split(":")[1] for v in service["volumes"]}
@@ -463,15 +496,17 @@ def test_compose_engine_gateway_and_redis_serve_a_stream_through_the_shared_sock
     # two containers of one image, as Compose starts them (one root filesystem each), `redis` in /etc/hosts
     eng_c, gw_c = Container(), Container(hosts={"redis": "127.0.0.1"})
     procs: list[Running] = []
-    redis_proc = redis_in(netns, redis["command"], tmp_path / "redis.log")
+    redis_proc = redis_in(netns, redis["command"], work / "redis.log")
     try:
         # `command:` replaces the image's CMD; its ENTRYPOINT stays
-        procs.append(run_in(eng_c, netns, with_entrypoint(image, engine["command"]), tmp_path / "engine.log",
+        procs.append(run_in(eng_c, netns, with_entrypoint(image, engine["command"]), work / "engine.log",
                             user=engine["user"],
-                            env=compose_env(engine, TOKENFAN_ENGINE="synthetic"), volumes=mounts(engine)))
-        procs.append(run_in(gw_c, netns, with_entrypoint(image, gateway["command"]), tmp_path / "gateway.log",
+                            env=compose_env(engine, TOKENFAN_ENGINE="synthetic"),
+                            volumes=with_anonymous_volumes(eng_c, work, mounts(engine), "engine")))
+        procs.append(run_in(gw_c, netns, with_entrypoint(image, gateway["command"]), work / "gateway.log",
                             user=gateway["user"],
-                            env=compose_env(gateway), volumes=mounts(gateway)))
+                            env=compose_env(gateway),
+                            volumes=with_anonymous_volumes(gw_c, work, mounts(gateway), "gateway")))
         url = netns.relay(PORT)
         wait_health(url, procs)
         assert [p.uid() for p in procs] == [UID, UID]
@@ -485,7 +520,7 @@ def test_compose_engine_gateway_and_redis_serve_a_stream_through_the_shared_sock
         assert events[-1]["data"] == "[DONE]"
         assert any(info["id"] in k for k in redis_keys(netns)), redis_keys(netns)
         # Compose's health check, run in the gateway container as Compose runs it
-        check = run_in(gw_c, netns, gateway["healthcheck"]["test"][1:], tmp_path / "healthcheck.log",
+        check = run_in(gw_c, netns, gateway["healthcheck"]["test"][1:], work / "healthcheck.log",
                        user=gateway["user"])
         assert check.popen.wait(30) == 0, check.text()
         # stop as `docker compose down` does: SIGTERM to each container
@@ -528,13 +563,13 @@ def probe_ok(url: str, container: dict[str, Any], probe: str) -> int:
 
 
 def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_prestop_and_grace(
-        image: dict[str, Any], netns: Netns, tmp_path: Path) -> None:
+        image: dict[str, Any], netns: Netns, work: Path) -> None:
     pod = k8s_pod()
     spec = {c["name"]: c for c in pod["containers"]}
     user = f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"
     # emptyDirs: root's, 0777 (the engine makes its own 0700 ipc/ below, as the manifest says)
-    ipc = volume_dir(tmp_path / "ipc", uid=0, gid=0, mode=0o777)
-    models = volume_dir(tmp_path / "models", uid=0, gid=0, mode=0o777)
+    empty = {name: volume_dir(work / name, uid=0, gid=0, mode=0o777) for name in ("ipc", "models", "tmp")}
+    ipc = empty["ipc"]
     env = k8s_cpu_env()
     broker = env["TOKENFAN_BROKER"].split("//")[1].split(":")[0]  # the Service name of redis.yaml
     # the synthetic engine, paced so a stream outlasts the gateway's drain (the pod's model would need minutes)
@@ -544,13 +579,12 @@ def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_pre
     (redis_doc,) = [d for d in yaml.safe_load_all((K8S / "base" / "redis.yaml").read_text())
                     if d and d["kind"] == "Deployment"]
     redis_proc = redis_in(netns, redis_doc["spec"]["template"]["spec"]["containers"][0]["args"],
-                          tmp_path / "redis.log")
+                          work / "redis.log")
     try:
         for name, c in ((("engine", eng_c)), ("gateway", gw_c)):
-            mounts = {ipc if m["name"] == "ipc" else models: m["mountPath"]
-                      for m in spec[name]["volumeMounts"] if m["name"] in ("ipc", "models")}
+            mounts = {empty[m["name"]]: m["mountPath"] for m in spec[name]["volumeMounts"] if m["name"] in empty}
             # `args:` replace the image's CMD; its ENTRYPOINT stays
-            procs.append(run_in(c, netns, with_entrypoint(image, spec[name]["args"]), tmp_path / f"{name}.log",
+            procs.append(run_in(c, netns, with_entrypoint(image, spec[name]["args"]), work / f"{name}.log",
                                 user=user,
                                 env=env_engine if name == "engine" else env, volumes=mounts))
         engine, gateway = procs
@@ -585,6 +619,8 @@ def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_pre
         assert "server_shutdown" in json.dumps(body.get("events")), body
         # the engine outlives the gateway's drain: its preStop covers the gateway's preStop plus the drain
         assert pre["gateway"] + drain <= pre["engine"], (pre, drain)
+        # the same gateway under Compose: `docker stop` waits stop_grace_period before SIGKILL
+        assert drain < int(compose_services()["gateway"]["stop_grace_period"].removesuffix("s"))
         rc_en, engine_stop = engine.sigterm(timeout=grace)
         assert rc_en == 0, engine.text()[-2000:]
         # and the whole pod is gone within the grace period (measured: printed for docs/deploy.md)
@@ -602,21 +638,21 @@ def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_pre
 
 
 def test_readiness_drops_and_gateway_liveness_holds_when_the_engine_is_gone(
-        image: dict[str, Any], netns: Netns, tmp_path: Path) -> None:
+        image: dict[str, Any], netns: Netns, work: Path) -> None:
     """The manifest's design: /health (readiness, the engine's liveness) fails without an engine, while the
     gateway's own liveness probe (/metrics) still passes, so only the engine is restarted."""
     pod = k8s_pod()
     spec = {c["name"]: c for c in pod["containers"]}
     user = f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"
-    ipc = volume_dir(tmp_path / "ipc", uid=0, gid=0, mode=0o777)
+    ipc = volume_dir(work / "ipc", uid=0, gid=0, mode=0o777)
     env = {k: v for k, v in k8s_cpu_env().items() if k != "TOKENFAN_BROKER"}  # this test runs no Redis
     env_engine = {**env, "TOKENFAN_ENGINE": "synthetic"}
     eng_c, gw_c = Container(), Container()
     procs: list[Running] = []
     try:
-        procs.append(run_in(eng_c, netns, with_entrypoint(image, spec["engine"]["args"]), tmp_path / "engine.log",
+        procs.append(run_in(eng_c, netns, with_entrypoint(image, spec["engine"]["args"]), work / "engine.log",
                             user=user, env=env_engine, volumes={ipc: "/run/tokenfan"}))
-        procs.append(run_in(gw_c, netns, with_entrypoint(image, spec["gateway"]["args"]), tmp_path / "gateway.log",
+        procs.append(run_in(gw_c, netns, with_entrypoint(image, spec["gateway"]["args"]), work / "gateway.log",
                             user=user, env=env, volumes={ipc: "/run/tokenfan"}))
         url = netns.relay(PORT)
         wait_health(url, procs)
@@ -630,3 +666,76 @@ def test_readiness_drops_and_gateway_liveness_holds_when_the_engine_is_gone(
             p.stop()
         eng_c.remove()
         gw_c.remove()
+
+
+# --------------------------------------------------------------------------- the GPU Dockerfile, dry
+
+
+def test_the_gpu_dockerfile_dry_build_starts_its_entrypoint(image: dict[str, Any], netns: Netns, work: Path) -> None:
+    """Dockerfile.gpu built FROM a stand-in for the vLLM image (``deploy/image.sh gpu-dry``, run by ``make
+    image``): its entrypoint and command serve (synthetic engine) as its user. No CUDA, no GPU."""
+    gpu = "localhost/tokenfan:gpu-dry"
+    try:
+        config = json.loads(bah("inspect", "--type", "image", gpu))["OCIv1"]["config"]
+    except subprocess.CalledProcessError:
+        pytest.fail(f"no {gpu}: run `make image` (deploy/image.sh gpu-dry)")
+    want = f"{_image_sh('hash', 'gpu')}-{image['Labels']['tokenfan.source-hash']}"
+    assert (config.get("Labels") or {}).get("tokenfan.source-hash") == want, (
+        f"{gpu} was built from another tree or CPU image: run `make image`")
+    assert config["User"] == "tokenfan" and entry_argv(config) == entry_argv(image)
+    c = Container(image=gpu)
+    run_dir = volume_dir(work / "run")
+    volumes = {run_dir: "/run/tokenfan", volume_dir(work / "cache", mode=0o755): "/var/cache/tokenfan"}
+    serve = run_in(c, netns, entry_argv(config), work / "serve-gpu.log", env={"TOKENFAN_ENGINE": "synthetic"},
+                   volumes=with_anonymous_volumes(c, work, volumes, "gpu"))
+    try:
+        url = netns.relay(PORT)
+        wait_health(url, [serve])
+        assert serve.uid() == UID
+        assert stream_chat(url)[0]
+        rc, took = serve.sigterm(timeout=30)
+        assert rc == 0 and took < 10, (rc, took)
+    finally:
+        serve.stop()
+        c.remove()
+
+
+# --------------------------------------------------------------------------- the default model, opt-in
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(os.environ.get("TOKENFAN_IMAGE_TEST_MODEL") != "1",
+                    reason="the default model in the image takes minutes and ~3 GB: TOKENFAN_IMAGE_TEST_MODEL=1")
+def test_the_default_entrypoint_serves_the_default_model(
+        image: dict[str, Any], container: Container, netns: Netns, work: Path) -> None:
+    """The image's default command with its default engine (vLLM, Gemma 3 270M prepared from the PyPI package
+    into the /var/cache/tokenfan volume on first start): a real completion, nothing written outside the volumes."""
+    run_dir = volume_dir(work / "run")
+    cache_dir = volume_dir(work / "cache", mode=0o755)
+    volumes = with_anonymous_volumes(container, work, {run_dir: "/run/tokenfan", cache_dir: "/var/cache/tokenfan"},
+                                     "model")
+    skip = {"/proc", "/sys", "/dev", *volumes.values()}
+    warm = run_in(container, netns, ["true"], work / "warm.log", volumes=volumes)
+    assert warm.popen.wait(60) == 0, warm.text()
+    before = _snapshot(container.rootfs, skip)
+    started = time.monotonic()
+    serve = run_in(container, netns, entry_argv(image), work / "serve-model.log", volumes=volumes,
+                   env={"TOKENFAN_KV_CACHE_GIB": "1"})  # the machine is shared: 1 GiB of KV cache, not 4
+    try:
+        url = netns.relay(PORT)
+        health = wait_health(url, [serve], timeout=840).json()
+        ready = time.monotonic() - started
+        assert health["engine"]["backend"] == "vllm", health
+        text, _ = stream_chat(url, max_tokens=16)
+        assert text.strip()
+        rc, took = serve.sigterm(timeout=60)
+    finally:
+        serve.stop()
+    print(f"\ndefault model: ready {ready:.0f} s after start (first start: model prepared), "
+          f"stopped {took:.1f} s after SIGTERM; reply {text!r}")
+    assert rc == 0, serve.text()[-3000:]
+    # the engine's stop, which compose's stop_grace_period for the engine covers (Docker's default 10 s may not)
+    assert took < int(compose_services()["engine"]["stop_grace_period"].removesuffix("s"))
+    after = _snapshot(container.rootfs, skip)
+    changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+    assert not changed, f"written outside the volumes: {changed[:20]}"

@@ -37,7 +37,6 @@ FOREIGN_FLAGS = {
     "iptables": {"--mode", "--probability"},  # the loss rules of tokenfan_bench/network/lossy.py
     "curl": {"--http3"},
     "docker": {"--build", "--build-arg", "--rm"},
-    "buildah run": {"--isolation"},  # how tests/e2e/test_image.py starts the image (deploy/README.md)
     "pip": {"--no-deps"},
     "kubectl": {"--raw"},
     "py-spy record": {"--gil", "--format"},  # the front end's profile in vs-vllm.md

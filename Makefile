@@ -39,7 +39,7 @@ test-deps:
 browser: test-deps
 
 # The CPU image (deploy/image.sh: Docker when a daemon answers, else buildah with its own storage under
-# /var/tmp/tokenfan-image; from python:3.11-slim, or from a base made from Debian's archive where no
+# /var/tmp/tokenfan-image/<checkout>-<hash>; from python:3.11-slim, or from a base made from Debian's archive where no
 # registry answers). Not built again while its inputs are unchanged. tests/e2e/test_image.py starts it.
 # Debian's buildah, mmdebstrap (the base) and uidmap are installed when there is no Docker daemon.
 image-deps:

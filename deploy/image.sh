@@ -13,7 +13,7 @@
 # Builder: a working Docker daemon (`docker info` answers), else buildah (Debian's package; installed by
 # `make image-deps`). With buildah the images live in their own storage, never in the system's: under
 # $TOKENFAN_IMAGE_STORE (default /var/tmp/tokenfan-image), so `make clean` can remove them and a test can
-# start them with `buildah --root … run --isolation chroot`.
+# start them with `buildah --root … run --isolation chroot` (one directory per checkout, below it).
 #
 # Base image: the official one (python:3.11-slim, vllm/vllm-openai) when its registry answers. Where no
 # registry is reachable, the CPU image is built FROM a base made here from Debian's archive with
@@ -38,7 +38,9 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-STORE="${TOKENFAN_IMAGE_STORE:-/var/tmp/tokenfan-image}"
+# One store per checkout: a `make clean` or a build in another clone on the same machine must not remove
+# or retag this one's images (seen: a clean in one clone broke a build running in another).
+STORE="${TOKENFAN_IMAGE_STORE:-/var/tmp/tokenfan-image/$(basename "$ROOT")-$(printf %s "$ROOT" | sha256sum | cut -c1-8)}"
 BASE_TAG="localhost/tokenfan-base:bookworm-python3.11"
 DEBIAN_MIRROR="${TOKENFAN_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 TORCH_VERSION="2.13.0"

@@ -78,12 +78,11 @@ class Migrator:
         if h.migrations >= policy.limit:
             return ("limit", "migration is off" if not policy.limit else
                     f"it was continued {h.migrations} times already")
-        if h.openai:  # vLLM's OpenAI layer: the engine replays its steps (Submit.resume_steps)
-            pass
-        elif h.output_chars and not h.output_ids:
-            return "no_token_ids", "its deltas carried no token ids"
-        elif len(h.output_ids) >= sampling.max_tokens:
-            return "budget_spent", "its token budget is spent"
+        if not h.openai:  # vLLM's OpenAI layer needs neither: the engine replays its steps (Submit.resume_steps)
+            if h.output_chars and not h.output_ids:
+                return "no_token_ids", "its deltas carried no token ids"
+            if len(h.output_ids) >= sampling.max_tokens:
+                return "budget_spent", "its token budget is spent"
         prompt = h.prompt_tokens or 0
         if policy.max_tokens and prompt + len(h.output_ids) > policy.max_tokens:
             return "max_tokens", f"its sequence ({prompt + len(h.output_ids)} tokens) is over --migration-max-tokens"

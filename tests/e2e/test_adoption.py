@@ -144,12 +144,13 @@ def control(url: str, bodies: list[dict[str, Any]]) -> dict[int, str]:
     return dict(enumerate(asyncio.run(run())))
 
 
-def replicas(ipc_dir: Path, url: str, names: str, engine_args: tuple[str, ...] = ENGINE_ARGS
-             ) -> tuple[Proc, list[tuple[Proc, str]]]:
+def replicas(ipc_dir: Path, url: str, names: str, engine_args: tuple[str, ...] = ENGINE_ARGS,
+             timeout: float = 30.0) -> tuple[Proc, list[tuple[Proc, str]]]:
+    """One engine and a gateway replica per letter of ``names``, all on the broker at ``url``."""
     address = f"ipc://{ipc_dir / f'adopt-{names}.sock'}"
     engine = start_engine(address, *engine_args, name=f"engine-adopt-{names}")
-    gateways = [start_gateway(address, "--broker", url, *LEASE, *NO_CLIENT_LIMITS, name=f"gateway-adopt-{k}")
-                for k in names]
+    gateways = [start_gateway(address, "--broker", url, *LEASE, *NO_CLIENT_LIMITS, name=f"gateway-adopt-{k}",
+                              timeout=timeout) for k in names]
     return engine, gateways
 
 

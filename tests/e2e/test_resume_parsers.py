@@ -4,7 +4,9 @@ Two scripted synthetic engines (vLLM's OpenAI layer with the ``hermes`` tool par
 reasoning parser over the tiny model's tokenizer; the "model" writes a script, see
 ``engine_worker/backends/scripted.py``) behind one gateway. Clients on every transport ask for answers that
 think, then call tools (Hermes ``<tool_call>`` blocks split inside tags, keys and values), or think at length
-and answer; one engine is killed with SIGKILL once every client has read a few events. Each client's answer
+and answer (POST SSE, non-streamed, ``/v1/ws``, ``/v1/streams`` over SSE and WebSocket with a
+Last-Event-ID resumer, Responses SSE/WebSocket/background, the AI SDK's ``/api/chat``); one engine is killed
+with SIGKILL once every client has read a few events. Each client's answer
 must equal the uninterrupted control's: the same content, reasoning, tool calls (one header each, the same
 name and arguments), finish reason and usage, with no error and nothing repeated.
 """
@@ -18,6 +20,7 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,14 @@ import websockets
 
 from gateway.scaleout.workers import worker_socket
 from tests.e2e.helpers import in_flight, metric, sse_events, wait_until
-from tests.e2e.test_adoption import LEASE, Reader, responses_reader, server_children, sse_reader, until_killed
+from tests.e2e.test_adoption import (
+    Reader,
+    replicas,
+    responses_reader,
+    server_children,
+    sse_reader,
+    until_killed,
+)
 from tests.e2e.test_broker import RedisServer, redis_server  # noqa: F401  (the fixture)
 from tests.procs import NO_CLIENT_LIMITS, Proc, spawn, start_engine, start_gateway, stop_all, wait_healthy
 from tokenfan_bench.servers.processes import free_port
@@ -95,10 +105,42 @@ class Answer:
         u = response["usage"]
         self.usage = {"prompt_tokens": u["input_tokens"], "completion_tokens": u["output_tokens"]}
 
+    def fold_part(self, part: dict[str, Any]) -> None:
+        """A part of the AI SDK's UI message stream (``/api/chat``) as the chat fields it renders."""
+        kind = part["type"]
+        if kind == "text-delta":
+            self.content += part["delta"]
+        elif kind == "reasoning-delta":
+            self.reasoning += part["delta"]
+        elif kind == "tool-input-start":
+            self.tools[len(self.tools)] = {"headers": 1, "name": part["toolName"], "arguments": "",
+                                           "id": part["toolCallId"]}
+        elif kind == "tool-input-delta":
+            call = next(c for c in self.tools.values() if c["id"] == part["toolCallId"])
+            call["arguments"] += part["inputTextDelta"]
+        elif kind == "tool-input-available":
+            call = next(c for c in self.tools.values() if c["id"] == part["toolCallId"])
+            assert json.loads(call["arguments"]) == part["input"], (call, part)
+        elif kind == "finish":
+            self.finish = UI_FINISH[part["finishReason"]]
+            for call in self.tools.values():
+                del call["id"]
+        elif kind in ("error", "abort"):
+            self.errors.append(part)
+
+
+UI_FINISH = {"stop": "stop", "length": "length", "tool-calls": "tool_calls"}
+
 
 def chat(question: str, **extra: Any) -> dict[str, Any]:
     return {"model": "tiny", "messages": [{"role": "user", "content": question}], "tools": TOOLS,
             "max_tokens": 400, **extra}
+
+
+def ui_chat(name: str, question: str) -> dict[str, Any]:
+    """An AI SDK ``useChat`` request (``DefaultChatTransport``'s body) for ``question``."""
+    return {"id": name, "messages": [{"id": "u1", "role": "user", "parts": [{"type": "text", "text": question}]}],
+            "tools": TOOLS, "max_tokens": 400}
 
 
 def responses(question: str, **extra: Any) -> dict[str, Any]:
@@ -114,6 +156,7 @@ CASES = {
     "responses-sse": ("weather, as a response", "responses-sse"),
     "responses-ws": ("think long in a response", "responses-ws"),
     "responses-bg": ("weather in the background", "responses-bg"),
+    "ui-tools": ("weather for my chat", "ui"), "ui-think": ("think long in my chat", "ui"),
 }
 
 
@@ -146,7 +189,9 @@ class Clients:
                     if "id" in ev:
                         answer.seqs.append(int(ev["id"]))
                     data = json.loads(ev["data"])
-                    if data.get("type", "").startswith("response."):
+                    if path == "/api/chat":
+                        answer.fold_part(data)
+                    elif data.get("type", "").startswith("response."):
                         if data["type"] in ("response.completed", "response.incomplete", "response.failed"):
                             answer.fold_response(data["response"])
                     else:
@@ -254,6 +299,8 @@ class Clients:
                 out.append(self.fanout(c, name, chat(question, stream_options={"include_usage": True})))
             elif transport == "responses-sse":
                 out.append(self.sse(c, name, "/v1/responses", responses(question, stream=True)))
+            elif transport == "ui":
+                out.append(self.sse(c, name, "/api/chat", ui_chat(name, question)))
             elif transport == "responses-ws":
                 out.append(self.responses_ws(name, responses(question)))
             else:
@@ -311,7 +358,7 @@ def test_tool_calls_and_reasoning_continue_exactly_when_their_engine_is_killed(
         wait_until(lambda: all(e["healthy"] for e in httpx.get(url + "/health").json()["engines"]), timeout=300,
                    what="both engines")
         t1 = time.monotonic()
-        answers = asyncio.run(scenario(url, lambda: os.kill(engines[0].popen.pid, signal.SIGKILL)))
+        answers = asyncio.run(scenario(url, lambda: os.killpg(engines[0].popen.pid, signal.SIGKILL)))
         t2 = time.monotonic()
         expected = control(url)
         print(f"boot {t1 - t0:.1f} s, scenario {t2 - t1:.1f} s, control {time.monotonic() - t2:.1f} s")
@@ -327,7 +374,7 @@ def test_tool_calls_and_reasoning_continue_exactly_when_their_engine_is_killed(
         # the cases' answers really are tool calls and reasoning, each call announced once
         assert all(call["headers"] == 1 for a in answers.values() for call in a.tools.values())
         assert expected["sse-tools"].tools[1]["name"] == "get_time" and expected["sse-think"].reasoning
-        # about half of the 9 generations ran on the killed engine: each was continued, none refused
+        # about half of the generations ran on the killed engine: each was continued, none refused
         lost = in_flight(engines[0].log())
         continued = metric(url, "tokenfan_migrations_total", {"outcome": "continued"})
         assert len(lost) >= 2 and continued >= len(lost), (lost, continued, gateway.log()[-3000:])
@@ -351,53 +398,90 @@ def fold_parts(reader: Reader, seq: int, chunk: dict[str, Any]) -> None:
     reader.answer.fold(chunk)
 
 
-@pytest.mark.parametrize("broker", [False, True], ids=["peers", "broker"])
-def test_tool_call_and_reasoning_streams_of_a_killed_worker_are_adopted_exactly(
-        redis_server: RedisServer, script: tuple[Path, Path], broker: bool) -> None:  # noqa: F811
-    """``tokenfan serve --workers 2`` on the scripted engine (with ``--broker``, or the workers' own standbys):
-    fan-out streams that think and call tools are created on worker 0 and read on the public port; worker 0
-    is killed mid-stream. Worker 1 adopts each stream from its log (the engine steps behind its chunks) and
-    the engine replays them through the parsers: every reader gets each event once and the control's answer."""
-    path, model = script
+@dataclass
+class Scaleout:
+    """Where the listed streams are created (``owner``, over ``transport``), read (``urls``: a reader whose
+    connection drops goes on at the last one, as behind a load balancer) and whose death is ``kill``."""
+
+    owner: str
+    transport: httpx.AsyncBaseTransport | None
+    urls: list[str]
+    kill: Any
+    survivor: str
+    settle: Any = None  # what to wait for before the survivor's metrics count every adoption
+
+
+@contextmanager
+def scaleout(kind: str, ipc_dir: Path, broker_url: str, engine_args: tuple[str, ...]) -> Iterator[Scaleout]:
+    """``replicas``: two ``tokenfan gateway`` replicas on one engine and a redis broker; ``workers``:
+    ``tokenfan serve --workers 2`` (the workers' own standbys; ``tests/e2e/test_adoption.py`` runs plain
+    streams of ``--workers`` with ``--broker`` too)."""
+    if kind == "replicas":
+        engine, gateways = replicas(ipc_dir, broker_url, "tr", engine_args, timeout=300)
+        (a, url_a), (_, url_b) = gateways
+        try:
+            yield Scaleout(url_a, None, [url_a, url_b], lambda: os.kill(a.popen.pid, signal.SIGKILL), url_b)
+        finally:
+            stop_all([engine, *(g for g, _ in gateways)])
+        return
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    scaleout = ("--broker", redis_server.url, *LEASE) if broker else ("--broker-lease-interval", "0.2")
-    server = spawn(["-m", "tokenfan.cli", "serve", *ENGINE_ARGS, "--synthetic-script", str(path), "--model",
-                    str(model), "--served-model-name", "tiny", "--workers", "2", *scaleout, *NO_CLIENT_LIMITS,
-                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], "serve-resume-workers")
-    questions = ["What is the weather in Paris?", "think long about it", "weather, again"]
+    server = spawn(["-m", "tokenfan.cli", "serve", *engine_args, "--workers", "2", "--broker-lease-interval", "0.2",
+                    *NO_CLIENT_LIMITS, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], "serve-resume-workers")
     try:
         wait_healthy(url, server, 300)
         wait_until(lambda: httpx.get(url + "/health").json()["workers"]["ready"] == 2, timeout=60,
                    what="both workers serving")
         worker0 = server_children(server)[1]
-        owner = httpx.AsyncHTTPTransport(uds=str(worker_socket(port, 0)))
+        # the adoption metric merges both workers' once worker 0 serves again
+        yield Scaleout("http://worker", httpx.AsyncHTTPTransport(uds=str(worker_socket(port, 0))), [url],
+                       lambda: os.kill(worker0, signal.SIGKILL), url, lambda: wait_until(
+                           lambda: httpx.get(url + "/health").json()["workers"]["ready"] == 2, timeout=60,
+                           what="worker 0 serving again"))
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
 
+
+@pytest.mark.parametrize("kind", ["workers", "replicas"])
+def test_tool_call_and_reasoning_streams_of_a_killed_gateway_are_adopted_exactly(
+        ipc_dir: Path, redis_server: RedisServer, script: tuple[Path, Path], kind: str) -> None:  # noqa: F811
+    """Fan-out streams that think and call tools, and a background response with tool calls, are created on
+    one gateway (worker 0 of ``tokenfan serve --workers 2``, or replica A of two on redis) and read on the
+    public port (or on A, then B); that gateway is killed with SIGKILL mid-stream. The survivor adopts each
+    stream from its log (the engine steps behind its chunks) and the engine replays them through the
+    parsers: every reader gets each event once and the control's answer."""
+    path, model = script
+    engine_args = (*ENGINE_ARGS, "--synthetic-script", str(path), "--model", str(model), "--served-model-name",
+                   "tiny")
+    questions = ["What is the weather in Paris?", "think long about it", "weather, again"]
+    with scaleout(kind, ipc_dir, redis_server.url, engine_args) as where:
         background = responses("weather in the background", background=True, store=True)
         events: list[dict[str, Any]] = []
 
         async def scenario() -> dict[str, PartsReader]:
             readers: dict[str, PartsReader] = {}
-            async with httpx.AsyncClient(timeout=60) as c, httpx.AsyncClient(transport=owner, timeout=60) as w0:
+            async with httpx.AsyncClient(timeout=60) as c, \
+                    httpx.AsyncClient(transport=where.transport, timeout=60) as owner:
                 jobs, started = [], []
                 for i, question in enumerate(questions):
-                    r = await w0.post("http://worker/v1/streams", json=chat(question))
+                    r = await owner.post(where.owner + "/v1/streams", json=chat(question))
                     assert r.status_code == 201, r.text
                     for k in range(2):
                         reader = readers[f"{i}/sse-{k}"] = PartsReader()
                         ev = asyncio.Event()
                         started.append(ev)
-                        jobs.append(sse_reader(c, [url], r.json()["id"], reader, ev, fold_parts))
-                r = await w0.post("http://worker/v1/responses", json=background)
+                        jobs.append(sse_reader(c, where.urls, r.json()["id"], reader, ev, fold_parts))
+                r = await owner.post(where.owner + "/v1/responses", json=background)
                 assert r.status_code == 200, r.text
                 started.append(asyncio.Event())
-                jobs.append(responses_reader(c, [url], r.json()["id"], events, started[-1]))
-                await until_killed(jobs, started, lambda: os.kill(worker0, signal.SIGKILL))
+                jobs.append(responses_reader(c, where.urls, r.json()["id"], events, started[-1]))
+                await until_killed(jobs, started, where.kill)
             return readers
 
         t0 = time.monotonic()
         readers = asyncio.run(scenario())
         t1 = time.monotonic()
+        url = where.survivor
 
         def control(question: str) -> Answer:
             answer = Answer()
@@ -424,11 +508,8 @@ def test_tool_call_and_reasoning_streams_of_a_killed_worker_are_adopted_exactly(
         assert (got_response.tools, got_response.reasoning, got_response.finish) == \
             (want_response.tools, want_response.reasoning, "completed"), events[-1]
         assert len(got_response.tools) == 2
-        # every stream was in flight on worker 0 at the kill, and was adopted (the metric merges both workers'
-        # once worker 0 serves again)
-        wait_until(lambda: httpx.get(url + "/health").json()["workers"]["ready"] == 2, timeout=60,
-                   what="worker 0 serving again")
+        # every stream was in flight on the killed gateway at the kill, and was adopted
+        if where.settle is not None:
+            where.settle()
         adopted = metric(url, "tokenfan_adoptions_total", {"outcome": "adopted"})
-        assert adopted == len(questions) + 1, (adopted, server.log()[-3000:])
-    finally:
-        assert server.stop() == 0, server.log()[-3000:]
+        assert adopted == len(questions) + 1, adopted

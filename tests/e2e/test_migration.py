@@ -50,6 +50,19 @@ class Answer:
     usage: dict[str, int] | None = None
     errors: list[Any] = field(default_factory=list)
     seqs: list[int] = field(default_factory=list)
+    others: dict[int, str] = field(default_factory=dict)  # the text of each choice after the first (n > 1)
+    logprobs: list[tuple[int, str, float]] = field(default_factory=list)  # (choice, token, logprob) in order
+
+    def fold_choice(self, index: int, text: str, logprobs: dict[str, Any] | None) -> None:
+        """One choice's text and logprobs (a chat chunk's ``logprobs.content`` or a whole message's)."""
+        if index:
+            self.others[index] = self.others.get(index, "") + text
+        else:
+            self.text += text
+        self.logprobs += [(index, e["token"], e["logprob"]) for e in (logprobs or {}).get("content") or ()]
+
+    def logprobs_of(self, index: int) -> list[tuple[str, float]]:
+        return [(token, lp) for k, token, lp in self.logprobs if k == index]
 
 
 def chat_body(i: int, **extra: Any) -> dict[str, Any]:
@@ -74,16 +87,13 @@ def usage_of(u: dict[str, Any] | None) -> dict[str, int] | None:
     return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"]}
 
 
-def chunk_delta(chunk: dict[str, Any]) -> tuple[str, str | None]:
-    choice = chunk["choices"][0] if chunk.get("choices") else {}
-    text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
-    return text or "", choice.get("finish_reason")
-
-
 def fold_chunks(answer: Answer, chunk: dict[str, Any]) -> None:
-    text, finish = chunk_delta(chunk)
-    answer.text += text
-    answer.finish = finish or answer.finish
+    for choice in chunk.get("choices") or ():
+        index = choice.get("index", 0)
+        text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
+        answer.fold_choice(index, text or "", choice.get("logprobs") if "delta" in choice else None)
+        if index == 0:
+            answer.finish = choice.get("finish_reason") or answer.finish
     if chunk.get("usage"):
         answer.usage = usage_of(chunk["usage"])
 

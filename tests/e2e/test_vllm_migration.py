@@ -151,12 +151,10 @@ def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrup
             else:
                 path, body = (("/v1/chat/completions", chat(int(i))) if kind == "chat" else
                               ("/v1/completions", completions(int(i) + (10 if kind == "ws" else 0))))
-            obj = httpx.post(vllm_gateway_url + path, json=body, timeout=120).json()
-            choice = obj["choices"][0]
-            expected[name] = Answer(choice["message"]["content"] if "message" in choice else choice["text"],
-                                    choice["finish_reason"], {k: obj["usage"][k] for k in
-                                                              ("prompt_tokens", "completion_tokens")})
+            expected[name] = control_answer(httpx.post(vllm_gateway_url + path, json=body, timeout=120).json())
         check_vllm(answers, expected)
+        # logprobs and both choices of n = 2 were there to compare
+        assert expected["penalties-0"].logprobs and expected["n2-0"].others[1] and expected["n2-0"].logprobs_of(1)
         assert expected["json-0"].text.startswith('{"name":"'), expected["json-0"].text  # the grammar ran
         # about half of the 14 generations ran on the killed engine; each was continued, none refused
         lost = in_flight(engine.log())
@@ -168,30 +166,53 @@ def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrup
         stop_all([x for x in (gateway, engine) if x is not None])
 
 
-OPENAI_KINDS = ("json", "penalties")
+OPENAI_KINDS = ("json", "penalties", "n2")
 USAGE = {"include_usage": True}
 
 
 def openai_body(kind: str, i: int, **extra: Any) -> dict[str, Any]:
-    """A chat request vLLM's OpenAI layer serves: a JSON schema, or logprobs with penalties."""
+    """A chat request vLLM's OpenAI layer serves: a JSON schema, logprobs with penalties, or two choices with
+    logprobs (sampled with ``top_k=1``: vLLM refuses ``n`` > 1 with greedy sampling, and one candidate per
+    step makes the samples exact)."""
     body: dict[str, Any] = {"messages": [{"role": "user", "content": f"lake {i}"}], "max_tokens": 300,
                             "temperature": 0, **extra}
     if kind == "json":
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
             "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
             "required": ["name", "age"]}}}
-    else:
+    elif kind == "penalties":
         body.update(logprobs=True, top_logprobs=2, presence_penalty=0.6, frequency_penalty=0.4,
                     repetition_penalty=1.1, min_tokens=60)
+    else:
+        body.update(n=2, temperature=1.0, top_k=1, seed=i, logprobs=True)
     return body
 
 
 def check_vllm(answers: dict[str, Answer], expected: dict[str, Answer]) -> None:
+    """Each answer is its control's: text of every choice, finish, usage, and each choice's logprobs (the
+    same tokens, none repeated or missing; values within 1e-3, since the answer's start was computed on the
+    killed engine, in other batches)."""
     for name, got in answers.items():
         want = expected[name]
         assert not got.errors, (name, got.errors)
-        assert (got.text, got.finish) == (want.text, want.finish), name
+        assert (got.text, got.others, got.finish) == (want.text, want.others, want.finish), name
         if got.usage is not None:
             assert got.usage == want.usage, name
+        for k in (0, *want.others):
+            mine, theirs = got.logprobs_of(k), want.logprobs_of(k)
+            assert [t for t, _ in mine] == [t for t, _ in theirs], (name, k)
+            assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(mine, theirs)), (name, k, mine, theirs)
+
+
+def control_answer(obj: dict[str, Any]) -> Answer:
+    """A non-streamed chat or completions response as the :class:`Answer` a stream of it folds to."""
+    answer = Answer(usage={k: obj["usage"][k] for k in ("prompt_tokens", "completion_tokens")})
+    for choice in obj["choices"]:
+        message = choice.get("message")
+        answer.fold_choice(choice["index"], message["content"] if message else choice["text"],
+                           choice.get("logprobs") if message else None)
+        if choice["index"] == 0:
+            answer.finish = choice["finish_reason"]
+    return answer
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 from playwright.sync_api import Browser, Page, Route, sync_playwright
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 from tests.e2e.browser_fixtures import CHROMIUM, CHROMIUM_ARGS
 from tests.e2e.helpers import metric, wait_until
@@ -170,11 +171,16 @@ def answer(state: dict[str, Any], kind: str = "text") -> str:
 
 
 def wait_partial(page: Page, chars: int) -> str:
-    """Wait until the streaming answer shows at least ``chars`` characters; returns what it shows."""
-    page.wait_for_function(
-        "(n) => { const s = window.chatState; const m = s.messages[s.messages.length - 1];"
-        " return s.status === 'streaming' && m.role === 'assistant' &&"
-        " m.parts.filter((p) => p.type === 'text').map((p) => p.text).join('').length >= n; }", arg=chars)
+    """Wait until the streaming answer shows at least ``chars`` characters; returns what it shows (on a
+    timeout, the assertion carries the page's state: what it had instead)."""
+    try:
+        page.wait_for_function(
+            "(n) => { const s = window.chatState; const m = s && s.messages[s.messages.length - 1];"
+            " return !!m && s.status === 'streaming' && m.role === 'assistant' &&"
+            " m.parts.filter((p) => p.type === 'text').map((p) => p.text).join('').length >= n; }", arg=chars)
+    except PlaywrightTimeoutError:
+        raise AssertionError(f"no streaming answer of {chars}+ characters; the page shows "
+                             f"{page.evaluate('window.chatState')!r}") from None
     return answer(chat_state(page))
 
 

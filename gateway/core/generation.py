@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+NO_IDS: list[int] = []  # never appended to: what an unlisted stream's events carry
+
 
 class Renderer(Protocol):
     """An API's payloads for one generation (``step`` includes the closing payloads of the last delta)."""
@@ -73,8 +75,10 @@ class Generation:
         if self.ended.done():
             return
         events = self.renderer.step(d)
-        # what an adopter resumes from: the token ids, or the engine steps of vLLM's OpenAI layer (packed)
-        ids = d.token_ids or (p.pack_steps(d.steps) if d.steps else d.token_ids)
+        # what an adopter resumes from: the token ids, or the engine steps of vLLM's OpenAI layer (packed);
+        # only a listed stream is adopted (an unlisted one's request keeps its ids for a migration)
+        ids: list[int] = (d.token_ids or (p.pack_steps(d.steps) if d.steps else d.token_ids)) \
+            if self.stream.listed else NO_IDS
         if ids or self._ids:
             if not events:
                 self._ids += ids

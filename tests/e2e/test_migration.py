@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import signal
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,26 +44,100 @@ TOKENS = 50  # 2 s per answer: the kill lands mid-stream
 GATEWAY_ARGS = ("--heartbeat-timeout", "30", *NO_CLIENT_LIMITS)
 
 
+UI_FINISH = {"stop": "stop", "length": "length", "tool-calls": "tool_calls"}  # UI message finish -> chat's
+
+
 @dataclass
 class Answer:
+    """What a client assembled, from any path's payloads (:class:`Run`): choice 0's text, reasoning and tool
+    calls (by index: name, arguments, how many headers announced it), the other choices' text (``n`` > 1),
+    every logprob, finish, usage, errors and event ids."""
+
     text: str = ""
     finish: str | None = None
     usage: dict[str, int] | None = None
     errors: list[Any] = field(default_factory=list)
     seqs: list[int] = field(default_factory=list)
+    reasoning: str = ""
+    tools: dict[int, dict[str, Any]] = field(default_factory=dict)
     others: dict[int, str] = field(default_factory=dict)  # the text of each choice after the first (n > 1)
     logprobs: list[tuple[int, str, float]] = field(default_factory=list)  # (choice, token, logprob) in order
 
-    def fold_choice(self, index: int, text: str, logprobs: dict[str, Any] | None) -> None:
-        """One choice's text and logprobs (a chat chunk's ``logprobs.content`` or a whole message's)."""
-        if index:
-            self.others[index] = self.others.get(index, "") + text
-        else:
-            self.text += text
-        self.logprobs += [(index, e["token"], e["logprob"]) for e in (logprobs or {}).get("content") or ()]
-
     def logprobs_of(self, index: int) -> list[tuple[str, float]]:
         return [(token, lp) for k, token, lp in self.logprobs if k == index]
+
+    def fold(self, obj: dict[str, Any]) -> None:
+        """A chat or completions chunk, or a whole (non-streamed) response."""
+        for choice in obj.get("choices") or ():
+            index = choice.get("index", 0)
+            if "delta" in choice or "message" in choice:
+                part = choice.get("delta") or choice.get("message") or {}
+                text = part.get("content") or ""
+                self.logprobs += [(index, e["token"], e["logprob"])
+                                  for e in (choice.get("logprobs") or {}).get("content") or ()]
+            else:  # completions
+                part, text = {}, choice.get("text") or ""
+            if index:
+                self.others[index] = self.others.get(index, "") + text
+                continue
+            self.text += text
+            self.reasoning += part.get("reasoning") or ""
+            for k, tc in enumerate(part.get("tool_calls") or ()):
+                call = self.tools.setdefault(tc.get("index", k), {"headers": 0, "name": "", "arguments": ""})
+                call["headers"] += 1 if tc.get("id") else 0
+                call["name"] += (tc.get("function") or {}).get("name") or ""
+                call["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+            self.finish = choice.get("finish_reason") or self.finish
+        if obj.get("usage"):
+            self.usage = usage_of(obj["usage"])
+
+    def fold_response(self, response: dict[str, Any], text: bool = True) -> None:
+        """A whole Responses object: its items as the chat fields they come from (``text=False``: not the
+        message text, which its stream's deltas gave)."""
+        for k, item in enumerate(i for i in response["output"] if i["type"] == "function_call"):
+            self.tools[k] = {"headers": 1, "name": item["name"], "arguments": item["arguments"]}
+        for item in response["output"]:
+            if item["type"] == "message" and text:
+                self.text += "".join(part["text"] for part in item["content"])
+            elif item["type"] == "reasoning":
+                self.reasoning += "".join(part["text"] for part in item.get("content") or ())
+        self.finish = response["status"]
+        self.usage = usage_of(response["usage"])
+
+    def fold_event(self, ev: dict[str, Any]) -> bool:
+        """One Responses event; True at the end."""
+        if ev["type"] == "response.output_text.delta":
+            self.text += ev["delta"]
+        elif ev["type"] in ("response.completed", "response.incomplete"):
+            self.fold_response(ev["response"], text=False)
+            return True
+        elif ev["type"] in ("error", "response.failed"):
+            self.errors.append(ev)
+            return True
+        return False
+
+    def fold_part(self, part: dict[str, Any]) -> None:
+        """A part of the AI SDK's UI message stream (``/api/chat``) as the chat fields it renders."""
+        kind = part["type"]
+        if kind == "text-delta":
+            self.text += part["delta"]
+        elif kind == "reasoning-delta":
+            self.reasoning += part["delta"]
+        elif kind == "tool-input-start":
+            self.tools[len(self.tools)] = {"headers": 1, "name": part["toolName"], "arguments": "",
+                                           "id": part["toolCallId"]}
+        elif kind == "tool-input-delta":
+            call = next(c for c in self.tools.values() if c["id"] == part["toolCallId"])
+            call["arguments"] += part["inputTextDelta"]
+        elif kind == "tool-input-available":
+            call = next(c for c in self.tools.values() if c["id"] == part["toolCallId"])
+            assert json.loads(call["arguments"]) == part["input"], (call, part)
+        elif kind == "finish":
+            self.finish = UI_FINISH[part["finishReason"]]
+            for call in self.tools.values():
+                del call["id"]
+        elif kind in ("error", "abort"):
+            self.errors.append(part)
 
 
 def chat_body(i: int, **extra: Any) -> dict[str, Any]:
@@ -87,33 +162,9 @@ def usage_of(u: dict[str, Any] | None) -> dict[str, int] | None:
     return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"]}
 
 
-def fold_chunks(answer: Answer, chunk: dict[str, Any]) -> None:
-    for choice in chunk.get("choices") or ():
-        index = choice.get("index", 0)
-        text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
-        answer.fold_choice(index, text or "", choice.get("logprobs") if "delta" in choice else None)
-        if index == 0:
-            answer.finish = choice.get("finish_reason") or answer.finish
-    if chunk.get("usage"):
-        answer.usage = usage_of(chunk["usage"])
-
-
-def fold_responses(answer: Answer, ev: dict[str, Any]) -> bool:
-    """One Responses event into ``answer``; True at the end."""
-    if ev["type"] == "response.output_text.delta":
-        answer.text += ev["delta"]
-    elif ev["type"] in ("response.completed", "response.incomplete"):
-        answer.finish = ev["response"]["status"]
-        answer.usage = usage_of(ev["response"]["usage"])
-        return True
-    elif ev["type"] in ("error", "response.failed"):
-        answer.errors.append(ev)
-        return True
-    return False
-
-
 class Run:
-    """The clients of one scenario; each releases ``started`` once it has read a few tokens."""
+    """The clients of one scenario, on every path; each releases ``started`` once it has read a few
+    events (its request is then in flight), and folds what it reads into its :class:`Answer`."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -122,12 +173,16 @@ class Run:
         self.killed = asyncio.Event()
         self.answers: dict[str, Answer] = {}
 
-    async def sse(self, c: httpx.AsyncClient, name: str, path: str, body: dict[str, Any],
-                  headers: dict[str, str] | None = None, method: str = "POST") -> Answer:
-        answer = self.answers.setdefault(name, Answer())
+    def _answer(self, name: str) -> Answer:
+        return self.answers.setdefault(name, Answer())
+
+    async def sse(self, c: httpx.AsyncClient, name: str, path: str, body: dict[str, Any] | None,
+                  headers: dict[str, str] | None = None) -> Answer:
+        """POST ``body`` (GET when None) and read the SSE answer: chunks, Responses events or, on
+        ``/api/chat``, the AI SDK's UI message parts."""
+        answer = self._answer(name)
         seen = 0
-        async with c.stream(method, self.url + path, json=body if method == "POST" else None,
-                            headers=headers) as r:
+        async with c.stream("GET" if body is None else "POST", self.url + path, json=body, headers=headers) as r:
             assert r.status_code == 200, await r.aread()
             buf = ""
             async for text in r.aiter_text():
@@ -142,10 +197,12 @@ class Run:
                     if "id" in ev:
                         answer.seqs.append(int(ev["id"]))
                     data = json.loads(ev["data"])
-                    if path.startswith("/v1/responses"):
-                        fold_responses(answer, data)
+                    if path == "/api/chat":
+                        answer.fold_part(data)
+                    elif path.startswith("/v1/responses"):
+                        answer.fold_event(data)
                     else:
-                        fold_chunks(answer, data)
+                        answer.fold(data)
                     seen += 1
                     if seen == 3:
                         self.started.release()
@@ -155,21 +212,19 @@ class Run:
         self.started.release()  # nothing to read until the end: it is in flight once sent
         r = await c.post(self.url + path, json=body)
         assert r.status_code == 200, r.text
-        obj = r.json()
-        choice = obj["choices"][0]
-        text = choice["message"]["content"] if "message" in choice else choice["text"]
-        answer = self.answers[name] = Answer(text, choice["finish_reason"], usage_of(obj["usage"]))
+        answer = self._answer(name)
+        answer.fold(r.json())
         return answer
 
     async def mux(self, name: str, endpoint: str, body: dict[str, Any]) -> Answer:
-        answer = self.answers.setdefault(name, Answer())
+        answer = self._answer(name)
         async with websockets.connect(self.ws + "/v1/ws") as sock:
             await sock.send(json.dumps({"type": "request", "id": name, "endpoint": endpoint, "body": body}))
             seen = 0
             while True:
                 msg = json.loads(await sock.recv())
                 if msg["type"] == "chunk":
-                    fold_chunks(answer, msg["data"])
+                    answer.fold(msg["data"])
                     seen += 1
                     if seen == 3:
                         self.started.release()
@@ -180,10 +235,13 @@ class Run:
                     return answer
 
     async def fanout(self, c: httpx.AsyncClient, name: str, body: dict[str, Any]) -> None:
+        """A ``/v1/streams`` stream read over SSE (``<name>/sse``) and WebSocket (``<name>/ws``), and by
+        a reader that leaves after 4 events and comes back after the kill with Last-Event-ID
+        (``<name>/resumed``)."""
         r = await c.post(self.url + "/v1/streams", json=body)
         assert r.status_code == 201, r.text
         created = r.json()
-        ws_answer = self.answers.setdefault(name + "/ws", Answer())
+        ws_answer = self._answer(name + "/ws")
 
         async def ws_reader() -> None:
             async with websockets.connect(created["ws_url"]) as sock:
@@ -191,7 +249,7 @@ class Run:
                     msg = json.loads(await sock.recv())
                     if msg["type"] == "chunk":
                         ws_answer.seqs.append(msg["seq"])
-                        fold_chunks(ws_answer, msg["data"])
+                        ws_answer.fold(msg["data"])
                     elif msg["type"] == "done":
                         return
                     else:
@@ -199,43 +257,55 @@ class Run:
                         return
 
         async def resumer() -> None:
-            """Reads 4 events, leaves, and comes back after the kill with Last-Event-ID."""
-            first = self.answers.setdefault(name + "/resumed", Answer())
+            first = self._answer(name + "/resumed")
             async with c.stream("GET", created["events_url"]) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("id: "):
                         first.seqs.append(int(line[4:]))
                     elif line.startswith("data: {"):
-                        fold_chunks(first, json.loads(line[6:]))
+                        first.fold(json.loads(line[6:]))
                         if len(first.seqs) == 4:
                             break
             self.started.release()
             await self.killed.wait()
-            await self.sse(c, name + "/resumed", f"/v1/streams/{created['id']}/events", {}, method="GET",
+            await self.sse(c, name + "/resumed", f"/v1/streams/{created['id']}/events", None,
                            headers={"Last-Event-ID": str(first.seqs[-1])})
 
-        await asyncio.gather(self.sse(c, name + "/sse", f"/v1/streams/{created['id']}/events", {}, method="GET"),
+        await asyncio.gather(self.sse(c, name + "/sse", f"/v1/streams/{created['id']}/events", None),
                              ws_reader(), resumer())
 
     async def responses_ws(self, name: str, body: dict[str, Any]) -> Answer:
-        answer = self.answers.setdefault(name, Answer())
+        """The Responses API's WebSocket mode; ``started`` after 3 delta events (text, reasoning or a
+        tool call's arguments)."""
+        answer = self._answer(name)
         async with websockets.connect(self.ws + "/v1/responses") as sock:
             await sock.send(json.dumps({"type": "response.create", **body}))
             seen = 0
             while True:
                 ev = json.loads(await sock.recv())
-                if ev["type"] == "response.output_text.delta":
+                if ev["type"].endswith(".delta"):
                     seen += 1
                     if seen == 3:
                         self.started.release()
-                if fold_responses(answer, ev):
+                if answer.fold_event(ev):
                     return answer
 
     async def background(self, c: httpx.AsyncClient, name: str, body: dict[str, Any]) -> Answer:
         r = await c.post(self.url + "/v1/responses", json={**body, "background": True, "store": True})
         assert r.status_code == 200, r.text
-        rid = r.json()["id"]
-        return await self.sse(c, name, f"/v1/responses/{rid}?stream=true", {}, method="GET")
+        return await self.sse(c, name, f"/v1/responses/{r.json()['id']}?stream=true", None)
+
+    async def kill_when_started(self, jobs: list[Any], kill: Callable[[], Any], readers: int | None = None,
+                                timeout: float = 90, start_timeout: float = 60) -> dict[str, Answer]:
+        """Run ``jobs``; ``kill()`` once ``readers`` of them (default: one per job) have started; wait for
+        every job's end."""
+        running = asyncio.gather(*jobs)
+        for _ in range(len(jobs) if readers is None else readers):
+            await asyncio.wait_for(self.started.acquire(), start_timeout)
+        kill()
+        self.killed.set()
+        await asyncio.wait_for(running, timeout)
+        return self.answers
 
 
 async def every_path(url: str, kill: Any) -> dict[str, Answer]:
@@ -257,13 +327,8 @@ async def every_path(url: str, kill: Any) -> dict[str, Answer]:
             run.responses_ws("responses-ws", responses_body(10)),
             run.background(c, "responses-bg", responses_body(11)),
         ]
-        clients = asyncio.gather(*jobs)
-        for _ in range(len(jobs) + 1):  # the fan-out stream's resuming reader too
-            await asyncio.wait_for(run.started.acquire(), 60)
-        kill()
-        run.killed.set()
-        await asyncio.wait_for(clients, 90)
-    return run.answers
+        # every reader: the fan-out stream's resuming reader too
+        return await run.kill_when_started(jobs, kill, readers=len(jobs) + 1)
 
 
 def control(url: str) -> dict[str, Answer]:

@@ -27,10 +27,9 @@ from typing import Any
 
 import httpx
 import pytest
-import websockets
 
 from gateway.scaleout.workers import worker_socket
-from tests.e2e.helpers import in_flight, metric, sse_events, wait_until
+from tests.e2e.helpers import in_flight, metric, wait_until
 from tests.e2e.test_adoption import (
     Reader,
     replicas,
@@ -40,6 +39,7 @@ from tests.e2e.test_adoption import (
     until_killed,
 )
 from tests.e2e.test_broker import RedisServer, redis_server  # noqa: F401  (the fixture)
+from tests.e2e.test_migration import Answer, Run
 from tests.procs import NO_CLIENT_LIMITS, Proc, spawn, start_engine, start_gateway, stop_all, wait_healthy
 from tokenfan_bench.servers.processes import free_port
 
@@ -64,72 +64,6 @@ SCRIPT = [{"match": "weather", "reply": pieces(THINK + CALLS, 3)},
 # ~50 tokens a second: an answer takes 2-3 s, the kill lands in its middle
 ENGINE_ARGS = ("--engine", "synthetic", "--synthetic-tokens-per-s", "50", "--synthetic-ttft-ms", "5",
                "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-
-
-@dataclass
-class Answer:
-    """What a client assembled: content, reasoning, tool calls by index, finish, usage, errors."""
-
-    content: str = ""
-    reasoning: str = ""
-    tools: dict[int, dict[str, Any]] = field(default_factory=dict)
-    finish: str | None = None
-    usage: dict[str, int] | None = None
-    errors: list[Any] = field(default_factory=list)
-    seqs: list[int] = field(default_factory=list)
-
-    def fold(self, chunk: dict[str, Any]) -> None:
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or choice.get("message") or {}
-            self.content += delta.get("content") or ""
-            self.reasoning += delta.get("reasoning") or ""
-            for k, tc in enumerate(delta.get("tool_calls") or []):
-                call = self.tools.setdefault(tc.get("index", k), {"headers": 0, "name": "", "arguments": ""})
-                call["headers"] += 1 if tc.get("id") else 0
-                call["name"] += (tc.get("function") or {}).get("name") or ""
-                call["arguments"] += (tc.get("function") or {}).get("arguments") or ""
-            self.finish = choice.get("finish_reason") or self.finish
-        if chunk.get("usage"):
-            self.usage = {k: chunk["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
-
-    def fold_response(self, response: dict[str, Any]) -> None:
-        """A final Responses object: its items as the chat fields they come from."""
-        for k, item in enumerate(i for i in response["output"] if i["type"] == "function_call"):
-            self.tools[k] = {"headers": 1, "name": item["name"], "arguments": item["arguments"]}
-        for item in response["output"]:
-            if item["type"] == "message":
-                self.content += "".join(part["text"] for part in item["content"])
-            elif item["type"] == "reasoning":
-                self.reasoning += "".join(part["text"] for part in item.get("content") or ())
-        self.finish = response["status"]
-        u = response["usage"]
-        self.usage = {"prompt_tokens": u["input_tokens"], "completion_tokens": u["output_tokens"]}
-
-    def fold_part(self, part: dict[str, Any]) -> None:
-        """A part of the AI SDK's UI message stream (``/api/chat``) as the chat fields it renders."""
-        kind = part["type"]
-        if kind == "text-delta":
-            self.content += part["delta"]
-        elif kind == "reasoning-delta":
-            self.reasoning += part["delta"]
-        elif kind == "tool-input-start":
-            self.tools[len(self.tools)] = {"headers": 1, "name": part["toolName"], "arguments": "",
-                                           "id": part["toolCallId"]}
-        elif kind == "tool-input-delta":
-            call = next(c for c in self.tools.values() if c["id"] == part["toolCallId"])
-            call["arguments"] += part["inputTextDelta"]
-        elif kind == "tool-input-available":
-            call = next(c for c in self.tools.values() if c["id"] == part["toolCallId"])
-            assert json.loads(call["arguments"]) == part["input"], (call, part)
-        elif kind == "finish":
-            self.finish = UI_FINISH[part["finishReason"]]
-            for call in self.tools.values():
-                del call["id"]
-        elif kind in ("error", "abort"):
-            self.errors.append(part)
-
-
-UI_FINISH = {"stop": "stop", "length": "length", "tool-calls": "tool_calls"}
 
 
 def chat(question: str, **extra: Any) -> dict[str, Any]:
@@ -160,165 +94,36 @@ CASES = {
 }
 
 
-class Clients:
-    """The clients of the scenario; each releases ``started`` once it has read a few events."""
-
-    def __init__(self, url: str) -> None:
-        self.url, self.ws = url, url.replace("http", "ws")
-        self.started = asyncio.Semaphore(0)
-        self.killed = asyncio.Event()
-        self.answers: dict[str, Answer] = {}
-
-    async def sse(self, c: httpx.AsyncClient, name: str, path: str, body: dict[str, Any] | None,
-                  headers: dict[str, str] | None = None) -> None:
-        answer = self.answers.setdefault(name, Answer())
-        seen = 0
-        method = "POST" if body is not None else "GET"
-        async with c.stream(method, self.url + path, json=body, headers=headers) as r:
-            assert r.status_code == 200, await r.aread()
-            buf = ""
-            async for text in r.aiter_text():
-                buf += text
-                *whole, buf = buf.split("\n\n")
-                for ev in sse_events("\n\n".join(whole) + "\n\n") if whole else []:
-                    if ev.get("event") == "error":
-                        answer.errors.append(ev["data"])
-                        continue
-                    if ev.get("data") in (None, "[DONE]"):
-                        continue
-                    if "id" in ev:
-                        answer.seqs.append(int(ev["id"]))
-                    data = json.loads(ev["data"])
-                    if path == "/api/chat":
-                        answer.fold_part(data)
-                    elif data.get("type", "").startswith("response."):
-                        if data["type"] in ("response.completed", "response.incomplete", "response.failed"):
-                            answer.fold_response(data["response"])
-                    else:
-                        answer.fold(data)
-                    seen += 1
-                    if seen == 3:
-                        self.started.release()
-
-    async def full(self, c: httpx.AsyncClient, name: str, body: dict[str, Any]) -> None:
-        self.started.release()
-        r = await c.post(self.url + "/v1/chat/completions", json=body)
-        assert r.status_code == 200, r.text
-        self.answers.setdefault(name, Answer()).fold(r.json())
-
-    async def mux(self, name: str, body: dict[str, Any]) -> None:
-        answer = self.answers.setdefault(name, Answer())
-        async with websockets.connect(self.ws + "/v1/ws") as sock:
-            await sock.send(json.dumps({"type": "request", "id": name, "endpoint": "chat.completions",
-                                        "body": body}))
-            seen = 0
-            while True:
-                msg = json.loads(await sock.recv())
-                if msg["type"] == "chunk":
-                    answer.fold(msg["data"])
-                    seen += 1
-                    if seen == 3:
-                        self.started.release()
-                elif msg["type"] == "done":
-                    return
-                else:
-                    answer.errors.append(msg)
-                    return
-
-    async def fanout(self, c: httpx.AsyncClient, name: str, body: dict[str, Any]) -> None:
-        r = await c.post(self.url + "/v1/streams", json=body)
-        assert r.status_code == 201, r.text
-        created = r.json()
-        ws_answer = self.answers.setdefault(name + "/ws", Answer())
-
-        async def ws_reader() -> None:
-            async with websockets.connect(created["ws_url"]) as sock:
-                while True:
-                    msg = json.loads(await sock.recv())
-                    if msg["type"] == "chunk":
-                        ws_answer.seqs.append(msg["seq"])
-                        ws_answer.fold(msg["data"])
-                    elif msg["type"] == "done":
-                        return
-                    else:
-                        ws_answer.errors.append(msg)
-                        return
-
-        async def resumer() -> None:
-            """Reads 4 events, leaves, and comes back after the kill with Last-Event-ID."""
-            first = self.answers.setdefault(name + "/resumed", Answer())
-            async with c.stream("GET", created["events_url"]) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("id: "):
-                        first.seqs.append(int(line[4:]))
-                    elif line.startswith("data: {"):
-                        first.fold(json.loads(line[6:]))
-                        if len(first.seqs) == 4:
-                            break
-            self.started.release()
-            await self.killed.wait()
-            await self.sse(c, name + "/resumed", f"/v1/streams/{created['id']}/events", None,
-                           headers={"Last-Event-ID": str(first.seqs[-1])})
-
-        await asyncio.gather(self.sse(c, name + "/sse", f"/v1/streams/{created['id']}/events", None),
-                             ws_reader(), resumer())
-
-    async def responses_ws(self, name: str, body: dict[str, Any]) -> None:
-        answer = self.answers.setdefault(name, Answer())
-        async with websockets.connect(self.ws + "/v1/responses") as sock:
-            await sock.send(json.dumps({"type": "response.create", **body}))
-            seen = 0
-            while True:
-                ev = json.loads(await sock.recv())
-                seen += 1
-                if seen == 4:
-                    self.started.release()
-                if ev["type"] in ("response.completed", "response.incomplete", "response.failed"):
-                    answer.fold_response(ev["response"])
-                    return
-                if ev["type"] == "error":
-                    answer.errors.append(ev)
-                    return
-
-    async def background(self, c: httpx.AsyncClient, name: str, body: dict[str, Any]) -> None:
-        r = await c.post(self.url + "/v1/responses", json={**body, "background": True, "store": True})
-        assert r.status_code == 200, r.text
-        await self.sse(c, name, f"/v1/responses/{r.json()['id']}?stream=true", None)
-
-    def jobs(self, c: httpx.AsyncClient) -> list[Any]:
-        usage = {"stream": True, "stream_options": {"include_usage": True}}
-        out: list[Any] = []
-        for name, (question, transport) in CASES.items():
-            if transport == "sse":
-                out.append(self.sse(c, name, "/v1/chat/completions", chat(question, **usage)))
-            elif transport == "full":
-                out.append(self.full(c, name, chat(question)))
-            elif transport == "ws":
-                out.append(self.mux(name, chat(question, stream_options={"include_usage": True})))
-            elif transport == "fanout":
-                out.append(self.fanout(c, name, chat(question, stream_options={"include_usage": True})))
-            elif transport == "responses-sse":
-                out.append(self.sse(c, name, "/v1/responses", responses(question, stream=True)))
-            elif transport == "ui":
-                out.append(self.sse(c, name, "/api/chat", ui_chat(name, question)))
-            elif transport == "responses-ws":
-                out.append(self.responses_ws(name, responses(question)))
-            else:
-                out.append(self.background(c, name, responses(question)))
-        return out
+def jobs(run: Run, c: httpx.AsyncClient) -> list[Any]:
+    """Every case's client (:data:`CASES`) on its transport."""
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    out: list[Any] = []
+    for name, (question, transport) in CASES.items():
+        if transport == "sse":
+            out.append(run.sse(c, name, "/v1/chat/completions", chat(question, **usage)))
+        elif transport == "full":
+            out.append(run.full(c, name, "/v1/chat/completions", chat(question)))
+        elif transport == "ws":
+            out.append(run.mux(name, "chat.completions", chat(question, stream_options={"include_usage": True})))
+        elif transport == "fanout":
+            out.append(run.fanout(c, name, chat(question, stream_options={"include_usage": True})))
+        elif transport == "responses-sse":
+            out.append(run.sse(c, name, "/v1/responses", responses(question, stream=True)))
+        elif transport == "ui":
+            out.append(run.sse(c, name, "/api/chat", ui_chat(name, question)))
+        elif transport == "responses-ws":
+            out.append(run.responses_ws(name, responses(question)))
+        else:
+            out.append(run.background(c, name, responses(question)))
+    return out
 
 
 async def scenario(url: str, kill: Any) -> dict[str, Answer]:
-    clients = Clients(url)
+    run = Run(url)
     async with httpx.AsyncClient(timeout=60) as c:
-        jobs = clients.jobs(c)
-        running = asyncio.gather(*jobs)
-        for _ in range(len(jobs) + 1):  # the fan-out stream's resuming reader too
-            await asyncio.wait_for(clients.started.acquire(), 60)
-        kill()
-        clients.killed.set()
-        await asyncio.wait_for(running, 90)
-    return clients.answers
+        todo = jobs(run, c)
+        # every reader: the fan-out stream's resuming reader too
+        return await run.kill_when_started(todo, kill, readers=len(todo) + 1)
 
 
 def control(url: str) -> dict[str, Answer]:
@@ -365,8 +170,8 @@ def test_tool_calls_and_reasoning_continue_exactly_when_their_engine_is_killed(
         for name, got in answers.items():
             want = expected[name.split("/")[0]]
             assert not got.errors, (name, got.errors)
-            assert (got.content, got.reasoning, got.tools, got.finish) == \
-                (want.content, want.reasoning, want.tools, want.finish), name
+            assert (got.text, got.reasoning, got.tools, got.finish) == \
+                (want.text, want.reasoning, want.tools, want.finish), name
             if got.usage is not None:
                 assert got.usage == want.usage, (name, got.usage, want.usage)
             if got.seqs:  # numbered events: each once, in order
@@ -496,8 +301,8 @@ def test_tool_call_and_reasoning_streams_of_a_killed_gateway_are_adopted_exactly
             got = reader.answer
             assert not reader.errors and reader.ended, (name, reader.errors)
             assert reader.seqs == list(range(len(reader.seqs))), (name, reader.seqs)  # each event once
-            assert (got.content, got.reasoning, got.tools, got.finish) == \
-                (want.content, want.reasoning, want.tools, want.finish), name
+            assert (got.text, got.reasoning, got.tools, got.finish) == \
+                (want.text, want.reasoning, want.tools, want.finish), name
         assert readers["0/sse-0"].answer.tools[1]["headers"] == 1 and readers["1/sse-0"].answer.reasoning
         # the background response: each event once, and the control's function calls and reasoning
         assert [e["sequence_number"] for e in events] == list(range(len(events)))

@@ -119,44 +119,64 @@ def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrup
         def completions(i: int, **extra: Any) -> dict[str, Any]:
             return {"prompt": f"river {i}", "max_tokens": 300, "temperature": 0, **extra}
 
+        controls: dict[str, tuple[str, dict[str, Any]]] = {}  # client -> the uninterrupted request
+
+        def job(run: Run, c: httpx.AsyncClient, name: str, transport: str, path: str, body: dict[str, Any]) -> Any:
+            """The client ``name`` on ``transport``; its control is ``body`` on ``path``, not streamed."""
+            controls[name] = (path, body)
+            if transport == "sse":
+                return run.sse(c, name, path, {**body, "stream": True, "stream_options": USAGE})
+            if transport == "ws":
+                return run.mux(name, "chat.completions" if path == CHAT else "completions",
+                               {**body, "stream_options": USAGE})
+            if transport == "fanout":  # /v1/streams read over SSE, WebSocket and by a Last-Event-ID resumer
+                return run.fanout(c, name, {**body, "stream_options": USAGE})
+            if transport == "responses-sse":
+                return run.sse(c, name, path, {**body, "stream": True})
+            if transport == "responses-ws":
+                return run.responses_ws(name, body)
+            if transport == "responses-bg":
+                return run.background(c, name, body)
+            # the AI SDK's useChat body; its control is the chat request it converts to
+            return run.sse(c, name, "/api/chat", {"id": name, **{k: v for k, v in body.items() if k != "messages"},
+                                                  "messages": [{"id": "u1", "role": "user", "parts": [
+                                                      {"type": "text", "text": body["messages"][0]["content"]}]}]})
+
         async def clients() -> dict[str, Answer]:
             run = Run(url)
             async with httpx.AsyncClient(timeout=120) as c:
-                jobs = [run.sse(c, f"chat-{i}", "/v1/chat/completions",
-                                chat(i, stream=True, stream_options={"include_usage": True})) for i in range(3)]
-                jobs += [run.sse(c, f"completions-{i}", "/v1/completions", completions(i, stream=True))
-                         for i in range(3)]
-                jobs += [run.mux(f"ws-{i}", "completions", completions(10 + i)) for i in range(2)]
-                # served by vLLM's OpenAI layer: a grammar, logprobs and penalties continue where they were
-                jobs += [run.sse(c, f"{kind}-{i}", "/v1/chat/completions", openai_body(kind, i, stream=True, stream_options=USAGE))
+                jobs = [job(run, c, f"chat-{i}", "sse", CHAT, chat(i)) for i in range(3)]
+                jobs += [job(run, c, f"completions-{i}", "sse", COMPLETIONS, completions(i)) for i in range(3)]
+                jobs += [job(run, c, f"completions-ws-{i}", "ws", COMPLETIONS, completions(10 + i)) for i in range(2)]
+                # served by vLLM's OpenAI layer: a grammar, logprobs, penalties and n = 2 continue where they
+                # were, on every transport (tool calls and reasoning: tests/e2e/test_resume_parsers.py, whose
+                # engines have vLLM's parsers; vLLM takes a named tool choice only with auto tool choice on, and
+                # this engine pair has it off, which tests/e2e/test_vllm.py checks)
+                jobs += [job(run, c, f"{kind}-{i}", "sse", CHAT, openai_body(kind, i))
                          for kind in OPENAI_KINDS for i in range(2)]
-                jobs += [run.mux(f"{kind}-ws", "chat.completions", openai_body(kind, 5, stream_options=USAGE)) for kind in OPENAI_KINDS]
-                all_ = asyncio.gather(*jobs)
+                jobs += [job(run, c, f"{kind}-ws", "ws", CHAT, openai_body(kind, 5)) for kind in OPENAI_KINDS]
+                jobs += [job(run, c, f"{kind}-fanout", "fanout", CHAT, openai_body(kind, 6)) for kind in ("json", "penalties")]
+                jobs += [job(run, c, f"json-{transport}", transport, "/v1/responses", responses_json(7 + k))
+                         for k, transport in enumerate(("responses-sse", "responses-ws", "responses-bg"))]
+                jobs.append(job(run, c, "json-ui", "ui", CHAT, openai_body("json", 10)))
                 # the kill once half the clients read tokens: waiting for all of them let the engine under the
-                # other half finish its answers first on a busy machine (nothing was then in flight there)
-                for _ in range(len(jobs) // 2):
-                    await asyncio.wait_for(run.started.acquire(), 120)
-                # the engine worker's whole process group, as a container runtime kills a container: a SIGKILL of
-                # the worker alone leaves vLLM's EngineCore processes behind (docs/failures.md)
-                os.killpg(engine.popen.pid, signal.SIGKILL)
-                await asyncio.wait_for(all_, 180)
-            return run.answers
+                # other half finish its answers first on a busy machine (nothing was then in flight there).
+                # The engine worker's whole process group, as a container runtime kills a container: a SIGKILL
+                # of the worker alone leaves vLLM's EngineCore processes behind (docs/failures.md)
+                return await run.kill_when_started(jobs, lambda: os.killpg(engine.popen.pid, signal.SIGKILL),
+                                                   readers=len(jobs) // 2, timeout=180, start_timeout=120)
 
         answers = asyncio.run(clients())
-        expected: dict[str, Answer] = {}
-        for name in answers:
-            kind, i = name.rsplit("-", 1)
-            if kind in OPENAI_KINDS:
-                path, body = "/v1/chat/completions", openai_body(kind, 5 if i == "ws" else int(i))
-            else:
-                path, body = (("/v1/chat/completions", chat(int(i))) if kind == "chat" else
-                              ("/v1/completions", completions(int(i) + (10 if kind == "ws" else 0))))
-            expected[name] = control_answer(httpx.post(vllm_gateway_url + path, json=body, timeout=120).json())
+        expected = {name: control_answer(httpx.post(vllm_gateway_url + path, json=body, timeout=120).json())
+                    for name, (path, body) in controls.items()}
         check_vllm(answers, expected)
-        # logprobs and both choices of n = 2 were there to compare
-        assert expected["penalties-0"].logprobs and expected["n2-0"].others[1] and expected["n2-0"].logprobs_of(1)
-        assert expected["json-0"].text.startswith('{"name":"'), expected["json-0"].text  # the grammar ran
-        # about half of the 14 generations ran on the killed engine; each was continued, none refused
+        # what was compared really was there: logprobs (on a fan-out stream too), both choices of n = 2, the
+        # grammar's JSON in chat, Responses and the UI message stream
+        assert expected["penalties-0"].logprobs and answers["penalties-fanout/ws"].logprobs
+        assert expected["n2-0"].others[1] and expected["n2-0"].logprobs_of(1)
+        for name in ("json-0", "json-responses-bg", "json-ui"):
+            assert answers[name].text.startswith('{"name":"'), (name, answers[name].text)
+        # about half of the generations ran on the killed engine; each was continued, none refused
         lost = in_flight(engine.log())
         continued = metric(url, "tokenfan_migrations_total", {"outcome": "continued"})
         assert len(lost) >= 4 and continued >= len(lost), (lost, continued, gateway.log()[-3000:])
@@ -168,18 +188,19 @@ def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrup
 
 OPENAI_KINDS = ("json", "penalties", "n2")
 USAGE = {"include_usage": True}
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
 
 
 def openai_body(kind: str, i: int, **extra: Any) -> dict[str, Any]:
-    """A chat request vLLM's OpenAI layer serves: a JSON schema, logprobs with penalties, or two choices with
+    """A chat request vLLM's OpenAI layer serves: a JSON schema, logprobs with penalties, two choices with
     logprobs (sampled with ``top_k=1``: vLLM refuses ``n`` > 1 with greedy sampling, and one candidate per
     step makes the samples exact)."""
     body: dict[str, Any] = {"messages": [{"role": "user", "content": f"lake {i}"}], "max_tokens": 300,
                             "temperature": 0, **extra}
     if kind == "json":
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
-            "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-            "required": ["name", "age"]}}}
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
     elif kind == "penalties":
         body.update(logprobs=True, top_logprobs=2, presence_penalty=0.6, frequency_penalty=0.4,
                     repetition_penalty=1.1, min_tokens=60)
@@ -188,14 +209,21 @@ def openai_body(kind: str, i: int, **extra: Any) -> dict[str, Any]:
     return body
 
 
+def responses_json(i: int) -> dict[str, Any]:
+    """A Responses request for a JSON schema's answer."""
+    return {"input": f"lake {i}", "max_output_tokens": 300, "temperature": 0,
+            "text": {"format": {"type": "json_schema", "name": "p", "schema": PERSON}}}
+
+
 def check_vllm(answers: dict[str, Answer], expected: dict[str, Answer]) -> None:
     """Each answer is its control's: text of every choice, finish, usage, and each choice's logprobs (the
     same tokens, none repeated or missing; values within 1e-3, since the answer's start was computed on the
     killed engine, in other batches)."""
     for name, got in answers.items():
-        want = expected[name]
+        want = expected[name.split("/")[0]]
         assert not got.errors, (name, got.errors)
-        assert (got.text, got.others, got.finish) == (want.text, want.others, want.finish), name
+        assert (got.text, got.others, got.reasoning, got.tools, got.finish) == \
+            (want.text, want.others, want.reasoning, want.tools, want.finish), name
         if got.usage is not None:
             assert got.usage == want.usage, name
         for k in (0, *want.others):
@@ -205,14 +233,12 @@ def check_vllm(answers: dict[str, Answer], expected: dict[str, Answer]) -> None:
 
 
 def control_answer(obj: dict[str, Any]) -> Answer:
-    """A non-streamed chat or completions response as the :class:`Answer` a stream of it folds to."""
-    answer = Answer(usage={k: obj["usage"][k] for k in ("prompt_tokens", "completion_tokens")})
-    for choice in obj["choices"]:
-        message = choice.get("message")
-        answer.fold_choice(choice["index"], message["content"] if message else choice["text"],
-                           choice.get("logprobs") if message else None)
-        if choice["index"] == 0:
-            answer.finish = choice["finish_reason"]
+    """A non-streamed chat, completions or Responses answer as the :class:`Answer` a stream of it folds to."""
+    answer = Answer()
+    if obj.get("object") == "response":
+        answer.fold_response(obj)
+    else:
+        answer.fold(obj)
     return answer
 
 

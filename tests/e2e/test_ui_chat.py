@@ -446,21 +446,34 @@ def engine_core(serve: Proc) -> int:
 def engine_stepped(page: Page, pid: int, chars: int) -> Iterator[str]:
     """vLLM's EngineCore stopped (SIGSTOP) and let run 10 ms at a time until the page shows ``chars`` characters
     of the answer; yields them with the engine stopped, so the answer is certainly still running inside the
-    block, however fast the tiny model writes (400 tokens can end within a page's reload). The engine worker
-    and its heartbeats go on meanwhile."""
+    block, however fast the tiny model writes (400 tokens can end within a page's reload). The engine is let
+    run again only once the page has shown what the last 10 ms wrote (its text unchanged for 2 s): a busy
+    page that renders late must not let the engine run on to the answer's end (it did, beside a CPU hog,
+    when every 50 ms of lag bought the engine another step). The engine worker and its heartbeats go on
+    meanwhile."""
+    def step() -> None:
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.01)
+        os.kill(pid, signal.SIGSTOP)
+
     os.kill(pid, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
+        shown, changed = -1, time.monotonic()
+        step()
         while True:
             state = chat_state(page)
-            if state["status"] == "streaming" and state["messages"][-1]["role"] == "assistant" and \
-                    len(text := answer(state)) >= chars:
+            last = state["messages"][-1] if state["messages"] else {"role": "user"}
+            text = answer(state) if last["role"] == "assistant" else ""
+            if state["status"] == "streaming" and len(text) >= chars:
                 break
             assert time.monotonic() < deadline, state
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(0.01)
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.05)  # what it wrote reaches the page
+            if len(text) != shown:
+                shown, changed = len(text), time.monotonic()
+            elif time.monotonic() - changed > 2.0:  # the page shows all the last step wrote
+                step()
+                changed = time.monotonic()
+            time.sleep(0.05)
         yield text
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -493,7 +506,8 @@ def test_tiny_model_a_reload_resumes_the_answer_and_stop_aborts_it(browser: Brow
     page = open_chat(browser, parser_gateway, bundle, "tiny-stop-chat", resume=True, settings=long)
     send(page, question)
     with engine_stepped(page, core, 10):
-        assert page.evaluate("window.stop()")["cancelled"] is True
+        stopped = page.evaluate("window.stop()")
+        assert stopped["cancelled"] is True, (stopped, chat_state(page), httpx.get(parser_gateway + "/health").json())
     wait_until(lambda: httpx.get(parser_gateway + "/health").json()["engine"]["running"] == 0, timeout=30,
                what="the engine runs nothing")
     state = wait_settled(page)

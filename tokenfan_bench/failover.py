@@ -264,8 +264,10 @@ def _workers(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
 
 
 def kind_of(args: argparse.Namespace, i: int) -> str:
-    """The kind of stream ``i`` (the kinds take turns)."""
-    return str(args.kinds[i % len(args.kinds)])
+    """The kind of stream ``i``: the kinds take turns by pairs of streams, since the gateway places
+    consecutive streams on alternate engines (turns of one put every other kind on the killed engine
+    alone, and no stream of the rest there)."""
+    return str(args.kinds[(i // 2) % len(args.kinds)])
 
 
 def _result(args: argparse.Namespace, scenario: str, backend: str, ended: list[bool], arrivals: list[list[float]],

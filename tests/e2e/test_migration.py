@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -296,12 +297,17 @@ class Run:
         return await self.sse(c, name, f"/v1/responses/{r.json()['id']}?stream=true", None)
 
     async def kill_when_started(self, jobs: list[Any], kill: Callable[[], Any], readers: int | None = None,
-                                timeout: float = 90, start_timeout: float = 60) -> dict[str, Answer]:
-        """Run ``jobs``; ``kill()`` once ``readers`` of them (default: one per job) have started; wait for
-        every job's end."""
+                                timeout: float = 90, start_timeout: float = 60,
+                                ready: Callable[[], bool] | None = None) -> dict[str, Answer]:
+        """Run ``jobs``; ``kill()`` once ``readers`` of them (default: one per job) have started and
+        ``ready()`` holds (e.g. the engine to kill runs some of them); wait for every job's end."""
         running = asyncio.gather(*jobs)
         for _ in range(len(jobs) if readers is None else readers):
             await asyncio.wait_for(self.started.acquire(), start_timeout)
+        deadline = time.monotonic() + start_timeout
+        while ready is not None and not ready():
+            assert time.monotonic() < deadline, "not ready to kill"
+            await asyncio.sleep(0.05)
         kill()
         self.killed.set()
         await asyncio.wait_for(running, timeout)

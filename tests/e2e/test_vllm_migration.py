@@ -163,8 +163,12 @@ def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrup
                 # other half finish its answers first on a busy machine (nothing was then in flight there).
                 # The engine worker's whole process group, as a container runtime kills a container: a SIGKILL
                 # of the worker alone leaves vLLM's EngineCore processes behind (docs/failures.md)
+                # and once the engine to kill streams 4 or more answers: its vLLM processes run at nice 19 (they
+                # boot in the CPU the other tests leave), and in a full suite its readers could still be
+                # waiting for their first token when the others had theirs (nothing was then in flight there)
                 return await run.kill_when_started(jobs, lambda: os.killpg(engine.popen.pid, signal.SIGKILL),
-                                                   readers=len(jobs) // 2, timeout=180, start_timeout=120)
+                                                   readers=len(jobs) // 2, timeout=180, start_timeout=120,
+                                                   ready=lambda: len(in_flight(engine.log())) >= 4)
 
         answers = asyncio.run(clients())
         expected = {name: control_answer(httpx.post(vllm_gateway_url + path, json=body, timeout=120).json())

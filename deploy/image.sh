@@ -9,11 +9,13 @@
 #   deploy/image.sh store               print the buildah storage directory
 #   deploy/image.sh buildah-args        print buildah's storage options (--root … --storage-driver …)
 #   deploy/image.sh clean               remove the build storage (buildah) and the build cache
+#   deploy/image.sh prune               remove other checkouts' stores as a build does (see Disk, below)
 #
 # Builder: a working Docker daemon (`docker info` answers), else buildah (Debian's package; installed by
 # `make image-deps`). With buildah the images live in their own storage, never in the system's: under
-# $TOKENFAN_IMAGE_STORE (default /var/tmp/tokenfan-image), so `make clean` can remove them and a test can
-# start them with `buildah --root … run --isolation chroot` (one directory per checkout, below it).
+# $TOKENFAN_IMAGE_STORE (default $TOKENFAN_IMAGE_STORES/<checkout>-<hash>, one per checkout; the parent
+# defaults to /var/tmp/tokenfan-image), so `make clean` can remove them and a test can start them with
+# `buildah --root … run --isolation chroot`.
 #
 # Base image: the official one (python:3.11-slim, vllm/vllm-openai) when its registry answers. Where no
 # registry is reachable, the CPU image is built FROM a base made here from Debian's archive with
@@ -32,6 +34,15 @@
 # into the build and pip takes the wheel from it; everything else still comes from PyPI. pip's cache is a
 # build cache mount (RUN --mount=type=cache): rebuilds reuse it, the image never holds it.
 #
+# Disk: a CPU build needs about 11 GiB free while it runs (measured here: the free space fell by 10.4 GiB
+# at its peak: pip's downloads, the container's 3 GiB of site-packages and their committed copy) and keeps
+# 3.1 GiB. Stores are per checkout, so clones would add up (a CI machine cloning each run filled its disk):
+# before a build, the stores of checkouts that no longer exist are removed and, while the free space is
+# below TOKENFAN_IMAGE_NEED_GIB (default 11), the least recently used stores of other checkouts not used
+# for an hour; an outdated image of this checkout is removed before it is built again. Only stores under
+# $TOKENFAN_IMAGE_STORES (default /var/tmp/tokenfan-image) are ever pruned, and only when this checkout's
+# store is there too (never the siblings of a TOKENFAN_IMAGE_STORE).
+#
 # An image whose tokenfan.source-hash label matches the inputs (the Dockerfile and what it copies) is not
 # built again (TOKENFAN_IMAGE_REBUILD=1 forces it). Prints the image's size and the build's wall time at
 # the end (docs/deploy.md records them).
@@ -40,7 +51,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 # One store per checkout: a `make clean` or a build in another clone on the same machine must not remove
 # or retag this one's images (seen: a clean in one clone broke a build running in another).
-STORE="${TOKENFAN_IMAGE_STORE:-/var/tmp/tokenfan-image/$(basename "$ROOT")-$(printf %s "$ROOT" | sha256sum | cut -c1-8)}"
+STORES="${TOKENFAN_IMAGE_STORES:-/var/tmp/tokenfan-image}"
+STORE="${TOKENFAN_IMAGE_STORE:-$STORES/$(basename "$ROOT")-$(printf %s "$ROOT" | sha256sum | cut -c1-8)}"
+NEED_MIB=$(( ${TOKENFAN_IMAGE_NEED_GIB:-11} * 1024 ))
 BASE_TAG="localhost/tokenfan-base:bookworm-python3.11"
 DEBIAN_MIRROR="${TOKENFAN_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 TORCH_VERSION="2.13.0"
@@ -76,6 +89,7 @@ buildah_args() {
 
 bah() {
     mkdir -p "$STORE/tmp"
+    mark_used
     # shellcheck disable=SC2046
     TMPDIR="$STORE/tmp" buildah $(buildah_args) "$@"
 }
@@ -102,6 +116,66 @@ source_hash() {
         pyproject.toml README.md tokenfan engine_worker gateway tokenfan_bench web \
         -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum) \
         | sha256sum | cut -c1-16
+}
+
+# -- the stores: which checkout each belongs to, when it was last used, pruning -------------------------
+
+mark_used() {
+    mkdir -p "$STORE"
+    printf '%s\n' "$ROOT" > "$STORE/checkout"
+    touch "$STORE/used"
+}
+
+free_mib() { df -Pm "$1" | awk 'NR == 2 {print $4}'; }
+
+remove_store() {
+    local s="$1"
+    grep -o " $s/[^ ]*" /proc/mounts | sort -r | xargs -r -n1 umount 2>/dev/null || true
+    chmod -R u+w "$s" 2>/dev/null || true   # vfs layers hold read-only directories
+    rm -rf "$s"
+}
+
+# The other stores under $STORES, least recently used first: "<last use, epoch s> <dir>" (a store made
+# before stores recorded their use counts from its directory's time).
+other_stores() {
+    local s
+    for s in "$STORES"/*/; do
+        s="${s%/}"
+        [ "$s" != "$STORE" ] || continue
+        [ -f "$s/driver" ] || [ -f "$s/checkout" ] || continue   # a store, nothing else
+        if [ -f "$s/used" ]; then echo "$(stat -c %Y "$s/used") $s"; else echo "$(stat -c %Y "$s") $s"; fi
+    done | sort -n
+}
+
+prune_stores() {
+    [ -z "${TOKENFAN_IMAGE_STORE:-}" ] && [ -d "$STORES" ] || return 0
+    local t s owner
+    while read -r t s; do
+        [ -f "$s/checkout" ] || continue
+        owner=$(cat "$s/checkout")
+        [ -f "$owner/deploy/image.sh" ] && continue
+        log "removing the image store of $owner (that checkout is gone): $s"
+        remove_store "$s"
+    done < <(other_stores)
+    while read -r t s; do
+        [ "$(free_mib "$STORES")" -lt "$NEED_MIB" ] || break
+        [ $(( $(date +%s) - t )) -gt 3600 ] || break
+        log "$(free_mib "$STORES") MiB free, a build needs about $NEED_MIB: removing the least recently used image store $s ($(du -sh "$s" 2>/dev/null | cut -f1), last used $(date -d "@$t" '+%F %T'))"
+        remove_store "$s"
+    done < <(other_stores)
+}
+
+# Before a build: prune, then say plainly when the disk is still short.
+check_space() {
+    prune_stores
+    local free
+    mkdir -p "$STORE"
+    free=$(free_mib "$STORE")
+    if [ "$free" -lt 4096 ]; then
+        die "only $free MiB free under $STORE: the image alone takes 3.1 GiB and a build about $NEED_MIB MiB; free some space (other checkouts' \`deploy/image.sh clean\`) or set TOKENFAN_IMAGE_STORE"
+    elif [ "$free" -lt "$NEED_MIB" ]; then
+        log "warning: $free MiB free under $STORE, a build needs about $NEED_MIB MiB at its peak (TOKENFAN_IMAGE_NEED_GIB); trying anyway"
+    fi
 }
 
 local_torch_wheel() {
@@ -152,6 +226,13 @@ build() {
         return 0
     fi
     args+=(--label "tokenfan.source-hash=$hash")
+    if [ "$t" = buildah ]; then
+        check_space
+        # the outdated images: replaced by this build anyway, and their 3 GiB may be what it needs
+        local outdated=("localhost/$tag")
+        [ "$variant" != cpu ] || outdated+=(localhost/tokenfan:gpu-dry localhost/tokenfan-gpu-standin:vllm-cpu)
+        bah rmi -f "${outdated[@]}" >/dev/null 2>&1 || true
+    fi
 
     local want="${TOKENFAN_IMAGE_BASE:-auto}"
     if [ "$variant" = cpu ]; then
@@ -267,7 +348,8 @@ case "${1:-build}" in
     tool) tool ;;
     hash) source_hash "${2:-cpu}" ;;
     store) echo "$STORE" ;;
-    buildah-args) mkdir -p "$STORE"; buildah_args ;;
+    buildah-args) mark_used; buildah_args ;;
+    prune) prune_stores ;;
     clean) clean ;;
-    *) die "usage: $0 [build [cpu|gpu]|base|gpu-dry|tool|hash|store|buildah-args|clean]" ;;
+    *) die "usage: $0 [build [cpu|gpu]|base|gpu-dry|tool|hash|store|buildah-args|clean|prune]" ;;
 esac

@@ -5,7 +5,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import socket
 import stat
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -54,3 +56,39 @@ def check_tcp_bind(address: str, allow_remote: bool) -> None:
             "--allow-remote-engine to do it anyway on a private network"
         )
     log.warning("engine socket bound to non-loopback %s (authenticated only with --curve-dir)", address)
+
+
+def sweep_stale(directory: Path, *, min_age_s: float = 60.0, claim_life_s: float = 600.0) -> int:
+    """Remove what killed processes left in a private runtime directory; returns how many entries went.
+
+    A socket goes when nothing listens on it (a connect is refused) and it is older than ``min_age_s`` (a
+    process between its bind and its listen is never mistaken for a dead one); an adoption claim
+    (``adopt-*``, see ``gateway.scaleout.peers``) when older than its ``claim_life_s``.
+    """
+    if not directory.is_dir() or directory.stat().st_uid != os.getuid():
+        return 0
+    now, removed = time.time(), 0
+    for entry in directory.iterdir():
+        try:
+            st = entry.lstat()
+        except FileNotFoundError:
+            continue
+        age = now - st.st_mtime
+        stale = False
+        if stat.S_ISSOCK(st.st_mode) and age > min_age_s:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(1.0)
+                try:
+                    probe.connect(str(entry))
+                except ConnectionRefusedError:
+                    stale = True
+                except OSError:
+                    pass  # listening but busy, or not ours to judge
+        elif stat.S_ISREG(st.st_mode) and entry.name.startswith("adopt-") and age > claim_life_s:
+            stale = True
+        if stale:
+            entry.unlink(missing_ok=True)
+            removed += 1
+    if removed:
+        log.info("removed %d stale entries (sockets nobody listens on, expired claims) from %s", removed, directory)
+    return removed

@@ -39,6 +39,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from engine_worker.backends.vllm_resume import RESUME_KEY
 from engine_worker.config import EngineConfig
 from engine_worker.models import DEFAULT_MODEL_DIRNAME, SERVING_HINTS, resolve_model
 from engine_worker.protocol import FinishReason, Sampling, Submit
+from tokenfan_settings import default_runtime_dir
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -242,6 +244,7 @@ class VllmBackend:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+            remove_private_rpc_dir()
 
     def load(self) -> tuple[int, int]:
         return len(self._running), len(self._waiting)
@@ -484,6 +487,8 @@ def configure_runtime_env(config: EngineConfig, model_bytes: int = 0) -> CpuPlac
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        os.environ["VLLM_RPC_BASE_PATH"] = str(private_rpc_dir(default_runtime_dir()))
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:  # the user's own binding: keep it, pin nothing
         return CpuPlacement(os.environ["VLLM_CPU_OMP_THREADS_BIND"])
     placement = cpu_placement(config.cpu_placement, sorted(os.sched_getaffinity(0)),
@@ -492,6 +497,38 @@ def configure_runtime_env(config: EngineConfig, model_bytes: int = 0) -> CpuPlac
     log.info("CPU placement: VLLM_CPU_OMP_THREADS_BIND=%s, engine processes on CPUs %s",
              placement.omp_threads_bind, sorted(placement.engine_cpus) if placement.engine_cpus else "any")
     return placement
+
+
+def private_rpc_dir(runtime: Path, pid: int | None = None) -> Path:
+    """A directory only this user can enter for vLLM's own ZeroMQ sockets (this process to its engine core),
+    which vLLM otherwise leaves in ``/tmp`` under random names: ``<runtime>/vllm-<pid>``, mode 0700. Such
+    directories of processes that no longer run (a killed engine) are removed first."""
+    runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for stale in runtime.glob("vllm-*"):
+        owner = stale.name.removeprefix("vllm-")
+        if owner.isdigit() and not _running(int(owner)):
+            shutil.rmtree(stale, ignore_errors=True)
+    path = runtime / f"vllm-{os.getpid() if pid is None else pid}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def remove_private_rpc_dir() -> None:
+    """Remove this process's :func:`private_rpc_dir` (at shutdown; a user's own ``VLLM_RPC_BASE_PATH`` stays)."""
+    path = Path(os.environ.get("VLLM_RPC_BASE_PATH", ""))
+    if path.name == f"vllm-{os.getpid()}" and path.parent == default_runtime_dir():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 @dataclass(frozen=True, slots=True)

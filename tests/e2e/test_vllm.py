@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import stat
+from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 import websockets
 
 from tests.e2e.helpers import chunk_text, engine_load, metric, wait_until
+from tokenfan_bench.servers.processes import Proc
 
 pytestmark = pytest.mark.vllm
 
@@ -32,6 +37,22 @@ def model(client: openai.OpenAI) -> str:
 def test_models_lists_the_vllm_backend(vllm_gateway_url: str) -> None:
     entry = httpx.get(vllm_gateway_url + "/v1/models").json()["data"][0]
     assert entry["backend"] == "vllm" and entry["max_model_len"] == 512
+
+
+def test_vllms_own_sockets_are_in_a_directory_private_to_the_engine(
+        vllm_gateway_url: str, vllm_engine: tuple[str, Proc]) -> None:
+    """vLLM binds its engine-core ZeroMQ sockets under VLLM_RPC_BASE_PATH (``/tmp`` by default, where a
+    killed engine leaves them): the engine worker points it at ``<runtime dir>/vllm-<pid>``, mode 0700."""
+    _, engine = vllm_engine
+    # its spawned children inherit it (EngineCore's setproctitle hides its own environment from /proc)
+    children = psutil.Process(engine.pid).children(recursive=True)
+    bases = {Path(env["VLLM_RPC_BASE_PATH"]) for env in map(psutil.Process.environ, children)
+             if "VLLM_RPC_BASE_PATH" in env}
+    assert len(bases) == 1, bases
+    base = bases.pop()
+    assert base.name == f"vllm-{engine.pid}"
+    assert stat.S_IMODE(base.stat().st_mode) == 0o700 and base.stat().st_uid == os.getuid()
+    assert any(stat.S_ISSOCK(entry.stat().st_mode) for entry in base.iterdir()), list(base.iterdir())
 
 
 def test_chat_streams_with_usage(client: openai.OpenAI, model: str) -> None:

@@ -1,0 +1,49 @@
+"""``engine_worker.ipc.sweep_stale``: what killed processes leave in the runtime directory goes, nothing live."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+from engine_worker.ipc import sweep_stale
+
+
+def _aged(path: Path, seconds: float) -> Path:
+    when = time.time() - seconds
+    os.utime(path, (when, when), follow_symlinks=False)
+    return path
+
+
+def _socket(path: Path, *, listening: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    if listening:
+        sock.listen()
+    return sock
+
+
+def test_dead_sockets_and_expired_claims_go_live_and_young_ones_stay(tmp_path: Path) -> None:
+    live = _socket(tmp_path / "engine-8000.sock", listening=True)
+    dead = _socket(tmp_path / "engine-8001.sock", listening=False)
+    dead.close()  # the file stays, as after a SIGKILL
+    young = _socket(tmp_path / "gateway-8002-w1.sock", listening=False)
+    young.close()
+    _aged(tmp_path / "engine-8000.sock", 3600)
+    _aged(tmp_path / "engine-8001.sock", 3600)
+    for name, age in (("adopt-8000-chatcmpl-1-a", 3600), ("adopt-8000-chatcmpl-2-a", 30), ("notes.txt", 3600)):
+        (tmp_path / name).touch()
+        _aged(tmp_path / name, age)
+    try:
+        assert sweep_stale(tmp_path) == 2
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "adopt-8000-chatcmpl-2-a", "engine-8000.sock", "gateway-8002-w1.sock", "notes.txt"]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(tmp_path / "engine-8000.sock"))  # still served
+    finally:
+        live.close()
+
+
+def test_a_missing_directory_is_nothing_to_do(tmp_path: Path) -> None:
+    assert sweep_stale(tmp_path / "absent") == 0

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -243,7 +244,10 @@ class VllmBackend:
             self._outputs = None
         if self._engine is not None:
             self._engine.shutdown()
-            self._engine = None
+            # every reference to AsyncLLM goes now: its __del__ shuts it down again, which at interpreter exit
+            # (module globals already None) printed a TypeError traceback after every clean stop
+            self._engine = self._openai = None
+            gc.collect()
             remove_private_rpc_dir()
 
     def load(self) -> tuple[int, int]:

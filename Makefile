@@ -57,7 +57,7 @@ image: image-deps
 	deploy/image.sh gpu-dry
 
 # CI (.ci/run) runs exactly `make test`: the lint first, so a finding fails the build before the suite runs.
-# One process, about 15 min of pytest on 2 cores (docs/tests.md). Two pytest-xdist workers (PYTEST_ARGS="-n 2 --dist
+# One process, about 18 min of pytest on 2 cores (docs/tests.md). Two pytest-xdist workers (PYTEST_ARGS="-n 2 --dist
 # loadgroup --no-loadscope-reorder") are opt-in: on 2 cores their contention fails timing-sensitive tests.
 # `image` first: tests/e2e/test_image.py starts the built image (about 6 min to build on 2 cores, nothing
 # when it is up to date).

@@ -135,8 +135,8 @@ remove_store() {
     rm -rf "$s"
 }
 
-# The other stores under $STORES, least recently used first: "<last use, epoch s> <dir>" (a store made
-# before stores recorded their use counts from its directory's time).
+# The other stores under $STORES, least recently used first: "<last use, epoch s> <dir>" (for a store made
+# before stores recorded their use, its directory's time).
 other_stores() {
     local s
     for s in "$STORES"/*/; do

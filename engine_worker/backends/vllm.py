@@ -503,7 +503,7 @@ def configure_runtime_env(config: EngineConfig, model_bytes: int = 0) -> CpuPlac
     return placement
 
 
-def private_rpc_dir(runtime: Path, pid: int | None = None) -> Path:
+def private_rpc_dir(runtime: Path) -> Path:
     """A directory only this user can enter for vLLM's own ZeroMQ sockets (this process to its engine core),
     which vLLM otherwise leaves in ``/tmp`` under random names: ``<runtime>/vllm-<pid>``, mode 0700. Such
     directories of processes that no longer run (a killed engine) are removed first."""
@@ -512,7 +512,7 @@ def private_rpc_dir(runtime: Path, pid: int | None = None) -> Path:
         owner = stale.name.removeprefix("vllm-")
         if owner.isdigit() and not _running(int(owner)):
             shutil.rmtree(stale, ignore_errors=True)
-    path = runtime / f"vllm-{os.getpid() if pid is None else pid}"
+    path = runtime / f"vllm-{os.getpid()}"
     path.mkdir(mode=0o700, exist_ok=True)
     os.chmod(path, 0o700)
     return path

@@ -108,12 +108,13 @@ def _start_vllm_serve(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
 
 
 def _start_spare_engine(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
-    """A second vLLM engine for test_vllm_migration, which kills it (booted with the others, not in the test):
-    the same as :func:`_start_vllm_engine` (float32: a continuation on the other engine must decode the same)."""
+    """A second engine beside the parser engine of :func:`_start_parser_gateway` for test_vllm_migration,
+    which kills it (booted with the others, not in the test): the same flags, dtype and threads as that engine
+    (vLLM's hermes and qwen3 parsers; float32: a continuation on the other engine must decode the same)."""
     address = f"ipc://{ipc_dir / 'vllm-spare.sock'}"
-    return start_engine(address, "--engine", "vllm", "--model", str(model), "--max-model-len", "512",
-                        "--dtype", "float32", "--served-model-name", "tiny", *STRUCTURED, name="engine-vllm-spare",
-                        nice=BOOT_NICE), address
+    return spawn(["-m", "engine_worker", "--address", address, "--engine", "vllm", "--model", str(model),
+                  "--max-model-len", "512", "--dtype", "float32", "--served-model-name", "tiny", "--kv-cache-gib",
+                  "1", *PARSER_FLAGS], "engine-vllm-spare", env=ONE_THREAD, nice=BOOT_NICE), address
 
 
 VLLM_STARTS: dict[str, Callable[[Path, Path], tuple[Proc, str]]] = {

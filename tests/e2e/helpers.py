@@ -126,10 +126,24 @@ def drop_inside_the_call(stream: Any) -> list[Any]:
     return seen
 
 
+def in_flight_traces(engine_log: str) -> set[str]:
+    """The trace ids (the clients' ``X-Request-ID``) of the requests in flight on an engine, from its log
+    (:func:`in_flight`; ``accepted <id> trace=<trace>`` lines)."""
+    lost = in_flight(engine_log)
+    traces: set[str] = set()
+    for line in engine_log.splitlines():
+        if " accepted " in line:
+            rid, _, rest = line.split(" accepted ", 1)[1].partition(" trace=")
+            if rid in lost:
+                traces.add(rest.split()[0])
+    return traces
+
+
 def in_flight(engine_log: str) -> set[str]:
     """The requests an engine had accepted and not finished, from its log (``accepted <id>`` and
     ``finished <id>`` lines): what was in flight when it was killed."""
-    accepted, finished = set(), set()
+    accepted: set[str] = set()
+    finished: set[str] = set()
     for line in engine_log.splitlines():
         for word, into in ((" accepted ", accepted), (" finished ", finished)):
             if word in line:

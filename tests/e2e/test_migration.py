@@ -163,9 +163,16 @@ def usage_of(u: dict[str, Any] | None) -> dict[str, int] | None:
     return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"]}
 
 
+def trace(name: str) -> dict[str, str]:
+    """The ``X-Request-ID`` of client ``name``'s request: the engine logs it (``accepted <id> trace=<name>``),
+    so a test reads which clients were in flight on an engine (:func:`tests.e2e.helpers.in_flight_traces`)."""
+    return {"X-Request-ID": name}
+
+
 class Run:
     """The clients of one scenario, on every path; each releases ``started`` once it has read a few
-    events (its request is then in flight), and folds what it reads into its :class:`Answer`."""
+    events (its request is then in flight), and folds what it reads into its :class:`Answer`. Each request
+    that starts a generation carries the client's name as its ``X-Request-ID`` (:func:`trace`)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -183,6 +190,8 @@ class Run:
         ``/api/chat``, the AI SDK's UI message parts."""
         answer = self._answer(name)
         seen = 0
+        if body is not None:
+            headers = {**trace(name), **(headers or {})}
         async with c.stream("GET" if body is None else "POST", self.url + path, json=body, headers=headers) as r:
             assert r.status_code == 200, await r.aread()
             buf = ""
@@ -211,7 +220,7 @@ class Run:
 
     async def full(self, c: httpx.AsyncClient, name: str, path: str, body: dict[str, Any]) -> Answer:
         self.started.release()  # nothing to read until the end: it is in flight once sent
-        r = await c.post(self.url + path, json=body)
+        r = await c.post(self.url + path, json=body, headers=trace(name))
         assert r.status_code == 200, r.text
         answer = self._answer(name)
         answer.fold(r.json())
@@ -219,7 +228,7 @@ class Run:
 
     async def mux(self, name: str, endpoint: str, body: dict[str, Any]) -> Answer:
         answer = self._answer(name)
-        async with websockets.connect(self.ws + "/v1/ws") as sock:
+        async with websockets.connect(self.ws + "/v1/ws", additional_headers=trace(name)) as sock:
             await sock.send(json.dumps({"type": "request", "id": name, "endpoint": endpoint, "body": body}))
             seen = 0
             while True:
@@ -239,7 +248,7 @@ class Run:
         """A ``/v1/streams`` stream read over SSE (``<name>/sse``) and WebSocket (``<name>/ws``), and by
         a reader that leaves after 4 events and comes back after the kill with Last-Event-ID
         (``<name>/resumed``)."""
-        r = await c.post(self.url + "/v1/streams", json=body)
+        r = await c.post(self.url + "/v1/streams", json=body, headers=trace(name))
         assert r.status_code == 201, r.text
         created = r.json()
         ws_answer = self._answer(name + "/ws")
@@ -279,7 +288,7 @@ class Run:
         """The Responses API's WebSocket mode; ``started`` after 3 delta events (text, reasoning or a
         tool call's arguments)."""
         answer = self._answer(name)
-        async with websockets.connect(self.ws + "/v1/responses") as sock:
+        async with websockets.connect(self.ws + "/v1/responses", additional_headers=trace(name)) as sock:
             await sock.send(json.dumps({"type": "response.create", **body}))
             seen = 0
             while True:
@@ -292,7 +301,8 @@ class Run:
                     return answer
 
     async def background(self, c: httpx.AsyncClient, name: str, body: dict[str, Any]) -> Answer:
-        r = await c.post(self.url + "/v1/responses", json={**body, "background": True, "store": True})
+        r = await c.post(self.url + "/v1/responses", json={**body, "background": True, "store": True},
+                         headers=trace(name))
         assert r.status_code == 200, r.text
         return await self.sse(c, name, f"/v1/responses/{r.json()['id']}?stream=true", None)
 

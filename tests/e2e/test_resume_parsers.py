@@ -20,7 +20,6 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,20 +27,17 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.scaleout.workers import worker_socket
 from tests.e2e.helpers import in_flight, metric, wait_until
+from tests.e2e.scaleout import scaleout
 from tests.e2e.test_adoption import (
     Reader,
-    replicas,
     responses_reader,
-    server_children,
     sse_reader,
     until_killed,
 )
 from tests.e2e.test_broker import RedisServer, redis_server  # noqa: F401  (the fixture)
 from tests.e2e.test_migration import Answer, Run
-from tests.procs import NO_CLIENT_LIMITS, Proc, spawn, start_engine, start_gateway, stop_all, wait_healthy
-from tokenfan_bench.servers.processes import free_port
+from tests.procs import NO_CLIENT_LIMITS, Proc, start_engine, start_gateway, stop_all
 
 pytestmark = pytest.mark.vllm  # imports vLLM's layer (no weights, no engine core)
 
@@ -142,19 +138,24 @@ def control(url: str) -> dict[str, Answer]:
 
 
 @pytest.fixture(scope="module")
-def script(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+def engines(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[str, Proc]]]:
+    """Two scripted engines (:data:`ENGINE_ARGS`, :data:`SCRIPT`) for the module: the engine-kill test kills
+    the first; the gateway-kill tests run on the second."""
     path = tmp_path_factory.mktemp("resume-script") / "script.json"
     path.write_text(json.dumps(SCRIPT))
-    yield path, tiny_model
+    addresses = [f"ipc://{ipc_dir / f'resume-{k}.sock'}" for k in "ab"]
+    procs = [start_engine(a, *ENGINE_ARGS, "--synthetic-script", str(path), "--model", str(tiny_model),
+                          "--served-model-name", "tiny", name=f"engine-resume-{k}") for a, k in zip(addresses, "ab")]
+    try:
+        yield list(zip(addresses, procs))
+    finally:
+        stop_all(procs)
 
 
 def test_tool_calls_and_reasoning_continue_exactly_when_their_engine_is_killed(
-        ipc_dir: Path, script: tuple[Path, Path]) -> None:
-    path, model = script
-    addresses = [f"ipc://{ipc_dir / f'resume-{k}.sock'}" for k in "ab"]
-    engines = [start_engine(a, *ENGINE_ARGS, "--synthetic-script", str(path), "--model", str(model),
-                            "--served-model-name", "tiny", name=f"engine-resume-{k}")
-               for a, k in zip(addresses, "ab")]
+        engines: list[tuple[str, Proc]]) -> None:
+    addresses = [address for address, _ in engines]
+    killed = engines[0][1]
     gateway: Proc | None = None
     t0 = time.monotonic()
     try:
@@ -163,7 +164,7 @@ def test_tool_calls_and_reasoning_continue_exactly_when_their_engine_is_killed(
         wait_until(lambda: all(e["healthy"] for e in httpx.get(url + "/health").json()["engines"]), timeout=300,
                    what="both engines")
         t1 = time.monotonic()
-        answers = asyncio.run(scenario(url, lambda: os.killpg(engines[0].popen.pid, signal.SIGKILL)))
+        answers = asyncio.run(scenario(url, lambda: os.killpg(killed.popen.pid, signal.SIGKILL)))
         t2 = time.monotonic()
         expected = control(url)
         print(f"boot {t1 - t0:.1f} s, scenario {t2 - t1:.1f} s, control {time.monotonic() - t2:.1f} s")
@@ -180,14 +181,15 @@ def test_tool_calls_and_reasoning_continue_exactly_when_their_engine_is_killed(
         assert all(call["headers"] == 1 for a in answers.values() for call in a.tools.values())
         assert expected["sse-tools"].tools[1]["name"] == "get_time" and expected["sse-think"].reasoning
         # about half of the generations ran on the killed engine: each was continued, none refused
-        lost = in_flight(engines[0].log())
+        lost = in_flight(killed.log())
         continued = metric(url, "tokenfan_migrations_total", {"outcome": "continued"})
         assert len(lost) >= 2 and continued >= len(lost), (lost, continued, gateway.log()[-3000:])
         for outcome in ("refused", "timeout", "failed"):
             assert metric(url, "tokenfan_migrations_total", {"outcome": outcome}) == 0
         print(f"in flight on the killed engine: {len(lost)} of {len(CASES)}, continued {continued}")
     finally:
-        stop_all([p for p in (gateway, *engines) if p is not None])
+        if gateway is not None:
+            gateway.stop()
 
 
 @dataclass
@@ -203,63 +205,16 @@ def fold_parts(reader: Reader, seq: int, chunk: dict[str, Any]) -> None:
     reader.answer.fold(chunk)
 
 
-@dataclass
-class Scaleout:
-    """Where the listed streams are created (``owner``, over ``transport``), read (``urls``: a reader whose
-    connection drops goes on at the last one, as behind a load balancer) and whose death is ``kill``."""
-
-    owner: str
-    transport: httpx.AsyncBaseTransport | None
-    urls: list[str]
-    kill: Any
-    survivor: str
-    settle: Any = None  # what to wait for before the survivor's metrics count every adoption
-
-
-@contextmanager
-def scaleout(kind: str, ipc_dir: Path, broker_url: str, engine_args: tuple[str, ...]) -> Iterator[Scaleout]:
-    """``replicas``: two ``tokenfan gateway`` replicas on one engine and a redis broker; ``workers``:
-    ``tokenfan serve --workers 2`` (the workers' own standbys; ``tests/e2e/test_adoption.py`` runs plain
-    streams of ``--workers`` with ``--broker`` too)."""
-    if kind == "replicas":
-        engine, gateways = replicas(ipc_dir, broker_url, "tr", engine_args, timeout=300)
-        (a, url_a), (_, url_b) = gateways
-        try:
-            yield Scaleout(url_a, None, [url_a, url_b], lambda: os.kill(a.popen.pid, signal.SIGKILL), url_b)
-        finally:
-            stop_all([engine, *(g for g, _ in gateways)])
-        return
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = spawn(["-m", "tokenfan.cli", "serve", *engine_args, "--workers", "2", "--broker-lease-interval", "0.2",
-                    *NO_CLIENT_LIMITS, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], "serve-resume-workers")
-    try:
-        wait_healthy(url, server, 300)
-        wait_until(lambda: httpx.get(url + "/health").json()["workers"]["ready"] == 2, timeout=60,
-                   what="both workers serving")
-        worker0 = server_children(server)[1]
-        # the adoption metric merges both workers' once worker 0 serves again
-        yield Scaleout("http://worker", httpx.AsyncHTTPTransport(uds=str(worker_socket(port, 0))), [url],
-                       lambda: os.kill(worker0, signal.SIGKILL), url, lambda: wait_until(
-                           lambda: httpx.get(url + "/health").json()["workers"]["ready"] == 2, timeout=60,
-                           what="worker 0 serving again"))
-    finally:
-        assert server.stop() == 0, server.log()[-3000:]
-
-
 @pytest.mark.parametrize("kind", ["workers", "replicas"])
 def test_tool_call_and_reasoning_streams_of_a_killed_gateway_are_adopted_exactly(
-        ipc_dir: Path, redis_server: RedisServer, script: tuple[Path, Path], kind: str) -> None:  # noqa: F811
+        engines: list[tuple[str, Proc]], redis_server: RedisServer, kind: str) -> None:  # noqa: F811
     """Fan-out streams that think and call tools, and a background response with tool calls, are created on
-    one gateway (worker 0 of ``tokenfan serve --workers 2``, or replica A of two on redis) and read on the
+    one gateway (worker 0 of ``tokenfan gateway --workers 2``, or replica A of two on redis) and read on the
     public port (or on A, then B); that gateway is killed with SIGKILL mid-stream. The survivor adopts each
     stream from its log (the engine steps behind its chunks) and the engine replays them through the
     parsers: every reader gets each event once and the control's answer."""
-    path, model = script
-    engine_args = (*ENGINE_ARGS, "--synthetic-script", str(path), "--model", str(model), "--served-model-name",
-                   "tiny")
     questions = ["What is the weather in Paris?", "think long about it", "weather, again"]
-    with scaleout(kind, ipc_dir, redis_server.url, engine_args) as where:
+    with scaleout(kind, engines[1][0], redis_server.url, "resume") as where:
         background = responses("weather in the background", background=True, store=True)
         events: list[dict[str, Any]] = []
 

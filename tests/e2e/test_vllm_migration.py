@@ -6,8 +6,10 @@ stream decodes, and two real engines behind one gateway lose no answer when one 
   rest: text, finish reason and usage. Random weights write byte-fallback tokens, so characters split across
   tokens occur; a stop string makes vLLM hold text back (the continuation sends it first), and a stop string
   that completes across the join must end the answer where the control run's did.
-- Two engines (the session's and a private one) behind one gateway; the private one is killed with SIGKILL
-  mid-stream; every client's answer equals the control run's on the session's gateway.
+- Two engines behind one gateway, both with vLLM's hermes tool parser and qwen3 reasoning parser (the engine
+  of the session's ``tokenfan serve`` and a spare one); the spare one is killed with SIGKILL mid-stream under
+  plain, reasoning, tool-call (named, required, auto), JSON-schema, logprobs-with-penalties and ``n`` = 2
+  answers on every transport; every client's answer equals the control run's on the session's gateway.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import os
 import signal
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from engine_worker import protocol as p
-from tests.e2e.helpers import in_flight, metric, wait_until
+from tests.e2e.helpers import in_flight, in_flight_traces, metric, wait_until
 from tests.e2e.test_migration import GATEWAY_ARGS, Answer, Run
 from tests.procs import Proc, start_gateway, stop_all
 
@@ -103,8 +106,10 @@ def test_a_continuation_from_any_delta_decodes_exactly_the_rest(vllm_engine: tup
 
 
 def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrupted_answer(
-        vllm_engine: tuple[str, Proc], vllm_spare_engine: tuple[str, Proc], vllm_gateway_url: str) -> None:
-    shared, _ = vllm_engine
+        parser_gateway: str, vllm_spare_engine: tuple[str, Proc], ipc_dir: Path) -> None:
+    """The engine of the session's ``tokenfan serve`` with vLLM's parsers (``parser_gateway``) and a spare
+    engine with the same flags behind one gateway; the spare is killed; controls on ``parser_gateway``."""
+    shared = f"ipc://{ipc_dir / 'parser.sock'}"
     private, engine = vllm_spare_engine  # killed here: no other test uses it
     gateway: Proc | None = None
     try:
@@ -145,20 +150,28 @@ def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrup
         async def clients() -> dict[str, Answer]:
             run = Run(url)
             async with httpx.AsyncClient(timeout=120) as c:
-                jobs = [job(run, c, f"chat-{i}", "sse", CHAT, chat(i)) for i in range(3)]
-                jobs += [job(run, c, f"completions-{i}", "sse", COMPLETIONS, completions(i)) for i in range(3)]
-                jobs += [job(run, c, f"completions-ws-{i}", "ws", COMPLETIONS, completions(10 + i)) for i in range(2)]
-                # served by vLLM's OpenAI layer: a grammar, logprobs, penalties and n = 2 continue where they
-                # were, on every transport (tool calls and reasoning: tests/e2e/test_resume_parsers.py, whose
-                # engines have vLLM's parsers; vLLM takes a named tool choice only with auto tool choice on, and
-                # this engine pair has it off, which tests/e2e/test_vllm.py checks)
-                jobs += [job(run, c, f"{kind}-{i}", "sse", CHAT, openai_body(kind, i))
-                         for kind in OPENAI_KINDS for i in range(2)]
-                jobs += [job(run, c, f"{kind}-ws", "ws", CHAT, openai_body(kind, 5)) for kind in OPENAI_KINDS]
-                jobs += [job(run, c, f"{kind}-fanout", "fanout", CHAT, openai_body(kind, 6)) for kind in ("json", "penalties")]
-                jobs += [job(run, c, f"json-{transport}", transport, "/v1/responses", responses_json(7 + k))
+                # served by vLLM's OpenAI layer and its hermes and qwen3 parsers: a grammar, tool calls (named,
+                # required, auto), reasoning (a plain chat: the tiny model never closes its <think>), logprobs,
+                # penalties and n = 2 continue where they were, on every transport. Two POST SSE clients of
+                # each kind go first, one by one (0.1 s apart): least-loaded routing gives one of each pair
+                # to each engine, so the engine to kill runs every kind
+                paired = [job(run, c, f"chat-{i}", "sse", CHAT, chat(i)) for i in range(2)]
+                paired += [job(run, c, f"{kind}-{i}", "sse", CHAT, openai_body(kind, i))
+                           for kind in OPENAI_KINDS for i in range(2)]
+                jobs = [later(0.1 * k, j) for k, j in enumerate(paired)]
+                rest = [job(run, c, "chat-2", "sse", CHAT, chat(2))]
+                rest += [job(run, c, f"completions-{i}", "sse", COMPLETIONS, completions(i)) for i in range(3)]
+                rest += [job(run, c, f"completions-ws-{i}", "ws", COMPLETIONS, completions(10 + i)) for i in range(2)]
+                rest += [job(run, c, f"{kind}-ws", "ws", CHAT, openai_body(kind, 5)) for kind in OPENAI_KINDS]
+                rest += [job(run, c, f"{kind}-fanout", "fanout", CHAT, openai_body(kind, 6))
+                         for kind in ("json", "penalties", "named-tool", "auto-tool")]
+                rest += [job(run, c, f"json-{transport}", transport, "/v1/responses", responses_json(7 + k))
                          for k, transport in enumerate(("responses-sse", "responses-ws", "responses-bg"))]
-                jobs.append(job(run, c, "json-ui", "ui", CHAT, openai_body("json", 10)))
+                rest += [job(run, c, f"tool-{transport}", transport, "/v1/responses", responses_tool(11 + k))
+                         for k, transport in enumerate(("responses-sse", "responses-bg"))]
+                rest.append(job(run, c, "json-ui", "ui", CHAT, openai_body("json", 10)))
+                rest.append(job(run, c, "required-tool-ui", "ui", CHAT, openai_body("required-tool", 10)))
+                jobs += [later(0.1 * len(paired), j) for j in rest]
                 # the kill once half the clients read tokens: waiting for all of them let the engine under the
                 # other half finish its answers first on a busy machine (nothing was then in flight there).
                 # The engine worker's whole process group, as a container runtime kills a container: a SIGKILL
@@ -166,13 +179,13 @@ def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrup
                 # and once the engine to kill streams 4 or more answers: its vLLM processes run at nice 19 (they
                 # boot in the CPU the other tests leave), and in a full suite its readers could still be
                 # waiting for their first token when the others had theirs (nothing was then in flight there)
+                # and once every kind but the named tool call (KILLED_KINDS) is in flight there
                 return await run.kill_when_started(jobs, lambda: os.killpg(engine.popen.pid, signal.SIGKILL),
                                                    readers=len(jobs) // 2, timeout=180, start_timeout=120,
-                                                   ready=lambda: len(in_flight(engine.log())) >= 4)
+                                                   ready=lambda: kinds_in_flight(engine.log()) >= KILLED_KINDS)
 
         answers = asyncio.run(clients())
-        expected = {name: control_answer(httpx.post(vllm_gateway_url + path, json=body, timeout=120).json())
-                    for name, (path, body) in controls.items()}
+        expected = asyncio.run(streamed_controls(parser_gateway, controls))
         check_vllm(answers, expected)
         # what was compared really was there: logprobs (on a fan-out stream too), both choices of n = 2, the
         # grammar's JSON in chat, Responses and the UI message stream
@@ -180,19 +193,51 @@ def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrup
         assert expected["n2-0"].others[1] and expected["n2-0"].logprobs_of(1)
         for name in ("json-0", "json-responses-bg", "json-ui"):
             assert answers[name].text.startswith('{"name":"'), (name, answers[name].text)
-        # about half of the generations ran on the killed engine; each was continued, none refused
+        for name in ("named-tool-0", "required-tool-ws", "named-tool-fanout/sse", "tool-responses-bg",
+                     "required-tool-ui"):  # calls, each announced once, with arguments (vLLM 0.32's hermes
+            # structural tag lets a non-strict call's arguments be `null`, which the tiny model writes)
+            assert answers[name].tools and all(t["headers"] == 1 and t["name"] == "get_weather" and t["arguments"]
+                                               for t in answers[name].tools.values()), (name, answers[name].tools)
+        for name in ("chat-0", "auto-tool-0", "auto-tool-fanout/ws"):  # still thinking at the end
+            assert answers[name].reasoning and not answers[name].text, (name, answers[name])
+        assert answers["auto-tool-0"].logprobs
+        # about half of the generations ran on the killed engine, every kind among them; each was
+        # continued, none refused
         lost = in_flight(engine.log())
+        assert kinds_in_flight(engine.log()) >= KILLED_KINDS
         continued = metric(url, "tokenfan_migrations_total", {"outcome": "continued"})
         assert len(lost) >= 4 and continued >= len(lost), (lost, continued, gateway.log()[-3000:])
         assert metric(url, "tokenfan_migrations_total", {"outcome": "refused"}) == 0
-        print(f"in flight on the killed engine: {len(lost)} of {len(answers)}, continued {continued}")
+        print(f"in flight on the killed engine: {len(lost)} of {len(answers)} ({sorted(in_flight_traces(engine.log()))}), "
+              f"continued {continued}")
     finally:
         stop_all([x for x in (gateway, engine) if x is not None])
 
 
-OPENAI_KINDS = ("json", "penalties", "n2")
+OPENAI_KINDS = ("json", "penalties", "n2", "named-tool", "required-tool", "auto-tool")
+# what the killed engine must be running at the kill: every kind but the named tool call, whose answer the
+# tiny model ends within ~50 tokens (the call's fixed text and `null` arguments: see the check above), so no
+# kill can wait for one; its continuation from every cut point: tests/e2e/test_vllm_resume.py. A `required`
+# tool choice writes calls until `max_tokens`: the kill lands between and inside them.
+KILLED_KINDS = {"reasoning", *OPENAI_KINDS} - {"named-tool"}
+
+
+def kinds_in_flight(engine_log: str) -> set[str]:
+    """The kinds of the clients in flight on an engine (from their trace ids, the clients' names)."""
+    kinds: set[str] = set()
+    for name in in_flight_traces(engine_log):
+        if name.startswith("chat-"):
+            kinds.add("reasoning")  # a plain chat: the tiny model thinks and never stops
+        elif name.startswith("tool-responses"):
+            kinds.add("named-tool")
+        else:
+            kinds.update(k for k in OPENAI_KINDS if name.startswith(k + "-"))
+    return kinds
 USAGE = {"include_usage": True}
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+NO_THINKING: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": False}}
+TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
 
@@ -200,23 +245,39 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 def openai_body(kind: str, i: int, **extra: Any) -> dict[str, Any]:
     """A chat request vLLM's OpenAI layer serves: a JSON schema, logprobs with penalties, two choices with
     logprobs (sampled with ``top_k=1``: vLLM refuses ``n`` > 1 with greedy sampling, and one candidate per
-    step makes the samples exact)."""
+    step makes the samples exact), a named or required tool call (thinking off, as the grammar starts after
+    the reasoning, which the tiny model never ends), and auto tool choice with logprobs (it thinks)."""
     body: dict[str, Any] = {"messages": [{"role": "user", "content": f"lake {i}"}], "max_tokens": 300,
                             "temperature": 0, **extra}
+    if kind != "auto-tool":
+        body.update(NO_THINKING)
     if kind == "json":
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
     elif kind == "penalties":
         body.update(logprobs=True, top_logprobs=2, presence_penalty=0.6, frequency_penalty=0.4,
                     repetition_penalty=1.1, min_tokens=60)
-    else:
+    elif kind == "n2":
         body.update(n=2, temperature=1.0, top_k=1, seed=i, logprobs=True)
+    elif kind == "named-tool":
+        body.update(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    elif kind == "required-tool":
+        body.update(tools=TOOLS, tool_choice="required")
+    else:
+        body.update(tools=TOOLS, logprobs=True)
     return body
 
 
 def responses_json(i: int) -> dict[str, Any]:
     """A Responses request for a JSON schema's answer."""
-    return {"input": f"lake {i}", "max_output_tokens": 300, "temperature": 0,
+    return {"input": f"lake {i}", "max_output_tokens": 300, "temperature": 0, **NO_THINKING,
             "text": {"format": {"type": "json_schema", "name": "p", "schema": PERSON}}}
+
+
+def responses_tool(i: int) -> dict[str, Any]:
+    """A Responses request whose answer is a named function call."""
+    return {"input": f"weather {i}", "max_output_tokens": 300, "temperature": 0, **NO_THINKING,
+            "tools": [{"type": "function", **t["function"]} for t in TOOLS],
+            "tool_choice": {"type": "function", "name": "get_weather"}}
 
 
 def check_vllm(answers: dict[str, Answer], expected: dict[str, Answer]) -> None:
@@ -234,6 +295,26 @@ def check_vllm(answers: dict[str, Answer], expected: dict[str, Answer]) -> None:
             mine, theirs = got.logprobs_of(k), want.logprobs_of(k)
             assert [t for t, _ in mine] == [t for t, _ in theirs], (name, k)
             assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(mine, theirs)), (name, k, mine, theirs)
+
+
+async def later(delay: float, job: Any) -> Any:
+    """``job`` (a coroutine) after ``delay`` seconds."""
+    await asyncio.sleep(delay)
+    return await job
+
+
+async def streamed_controls(url: str, controls: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Answer]:
+    """Each client's uninterrupted control, streamed (chat and completions over POST SSE; Responses whole):
+    vLLM answers a ``required`` tool choice cut by ``max_tokens`` differently when not streamed (the call
+    array's text as content), so a stream is compared with a stream."""
+    run = Run(url)
+    async with httpx.AsyncClient(timeout=120) as c:
+        async def one(name: str, path: str, body: dict[str, Any]) -> tuple[str, Answer]:
+            if path == "/v1/responses":
+                return name, control_answer((await c.post(url + path, json=body)).json())
+            return name, await run.sse(c, name, path, {**body, "stream": True, "stream_options": USAGE})
+
+        return dict(await asyncio.gather(*(one(name, *control) for name, control in controls.items())))
 
 
 def control_answer(obj: dict[str, Any]) -> Answer:

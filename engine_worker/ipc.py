@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import shutil
 import socket
 import stat
 import time
@@ -63,7 +64,8 @@ def sweep_stale(directory: Path, *, min_age_s: float = 60.0, claim_life_s: float
 
     A socket goes when nothing listens on it (a connect is refused) and it is older than ``min_age_s`` (a
     process between its bind and its listen is never mistaken for a dead one); an adoption claim
-    (``adopt-*``, see ``gateway.scaleout.peers``) when older than its ``claim_life_s``.
+    (``adopt-*``, see ``gateway.scaleout.peers``) when older than its ``claim_life_s``; a ``vllm-<pid>``
+    directory (vLLM's own sockets, ``engine_worker.backends.vllm.private_rpc_dir``) when its process is gone.
     """
     if not directory.is_dir() or directory.stat().st_uid != os.getuid():
         return 0
@@ -86,9 +88,26 @@ def sweep_stale(directory: Path, *, min_age_s: float = 60.0, claim_life_s: float
                     pass  # listening but busy, or not ours to judge
         elif stat.S_ISREG(st.st_mode) and entry.name.startswith("adopt-") and age > claim_life_s:
             stale = True
+        elif stat.S_ISDIR(st.st_mode) and entry.name.startswith("vllm-"):
+            owner = entry.name.removeprefix("vllm-")
+            if owner.isdigit() and not _running(int(owner)):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed += 1
+            continue
         if stale:
             entry.unlink(missing_ok=True)
             removed += 1
     if removed:
         log.info("removed %d stale entries (sockets nobody listens on, expired claims) from %s", removed, directory)
     return removed
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

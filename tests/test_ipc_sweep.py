@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,3 +49,16 @@ def test_dead_sockets_and_expired_claims_go_live_and_young_ones_stay(tmp_path: P
 
 def test_a_missing_directory_is_nothing_to_do(tmp_path: Path) -> None:
     assert sweep_stale(tmp_path / "absent") == 0
+
+
+def test_the_vllm_socket_directories_of_dead_processes_go_and_the_living_ones_stay(tmp_path: Path) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead = tmp_path / f"vllm-{child.pid}"
+    dead.mkdir()
+    (dead / "engine-core-socket").touch()
+    alive, other = tmp_path / f"vllm-{os.getpid()}", tmp_path / "vllm-notes"
+    alive.mkdir()
+    other.mkdir()
+    assert sweep_stale(tmp_path) == 1
+    assert not dead.exists() and alive.is_dir() and other.is_dir()

@@ -53,6 +53,7 @@ from engine_worker.backends import vllm_openai
 from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, StepSink, feed
 from engine_worker.backends.vllm_resume import RESUME_KEY
 from engine_worker.config import EngineConfig
+from engine_worker.ipc import sweep_stale
 from engine_worker.models import DEFAULT_MODEL_DIRNAME, SERVING_HINTS, resolve_model
 from engine_worker.protocol import FinishReason, Sampling, Submit
 from tokenfan_settings import default_runtime_dir
@@ -505,13 +506,10 @@ def configure_runtime_env(config: EngineConfig, model_bytes: int = 0) -> CpuPlac
 
 def private_rpc_dir(runtime: Path) -> Path:
     """A directory only this user can enter for vLLM's own ZeroMQ sockets (this process to its engine core),
-    which vLLM otherwise leaves in ``/tmp`` under random names: ``<runtime>/vllm-<pid>``, mode 0700. Such
-    directories of processes that no longer run (a killed engine) are removed first."""
+    which vLLM otherwise leaves in ``/tmp`` under random names: ``<runtime>/vllm-<pid>``, mode 0700. What
+    killed processes left there (such directories among it) is removed first (:func:`engine_worker.ipc.sweep_stale`)."""
     runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for stale in runtime.glob("vllm-*"):
-        owner = stale.name.removeprefix("vllm-")
-        if owner.isdigit() and not _running(int(owner)):
-            shutil.rmtree(stale, ignore_errors=True)
+    sweep_stale(runtime)
     path = runtime / f"vllm-{os.getpid()}"
     path.mkdir(mode=0o700, exist_ok=True)
     os.chmod(path, 0o700)
@@ -523,16 +521,6 @@ def remove_private_rpc_dir() -> None:
     path = Path(os.environ.get("VLLM_RPC_BASE_PATH", ""))
     if path.name == f"vllm-{os.getpid()}" and path.parent == default_runtime_dir():
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,7 +99,11 @@ def test_bench_runs_every_arm_through_the_profile_and_nginx(gateway: str, tmp_pa
                                 ("D", "nginx-buffering", "sse")):
         m = r["arms"][arm]
         assert m["errors"] == 0, m["error_examples"]
-        assert m["content_events"] == m["deltas_delivered"] == streams * tokens
+        # every arm reads the same streams: the same events (errors counts a gap in the sequence or a stream
+        # without its end), one per token unless the engine was late on a busy machine (it then sends the
+        # tokens due in one)
+        assert m["content_events"] == m["deltas_delivered"] == r["arms"]["A"]["deltas_delivered"]
+        assert streams <= m["deltas_delivered"] <= streams * tokens
         w = r["wire"][arm]
         assert (w["via"], w["transport"], w["tls"]) == (via, transport, via != "direct")
         assert w["down_bytes_per_token"] > 0

@@ -40,7 +40,9 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
         assert [a["transport"].removeprefix("browser-") for a in run["arms"].values()] == list(arms), what
         for a in run["arms"].values():
             assert a["errors"] == 0, (what, a["error_examples"])
-            assert a["deltas_delivered"] == subscribers * tokens, what
+            # every event of every stream (errors counts a gap in the sequence or a stream without its end);
+            # one per token unless the engine was late on a busy machine (it then sends the tokens due in one)
+            assert subscribers <= a["deltas_delivered"] <= subscribers * tokens, what
         assert set(run["ttft_diffs_ms"]) == set(run["gap_p99_diffs_ms"]) == {f"{k}-A" for k in list(run["arms"])[1:]}
         assert set(run["stalls"]) == set(run["arms"])
     assert profile["browser_calibration"]["did_ms"]["n"] > 0  # the difference-in-differences was measured
@@ -61,7 +63,7 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
     via = results["via"]["lan"]["run"]
     assert [(w["transport"], w["via"]) for k, w in via["wire"].items() if k != "post"] == \
         [(a.partition("@")[0], a.partition("@")[2] or "direct") for a in VIA]
-    assert all(a["deltas_delivered"] == streams * tokens for a in via["arms"].values())
+    assert all(a["errors"] == 0 and streams <= a["deltas_delivered"] <= streams * tokens for a in via["arms"].values())
     assert set(results["cpu"][name]["runs"]) == {"sse", "ws", "sse-h2", "resp-sse", "resp-ws"}  # per profile
     text = out.read_text()
     for heading in ("## Method", "## The answer per profile", f"## {name}", "## Through nginx",

@@ -58,7 +58,7 @@ image: image-deps
 
 # CI (.ci/run) runs exactly `make test`: the lint first, so a finding fails the build before the suite runs.
 # Two pytest-xdist workers (PYTEST_WORKERS; tests/conftest.py keeps every test that needs a vLLM process on one
-# of them and each module on one): about 11 min of pytest on 2 cores, against 18 in one process
+# of them and each module on one): about 12 min of pytest on 2 cores, against 18 in one process
 # (`make test PYTEST_WORKERS=` runs it so; docs/tests.md). Most tests wait on sockets and timers, not the CPU.
 # `image` first: tests/e2e/test_image.py starts the built image (about 6 min to build on 2 cores, nothing
 # when it is up to date).

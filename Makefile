@@ -57,12 +57,12 @@ image: image-deps
 	deploy/image.sh gpu-dry
 
 # CI (.ci/run) runs exactly `make test`: the lint first, so a finding fails the build before the suite runs.
-# Two pytest-xdist workers (PYTEST_WORKERS; tests/conftest.py keeps every test that needs a vLLM process on one
-# of them and each module on one): about 12 min of pytest on 2 cores, against 18 in one process
-# (`make test PYTEST_WORKERS=` runs it so; docs/tests.md). Most tests wait on sockets and timers, not the CPU.
+# One process, about 18 min of pytest on 2 cores (docs/tests.md). Two pytest-xdist workers
+# (PYTEST_WORKERS="-n 2 --dist loadgroup --no-loadscope-reorder") take about 11 min but are opt-in: on 2 cores
+# one worker's load made a timing-sensitive test of the other fail in each of three runs.
 # `image` first: tests/e2e/test_image.py starts the built image (about 6 min to build on 2 cores, nothing
 # when it is up to date).
-PYTEST_WORKERS ?= -n 2 --dist loadgroup --no-loadscope-reorder
+PYTEST_WORKERS ?=
 test: setup test-deps lint image
 	$(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 

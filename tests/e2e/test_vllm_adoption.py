@@ -25,7 +25,7 @@ import pytest
 
 from tests.e2e.helpers import metric
 from tests.e2e.scaleout import scaleout
-from tests.e2e.test_adoption import responses_reader, sse_reader, until_killed
+from tests.e2e.test_adoption import RESPONSE_END, responses_reader, sse_reader, until_killed
 from tests.e2e.test_broker import RedisServer, redis_server  # noqa: F401  (the fixture)
 from tests.e2e.test_migration import Answer
 from tests.e2e.test_resume_parsers import PartsReader, fold_parts
@@ -52,6 +52,7 @@ def test_tool_reasoning_json_logprobs_and_n2_streams_of_a_killed_gateway_are_ado
         bodies = {name: openai_body(name, 20 + i, max_tokens=400) for i, name in enumerate(KINDS)}
         background = {**responses_json(30), "max_output_tokens": 400}
         events: list[dict[str, Any]] = []
+        ended: list[str] = []  # the streams whose answer had ended at the kill
 
         async def scenario() -> dict[str, PartsReader]:
             readers: dict[str, PartsReader] = {}
@@ -69,7 +70,12 @@ def test_tool_reasoning_json_logprobs_and_n2_streams_of_a_killed_gateway_are_ado
                 assert r.status_code == 200, r.text
                 started.append(asyncio.Event())
                 jobs.append(responses_reader(c, where.urls, r.json()["id"], events, started[-1]))
-                await until_killed(jobs, started, where.kill)
+                def kill() -> None:  # what had already ended is not adopted: nothing of it was left to run
+                    ended.extend(name for name, r in readers.items() if r.answer.finish)
+                    ended.extend(["background"] if events and events[-1]["type"] in RESPONSE_END else [])
+                    where.kill()
+
+                await until_killed(jobs, started, kill)
             return readers
 
         readers = asyncio.run(scenario())
@@ -95,4 +101,6 @@ def test_tool_reasoning_json_logprobs_and_n2_streams_of_a_killed_gateway_are_ado
         # every stream was in flight on A (worker 0) at the kill, and B (worker 1) adopted it
         if where.settle is not None:
             where.settle()  # worker 0 serves again: the metric merges both workers'
-        assert metric(where.survivor, "tokenfan_adoptions_total", {"outcome": "adopted"}) == len(bodies) + 1
+        # (on a busy machine one short answer may end just before the kill: then it is not adopted)
+        assert len(ended) <= 1, ended
+        assert metric(where.survivor, "tokenfan_adoptions_total", {"outcome": "adopted"}) == len(bodies) + 1 - len(ended)

@@ -98,7 +98,8 @@ def sweep_stale(directory: Path, *, min_age_s: float = 60.0, claim_life_s: float
             entry.unlink(missing_ok=True)
             removed += 1
     if removed:
-        log.info("removed %d stale entries (sockets nobody listens on, expired claims) from %s", removed, directory)
+        log.info("removed %d stale entries (sockets nobody listens on, expired claims, dead processes' vLLM "
+                 "socket directories) from %s", removed, directory)
     return removed
 
 

@@ -129,23 +129,26 @@ def drop_inside_the_call(stream: Any) -> list[Any]:
 def in_flight_traces(engine_log: str) -> set[str]:
     """The trace ids (the clients' ``X-Request-ID``) of the requests in flight on an engine, from its log
     (:func:`in_flight`; ``accepted <id> trace=<trace>`` lines)."""
-    lost = in_flight(engine_log)
-    traces: set[str] = set()
-    for line in engine_log.splitlines():
-        if " accepted " in line:
-            rid, _, rest = line.split(" accepted ", 1)[1].partition(" trace=")
-            if rid in lost:
-                traces.add(rest.split()[0])
-    return traces
+    accepted, finished = _accepted_and_finished(engine_log)
+    return {trace for rid, trace in accepted.items() if rid not in finished}
 
 
 def in_flight(engine_log: str) -> set[str]:
     """The requests an engine had accepted and not finished, from its log (``accepted <id>`` and
     ``finished <id>`` lines): what was in flight when it was killed."""
-    accepted: set[str] = set()
+    accepted, finished = _accepted_and_finished(engine_log)
+    return set(accepted) - finished
+
+
+def _accepted_and_finished(engine_log: str) -> tuple[dict[str, str], set[str]]:
+    """Each accepted request's trace id (``""`` when the line has none), and the finished requests."""
+    accepted: dict[str, str] = {}
     finished: set[str] = set()
     for line in engine_log.splitlines():
-        for word, into in ((" accepted ", accepted), (" finished ", finished)):
-            if word in line:
-                into.add(line.split(word, 1)[1].split()[0])
-    return accepted - finished
+        if " accepted " in line:
+            rid, _, rest = line.split(" accepted ", 1)[1].partition(" trace=")
+            rid = rid.split()[0]
+            accepted[rid] = rest.split()[0] if rest else ""
+        elif " finished " in line:
+            finished.add(line.split(" finished ", 1)[1].split()[0])
+    return accepted, finished

@@ -176,10 +176,9 @@ def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrup
                 # other half finish its answers first on a busy machine (nothing was then in flight there).
                 # The engine worker's whole process group, as a container runtime kills a container: a SIGKILL
                 # of the worker alone leaves vLLM's EngineCore processes behind (docs/failures.md)
-                # and once the engine to kill streams 4 or more answers: its vLLM processes run at nice 19 (they
-                # boot in the CPU the other tests leave), and in a full suite its readers could still be
-                # waiting for their first token when the others had theirs (nothing was then in flight there)
-                # and once every kind but the named tool call (KILLED_KINDS) is in flight there
+                # and once every kind but the named tool call (KILLED_KINDS) is in flight on the engine to kill:
+                # its vLLM processes run at nice 19 (they boot in the CPU the other tests leave), and in a full
+                # suite its readers could still be waiting for their first token when the others had theirs
                 return await run.kill_when_started(jobs, lambda: os.killpg(engine.popen.pid, signal.SIGKILL),
                                                    readers=len(jobs) // 2, timeout=180, start_timeout=120,
                                                    ready=lambda: kinds_in_flight(engine.log()) >= KILLED_KINDS)
@@ -233,6 +232,8 @@ def kinds_in_flight(engine_log: str) -> set[str]:
         else:
             kinds.update(k for k in OPENAI_KINDS if name.startswith(k + "-"))
     return kinds
+
+
 USAGE = {"include_usage": True}
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 NO_THINKING: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": False}}

@@ -111,22 +111,38 @@ def test_bench_runs_every_arm_through_the_profile_and_nginx(gateway: str, tmp_pa
     assert (tmp_path / "summary.md").exists()
 
 
-def test_the_jitter_the_bench_removes_is_the_jitter_the_proxy_added(gateway: str, tmp_path: Path) -> None:
-    """Unpaired comparisons subtract each token's path jitter (``Paths.mark_jitter``): it must be the one the
-    proxy really applied. Through a profile whose only noise is a wide jitter, each token's delivery follows
-    the looked-up jitter closely (a wrong seed or clock would leave them uncorrelated), and without it the
-    spread is a small part of the raw one. Loose bounds: a loaded machine adds delays of its own."""
+def jitter_fit(gateway: str, tmp_path: Path) -> list[str]:
+    """One run through a jitter-only profile; what of the fit below fails, per arm (empty: it holds)."""
     jittery = parse_profile("rtt=40ms,jitter=30ms")  # one way: 20 ms ± 7.5 ms, changing every 60 ms
     with open_paths(gateway, ("direct", "direct"), jittery, tmp_path, seed=5, probe=False) as p:
         plan = Plan(url=p.post_url, transports=("sse", "ws"), streams=4, max_tokens=100, duration=None,
                     separate=True, arm_urls=p.arm_urls, metrics_url=gateway, ramp=0.2, timeout=60.0)
         run = run_clients(plan, 1, "jitter", False)
         p.mark_jitter(run.arms.values())
+    failed = []
     for arm in run.arms.values():
         raw, kept = delivery_ns(arm), delivery_ns(arm, without_path_jitter=True)
         path = arm.path_ns[arm.content & arm.live]
         assert raw.size >= 300 and path.size == raw.size
         assert np.ptp(path) > 10e6  # the run saw most of the ±7.5 ms
-        assert np.corrcoef(raw, path)[0, 1] > 0.8, arm.transport
-        iqr = np.subtract(*np.percentile(kept, [75, 25]))
-        assert iqr < np.subtract(*np.percentile(raw, [75, 25])) / 3, arm.transport
+        corr = np.corrcoef(raw, path)[0, 1]
+        ratio = np.subtract(*np.percentile(kept, [75, 25])) / np.subtract(*np.percentile(raw, [75, 25]))
+        if not (corr > 0.8 and ratio < 1 / 3):
+            failed.append(f"{arm.transport}: correlation {corr:.2f}, IQR kept/raw {ratio:.2f}")
+    return failed
+
+
+def test_the_jitter_the_bench_removes_is_the_jitter_the_proxy_added(gateway: str, tmp_path: Path) -> None:
+    """Unpaired comparisons subtract each token's path jitter (``Paths.mark_jitter``): it must be the one the
+    proxy really applied. Through a profile whose only noise is a wide jitter, each token's delivery follows
+    the looked-up jitter closely (correlation above 0.8; a wrong seed or clock leaves them uncorrelated, near
+    0), and without it the spread is under a third of the raw one (about 0.05 on a quiet machine, 0.15 beside
+    three CPU hogs). A stall of the whole machine (once here beside a booting vLLM process) can hide the fit in
+    one run, never in three: the test passes when one of three runs fits, and a broken lookup fits in none."""
+    attempts = []
+    for i in range(3):
+        failed = jitter_fit(gateway, tmp_path / str(i))
+        if not failed:
+            return
+        attempts.append(failed)
+    pytest.fail(f"no run's delivery followed the proxy's jitter: {attempts}")

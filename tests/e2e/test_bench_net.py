@@ -113,9 +113,10 @@ def test_bench_runs_every_arm_through_the_profile_and_nginx(gateway: str, tmp_pa
 
 def jitter_fit(gateway: str, tmp_path: Path) -> list[str]:
     """One run through a jitter-only profile; what of the fit below fails, per arm (empty: it holds)."""
-    jittery = parse_profile("rtt=40ms,jitter=30ms")  # one way: 20 ms ± 7.5 ms, changing every 60 ms
+    # one way: 100 ms ± 60 ms, from knots 240 ms apart: wide beside what a busy machine adds to a delivery
+    jittery = parse_profile("rtt=200ms,jitter=120ms")
     with open_paths(gateway, ("direct", "direct"), jittery, tmp_path, seed=5, probe=False) as p:
-        plan = Plan(url=p.post_url, transports=("sse", "ws"), streams=4, max_tokens=100, duration=None,
+        plan = Plan(url=p.post_url, transports=("sse", "ws"), streams=4, max_tokens=150, duration=None,
                     separate=True, arm_urls=p.arm_urls, metrics_url=gateway, ramp=0.2, timeout=60.0)
         run = run_clients(plan, 1, "jitter", False)
         p.mark_jitter(run.arms.values())
@@ -124,7 +125,7 @@ def jitter_fit(gateway: str, tmp_path: Path) -> list[str]:
         raw, kept = delivery_ns(arm), delivery_ns(arm, without_path_jitter=True)
         path = arm.path_ns[arm.content & arm.live]
         assert raw.size >= 300 and path.size == raw.size
-        assert np.ptp(path) > 10e6  # the run saw most of the ±7.5 ms
+        assert np.ptp(path) > 40e6  # the run saw a good part of the ± 60 ms
         corr = np.corrcoef(raw, path)[0, 1]
         ratio = np.subtract(*np.percentile(kept, [75, 25])) / np.subtract(*np.percentile(raw, [75, 25]))
         if not (corr > 0.8 and ratio < 1 / 3):

@@ -77,7 +77,14 @@ def test_a_continuation_from_any_delta_decodes_exactly_the_rest(vllm_engine: tup
         text = "".join(d.text for d in base[f"base{k}"])
         if len(text) > 12:
             cases.append((messages, [text[len(text) // 2:len(text) // 2 + 3]]))
-    controls = asyncio.run(run_submits(address, [submit(f"c{k}", stop, m) for k, (m, stop) in enumerate(cases)]))
+    # A character split across tokens shows as a delta of a token and no text, unless a busy engine grouped
+    # that token with the next one in one delta: the controls run again (at most three times) until one shows.
+    for attempt in range(3):
+        controls = asyncio.run(run_submits(address, [submit(f"c{k}-{attempt}", stop, m)
+                                                     for k, (m, stop) in enumerate(cases)]))
+        controls = {name.rsplit("-", 1)[0]: deltas for name, deltas in controls.items()}
+        if any(d.token_count > 0 and not d.text for deltas in controls.values() for d in deltas[:-1]):
+            break
     continuations: list[p.Submit] = []
     expected: dict[str, tuple[str, str | None, p.Usage | None]] = {}
     split_chars = 0

@@ -118,6 +118,11 @@ def delivered(deltas: list[p.Delta], steps: int) -> list[p.Delta]:
     return out
 
 
+def trail(deltas: list[p.Delta], n: int = 4) -> list[tuple[int, str]]:
+    """The last ``n`` deltas as (engine steps behind it, its chunk's end)."""
+    return [(len(d.steps), d.chunk.decode()[-200:]) for d in deltas[-n:]]
+
+
 def continuations(address: str, bodies: dict[str, dict[str, Any]]) -> dict[str, dict[Any, Any]]:
     """Each body's control run, then its continuations from several step boundaries, checked against it;
     the controls' assembled answers."""
@@ -140,7 +145,8 @@ def continuations(address: str, bodies: dict[str, dict[str, Any]]) -> dict[str, 
                 assert joined[i]["finish"] == "length" and len(joined[i]["logprobs"]) == 24, (rid, joined[i])
             assert joined["usage"] == whole["usage"], rid
             continue
-        assert joined == whole, (rid, joined, whole)
+        # (on a mismatch: how the control's and the continuation's last steps were grouped into chunks)
+        assert joined == whole, (rid, joined, whole, trail(controls[f"gen-c-{kind}"]), trail(got[rid]))
         ids = {orjson.loads(d.chunk)["id"] for d in got[rid] if d.chunk}
         prefix = "cmpl" if kind.startswith("completions") else "chatcmpl"
         assert ids <= {f"{prefix}-{rid.split('-', 1)[1].removesuffix('.m1')}"}, ids

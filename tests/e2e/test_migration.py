@@ -308,15 +308,15 @@ class Run:
 
     async def kill_when_started(self, jobs: list[Any], kill: Callable[[], Any], readers: int | None = None,
                                 timeout: float = 90, start_timeout: float = 60,
-                                ready: Callable[[], bool] | None = None) -> dict[str, Answer]:
+                                missing: Callable[[], str | None] | None = None) -> dict[str, Answer]:
         """Run ``jobs``; ``kill()`` once ``readers`` of them (default: one per job) have started and
-        ``ready()`` holds (e.g. the engine to kill runs some of them); wait for every job's end."""
+        ``missing()`` names nothing (e.g. the engine to kill runs some of them); wait for every job's end."""
         running = asyncio.gather(*jobs)
         for _ in range(len(jobs) if readers is None else readers):
             await asyncio.wait_for(self.started.acquire(), start_timeout)
         deadline = time.monotonic() + start_timeout
-        while ready is not None and not ready():
-            assert time.monotonic() < deadline, "not ready to kill"
+        while missing is not None and (lack := missing()) is not None:
+            assert time.monotonic() < deadline, f"not ready to kill: {lack}"
             await asyncio.sleep(0.05)
         kill()
         self.killed.set()

@@ -15,11 +15,13 @@ stream decodes, and two real engines behind one gateway lose no answer when one 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
@@ -31,6 +33,10 @@ from engine_worker import protocol as p
 from tests.e2e.helpers import in_flight, in_flight_traces, metric, wait_until
 from tests.e2e.test_migration import GATEWAY_ARGS, Answer, Run
 from tests.procs import Proc, start_gateway, stop_all
+from tokenfan_bench.servers.processes import engine_child
+
+if TYPE_CHECKING:
+    from tests.conftest import VllmBoot
 
 pytestmark = pytest.mark.vllm
 
@@ -113,11 +119,14 @@ def test_a_continuation_from_any_delta_decodes_exactly_the_rest(vllm_engine: tup
 
 
 def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrupted_answer(
-        parser_gateway: str, vllm_spare_engine: tuple[str, Proc], ipc_dir: Path) -> None:
+        parser_gateway: str, vllm_spare_engine: tuple[str, Proc], ipc_dir: Path, vllm_boot: VllmBoot) -> None:
     """The engine of the session's ``tokenfan serve`` with vLLM's parsers (``parser_gateway``) and a spare
     engine with the same flags behind one gateway; the spare is killed; controls on ``parser_gateway``."""
     shared = f"ipc://{ipc_dir / 'parser.sock'}"
     private, engine = vllm_spare_engine  # killed here: no other test uses it
+    serve, _ = vllm_boot.get("parser_gateway")
+    # the engine worker `tokenfan serve` supervises: its own session, so its own process group
+    shared_group = os.getpgid(engine_child(serve.popen.pid))
     gateway: Proc | None = None
     try:
         gateway, url = start_gateway(f"{private},{shared}", *GATEWAY_ARGS, name="gateway-vllm-migrate", timeout=300)
@@ -179,18 +188,29 @@ def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrup
                 rest.append(job(run, c, "json-ui", "ui", CHAT, openai_body("json", 10)))
                 rest.append(job(run, c, "required-tool-ui", "ui", CHAT, openai_body("required-tool", 10)))
                 jobs += [later(0.1 * len(paired), j) for j in rest]
+                # Where each request runs is not left to timing: the tiny model writes 300 tokens in about a
+                # second, so a client that reached the engine to kill a little early (a busy machine) could
+                # end there before the others arrived, and no moment had every kind in flight. Both engines
+                # are stopped (SIGSTOP) while the gateway submits, so least-loaded routing (its count of the
+                # requests submitted since each engine's last heartbeat) gives one client of each pair to
+                # each engine in turn; both go on once every request is submitted and run in lockstep.
+                readers = len(jobs) // 2
+                jobs.append(continue_when_submitted(url, len(jobs), (engine.popen.pid, shared_group)))
                 # the kill once half the clients read tokens: waiting for all of them let the engine under the
                 # other half finish its answers first on a busy machine (nothing was then in flight there).
                 # The engine worker's whole process group, as a container runtime kills a container: a SIGKILL
                 # of the worker alone leaves vLLM's EngineCore processes behind (docs/failures.md)
-                # and once every kind but the named tool call (KILLED_KINDS) is in flight on the engine to kill:
-                # its vLLM processes run at nice 19 (they boot in the CPU the other tests leave), and in a full
-                # suite its readers could still be waiting for their first token when the others had theirs
+                # and once every kind but the named tool call (KILLED_KINDS) is in flight on the engine to kill
+                # (it is from the thaw on; if not, the failure names what is missing and what runs there)
                 return await run.kill_when_started(jobs, lambda: os.killpg(engine.popen.pid, signal.SIGKILL),
-                                                   readers=len(jobs) // 2, timeout=180, start_timeout=120,
-                                                   ready=lambda: kinds_in_flight(engine.log()) >= KILLED_KINDS)
+                                                   readers=readers, timeout=180, start_timeout=120,
+                                                   missing=lambda: not_in_flight(engine.log()))
 
-        answers = asyncio.run(clients())
+        freeze((engine.popen.pid, shared_group))
+        try:
+            answers = asyncio.run(clients())
+        finally:
+            thaw((engine.popen.pid, shared_group))  # the shared engine serves the controls and later tests
         expected = asyncio.run(streamed_controls(parser_gateway, controls))
         check_vllm(answers, expected)
         # what was compared really was there: logprobs (on a fan-out stream too), both choices of n = 2, the
@@ -226,6 +246,14 @@ OPENAI_KINDS = ("json", "penalties", "n2", "named-tool", "required-tool", "auto-
 # kill can wait for one; its continuation from every cut point: tests/e2e/test_vllm_resume.py. A `required`
 # tool choice writes calls until `max_tokens`: the kill lands between and inside them.
 KILLED_KINDS = {"reasoning", *OPENAI_KINDS} - {"named-tool"}
+
+
+def not_in_flight(engine_log: str) -> str | None:
+    """What the engine to kill lacks before the kill (:data:`KILLED_KINDS`), and what it runs; None: nothing."""
+    lacking = KILLED_KINDS - kinds_in_flight(engine_log)
+    if not lacking:
+        return None
+    return f"no {sorted(lacking)} in flight among {sorted(in_flight_traces(engine_log))}"
 
 
 def kinds_in_flight(engine_log: str) -> set[str]:
@@ -303,6 +331,34 @@ def check_vllm(answers: dict[str, Answer], expected: dict[str, Answer]) -> None:
             mine, theirs = got.logprobs_of(k), want.logprobs_of(k)
             assert [t for t, _ in mine] == [t for t, _ in theirs], (name, k)
             assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(mine, theirs)), (name, k, mine, theirs)
+
+
+def freeze(groups: tuple[int, ...]) -> None:
+    """Stop the process groups (SIGSTOP), then wait out a heartbeat already on its way to the gateway."""
+    for group in groups:
+        os.killpg(group, signal.SIGSTOP)
+    time.sleep(0.5)
+
+
+def thaw(groups: tuple[int, ...]) -> None:
+    """Let the stopped process groups go on (SIGCONT); a group already gone (killed) is skipped."""
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGCONT)
+
+
+async def continue_when_submitted(url: str, requests: int, groups: tuple[int, ...], timeout: float = 20) -> None:
+    """Thaw the stopped engines once the gateway holds ``requests`` in flight (all submitted), or after
+    ``timeout`` s (then the kill's gate names what is missing); well within the test gateway's 30 s
+    heartbeat timeout."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5) as c:
+        while time.monotonic() < deadline:
+            engines = (await c.get(url + "/health")).json()["engines"]
+            if sum(e["in_flight"] for e in engines) >= requests:
+                break
+            await asyncio.sleep(0.05)
+    thaw(groups)
 
 
 async def later(delay: float, job: Any) -> Any:

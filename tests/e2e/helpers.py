@@ -67,6 +67,19 @@ async def until(check: Callable[[], Awaitable[bool]], timeout: float = 5.0, what
         await asyncio.sleep(0.02)
 
 
+def one_of_runs(run: Callable[[int], str | None], what: str, tries: int = 3) -> None:
+    """``run(i)`` (it asserts what must hold on every run and returns what a check that needs a quiet
+    moment missed, or None) up to ``tries`` times until one run misses nothing; else fail with ``what`` and
+    every miss."""
+    misses = []
+    for i in range(tries):
+        miss = run(i)
+        if miss is None:
+            return
+        misses.append(miss)
+    raise AssertionError(f"{what}: {misses}")
+
+
 def engine_load(url: str) -> tuple[int, int]:
     eng = httpx.get(url + "/health").json()["engine"]
     return eng["running"], eng["waiting"]

@@ -9,7 +9,6 @@ need them all run on one worker (:func:`pytest_xdist_make_scheduler`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tempfile
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.procs import PARSER_FLAGS, npm_ci, spawn, start_engine, start_gateway
-from tokenfan_bench.servers.processes import Proc, children, free_port, stop_all, wait_healthy
+from tokenfan_bench.servers.processes import Proc, free_port, stop_all, wait_healthy
 
 
 @pytest.fixture(scope="session")
@@ -195,16 +194,6 @@ class VllmBoot:
             self.procs[name] = VLLM_STARTS[name](self.model, self.ipc_dir)
         return self.procs[name]
 
-    def booted(self, name: str) -> None:
-        """``name`` is up: back to the normal CPU priority (BOOT_NICE spares the other tests its boot only; under
-        xdist the other worker's tests would starve it, and a starved engine hands its steps to its reader
-        several at once). Every thread of its process group and of its children's (the engine worker of
-        ``tokenfan serve`` leads its own); without the privilege to raise a priority it stays at BOOT_NICE."""
-        proc, _ = self.procs[name]
-        for group in {proc.pid, *(c.pid for c in children(proc.pid))}:
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PGRP, os.getpgid(group), 0)
-
     def stop(self) -> None:
         stop_all((proc for proc, _ in self.procs.values()), timeout=30)
         # a clean stop of our vLLM engines leaves nothing for vLLM's AsyncLLM.__del__ at interpreter exit
@@ -244,12 +233,11 @@ def vllm_spare_engine(vllm_boot: VllmBoot) -> tuple[str, Proc]:
 
 
 @pytest.fixture(scope="session")
-def vllm_gateway_url(vllm_engine: tuple[str, Proc], vllm_boot: VllmBoot) -> Iterator[str]:
+def vllm_gateway_url(vllm_engine: tuple[str, Proc]) -> Iterator[str]:
     """A gateway attached to the shared real vLLM engine (tiny model); waits for the engine start."""
     address, _engine = vllm_engine
     # ~40 s on a quiet box; 244 s was seen at load 17
     proc, url = start_gateway(address, name="gateway-vllm", timeout=480)
-    vllm_boot.booted("vllm_engine")
     yield url
     proc.stop()
 
@@ -260,7 +248,6 @@ def parser_gateway(vllm_boot: VllmBoot) -> str:
     differential suite against ``vllm serve`` and the agent SDK tests share this one process."""
     proc, url = vllm_boot.get("parser_gateway")
     wait_healthy(url, proc, timeout=600)
-    vllm_boot.booted("parser_gateway")
     return url
 
 
@@ -269,7 +256,6 @@ def vllm_serve(vllm_boot: VllmBoot) -> str:
     """``vllm serve`` on the same model and flags as :func:`parser_gateway`: the differential suite's reference."""
     proc, url = vllm_boot.get("vllm_serve")
     wait_healthy(url, proc, timeout=600)
-    vllm_boot.booted("vllm_serve")
     return url
 
 

@@ -134,7 +134,6 @@ def test_two_vllm_engines_one_killed_mid_stream_every_client_gets_the_uninterrup
         gateway, url = start_gateway(f"{private},{shared}", *GATEWAY_ARGS, name="gateway-vllm-migrate", timeout=300)
         wait_until(lambda: all(e["healthy"] for e in httpx.get(url + "/health").json()["engines"]), timeout=300,
                    what="both engines")
-        vllm_boot.booted("vllm_spare_engine")
 
         def chat(i: int, **extra: Any) -> dict[str, Any]:
             return {"messages": [{"role": "user", "content": f"river {i}"}], "max_tokens": 300, "temperature": 0,

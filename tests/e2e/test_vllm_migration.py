@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from engine_worker import protocol as p
-from tests.e2e.helpers import in_flight, in_flight_traces, metric, wait_until
+from tests.e2e.helpers import in_flight, in_flight_traces, metric, until, wait_until
 from tests.e2e.test_migration import GATEWAY_ARGS, Answer, Run
 from tests.procs import Proc, start_gateway, stop_all
 from tokenfan_bench.servers.processes import engine_child
@@ -65,6 +65,11 @@ async def run_submits(address: str, submits: list[p.Submit]) -> dict[str, list[p
     return out
 
 
+def inside_a_character(d: p.Delta) -> bool:
+    """Whether ``d`` ends inside a character: tokens and no text (the character is not complete yet)."""
+    return d.token_count > 0 and not d.text
+
+
 def submit(rid: str, stop: list[str], messages: bool) -> p.Submit:
     sampling = p.Sampling(max_tokens=48, temperature=0.0, stop=stop)
     if messages:
@@ -90,7 +95,7 @@ def test_a_continuation_from_any_delta_decodes_exactly_the_rest(vllm_engine: tup
         controls = asyncio.run(run_submits(address, [submit(f"c{k}-{attempt}", stop, m)
                                                      for k, (m, stop) in enumerate(cases)]))
         controls = {name.rsplit("-", 1)[0]: deltas for name, deltas in controls.items()}
-        if any(d.token_count > 0 and not d.text for deltas in controls.values() for d in deltas[:-1]) and \
+        if any(inside_a_character(d) for deltas in controls.values() for d in deltas[:-1]) and \
                 sum(len(deltas) - 1 for deltas in controls.values()) > 40:
             break
     continuations: list[p.Submit] = []
@@ -104,7 +109,7 @@ def test_a_continuation_from_any_delta_decodes_exactly_the_rest(vllm_engine: tup
         for d in deltas[:-1]:  # from after each delta but the last
             ids += d.token_ids
             text += d.text
-            split_chars += d.token_count > 0 and not d.text  # a token whose character is not complete yet
+            split_chars += inside_a_character(d)
             rid = f"k{k}-{len(ids)}-{uuid.uuid4().hex[:6]}"
             continuations.append(msgspec.structs.replace(submit(rid, stop, messages), resume=list(ids),
                                                          resume_chars=len(text)))
@@ -353,14 +358,16 @@ async def continue_when_submitted(url: str, requests: int, groups: tuple[int, ..
     """Thaw the stopped engines once the gateway holds ``requests`` in flight (all submitted), or after
     ``timeout`` s (then the kill's gate names what is missing); well within the test gateway's 30 s
     heartbeat timeout."""
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=5) as c:
-        while time.monotonic() < deadline:
-            engines = (await c.get(url + "/health")).json()["engines"]
-            if sum(e["in_flight"] for e in engines) >= requests:
-                break
-            await asyncio.sleep(0.05)
-    thaw(groups)
+    try:
+        async with httpx.AsyncClient(timeout=5) as c:
+            async def submitted() -> bool:
+                engines = (await c.get(url + "/health")).json()["engines"]
+                return sum(e["in_flight"] for e in engines) >= requests
+
+            with contextlib.suppress(AssertionError):
+                await until(submitted, timeout, "every request submitted")
+    finally:
+        thaw(groups)
 
 
 async def later(delay: float, job: Any) -> Any:

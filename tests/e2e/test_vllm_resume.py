@@ -155,11 +155,10 @@ def continuations(address: str, bodies: dict[str, dict[str, Any]]) -> dict[str, 
             run = runs[f"gen-c-{k}-{attempt}"]
             if k not in controls or len(steps_of(run)) > len(steps_of(controls[k])):
                 controls[k] = run
-    controls = {f"gen-c-{k}": deltas for k, deltas in controls.items()}
     subs: dict[str, p.Submit] = {}
     expected: dict[str, tuple[str, list[p.Delta], dict[Any, Any], list[p.Delta]]] = {}
     for kind, body in bodies.items():
-        deltas = controls[f"gen-c-{kind}"]
+        deltas = controls[kind]
         steps = steps_of(deltas)
         assert sum(len(out) - 2 for s in steps for out in s) == assembled(deltas)["usage"][1], kind
         for cut in sorted({1, 2, len(steps) // 3, len(steps) // 2, len(steps) - 2} - {0}):
@@ -201,7 +200,7 @@ def continuations(address: str, bodies: dict[str, dict[str, Any]]) -> dict[str, 
         assert ids <= {f"{prefix}-{subs[rid].request_id.split('-', 1)[1].removesuffix('.m1')}"}, ids
     assert len(expected) >= 4 * len(bodies)
     print(f"{len(expected)} continuations of {len(bodies)} kinds ({reruns} run again for their grouping)")
-    return {kind: assembled(controls[f"gen-c-{kind}"]) for kind in bodies}
+    return {kind: assembled(controls[kind]) for kind in bodies}
 
 
 def test_a_continuation_from_any_step_writes_exactly_the_rest(vllm_engine: tuple[str, Any],

@@ -126,7 +126,9 @@ def jitter_fit(gateway: str, tmp_path: Path) -> str | None:
         raw, kept = delivery_ns(arm), delivery_ns(arm, without_path_jitter=True)
         path = arm.path_ns[arm.content & arm.live]
         assert raw.size >= 300 and path.size == raw.size
-        assert np.ptp(path) > 40e6  # the run saw a good part of the ± 60 ms
+        if np.ptp(path) <= 40e6:  # the knots under this run's 1.5 s happened to lie close together
+            failed.append(f"{arm.transport}: the run saw only {np.ptp(path) / 1e6:.0f} ms of the ± 60 ms")
+            continue
         corr = np.corrcoef(raw, path)[0, 1]
         ratio = np.subtract(*np.percentile(kept, [75, 25])) / np.subtract(*np.percentile(raw, [75, 25]))
         if not (corr > 0.8 and ratio < 1 / 3):
@@ -139,6 +141,8 @@ def test_the_jitter_the_bench_removes_is_the_jitter_the_proxy_added(gateway: str
     proxy really applied. Through a profile whose only noise is a wide jitter, each token's delivery follows
     the looked-up jitter closely (correlation above 0.8; a wrong seed or clock leaves them uncorrelated, near
     0), and without it the spread is under a third of the raw one (about 0.02 on a quiet machine, 0.03 beside
-    four CPU hogs). A busy machine (a second test worker running vLLM) can hide the fit in one run: the test
-    passes when one of three runs fits; a lookup 120 ms off fits in none."""
+    four CPU hogs). A busy machine (a second test worker running vLLM) can hide the fit in one run, and the
+    seven knots under a run can lie close together (a fit then says nothing: under 40 ms of the ± 60 ms seen,
+    one 1.5 s window in 200 for this seed): the test passes when one of three runs fits; a lookup 120 ms off fits in
+    none."""
     one_of_runs(lambda i: jitter_fit(gateway, tmp_path / str(i)), "no run's delivery followed the proxy's jitter")

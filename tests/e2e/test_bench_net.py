@@ -125,7 +125,10 @@ def jitter_fit(gateway: str, tmp_path: Path) -> str | None:
     for arm in run.arms.values():
         raw, kept = delivery_ns(arm), delivery_ns(arm, without_path_jitter=True)
         path = arm.path_ns[arm.content & arm.live]
-        assert raw.size >= 300 and path.size == raw.size
+        assert path.size == raw.size
+        if raw.size < 300:  # a busy engine sent the tokens due in one event (4 streams of 150 tokens)
+            failed.append(f"{arm.transport}: only {raw.size} token events")
+            continue
         if np.ptp(path) <= 40e6:  # the knots under this run's 1.5 s happened to lie close together
             failed.append(f"{arm.transport}: the run saw only {np.ptp(path) / 1e6:.0f} ms of the ± 60 ms")
             continue

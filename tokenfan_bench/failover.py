@@ -2,10 +2,11 @@
 
 Three scenarios, real processes, one run each (or all):
 
-- ``engine``: two engines behind one gateway (synthetic, or vLLM with ``--model``); N streamed chat
-  completions; the engine serving about half of them is killed with SIGKILL. Every stream continues on the
-  other engine (docs/failures.md, migration). The gap of a migrated stream: its last token before the kill to
-  its first after, at the client.
+- ``engine``: two engines behind one gateway (synthetic, or vLLM with ``--model``); N chat completions as
+  listed streams (``POST /v1/streams``, each read over SSE); the engine serving about half of them is killed
+  with SIGKILL. Every stream continues on the other engine (docs/failures.md, migration). The gap of a
+  migrated stream, at the client: its event before the first that says ``"migrated": true`` (in its
+  ``tokenfan`` object) to that one; the streams of the engine that lived have none.
 - ``gateway``: two gateway replicas sharing a ``redis-server`` (``--broker``), one synthetic engine; N fan-out
   streams created on replica A, one SSE reader each on B; A is killed with SIGKILL. B adopts them. The gap:
   each reader's last event before the kill to its first after.
@@ -14,8 +15,8 @@ Three scenarios, real processes, one run each (or all):
   adopts them from its standby mirrors. The gap as for ``gateway``.
 
 ``--kind`` picks the requests (comma-separated; the streams are shared out among them): ``plain`` (text),
-``tools`` (tool calls: a script with Hermes ``<tool_call>`` blocks on synthetic engines, a named
-``tool_choice`` on vLLM), ``reasoning`` (a ``<think>`` section, then the answer), ``json`` (a JSON schema),
+``tools`` (tool calls: a script with Hermes ``<tool_call>`` blocks on synthetic engines, ``tool_choice:
+"required"`` on vLLM), ``reasoning`` (a ``<think>`` section, then the answer), ``json`` (a JSON schema),
 ``logprobs`` (logprobs with presence and frequency penalties) and ``n2`` (two sampled choices). ``tools`` and
 ``reasoning`` alone run on scripted synthetic engines (vLLM's OpenAI layer and its ``hermes`` and ``qwen3``
 parsers over the tiny model's tokenizer); ``json``, ``logprobs`` and ``n2`` need a model: vLLM on ``--model``
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +72,10 @@ def body(kind: str, i: int, tokens: int, vllm: bool) -> dict[str, Any]:
         base["messages"][0]["content"] = f"What is the weather, {i}?"
         base["tools"] = TOOLS
         if vllm:
-            base.update(tool_choice={"type": "function", "function": {"name": "get_weather"}}, **NO_THINKING)
+            # `required`, not a named call: the tiny random model ends a named call within ~50 tokens (its
+            # arguments may be null under vLLM's hermes structural tag), before the kill; `required` writes calls
+            # until max_tokens
+            base.update(tool_choice="required", **NO_THINKING)
     elif kind == "reasoning":
         base["messages"][0]["content"] = f"think about river {i}"
     elif kind == "json":
@@ -116,58 +121,73 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-async def _read(c: httpx.AsyncClient, method: str, url: str, body: dict[str, Any] | None, arrivals: list[float],
-                started: asyncio.Event, headers: dict[str, str] | None = None) -> bool:
+@dataclass
+class Stream:
+    """What the client saw of one stream: when each output event arrived, and which of them (an index into
+    ``arrivals``) was the first after its generation moved to another engine (``tokenfan.migrated``)."""
+
+    arrivals: list[float] = field(default_factory=list)
+    migrated_at: int | None = None
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def _read(c: httpx.AsyncClient, method: str, url: str, body: dict[str, Any] | None, s: Stream) -> bool:
     """Read one SSE stream, stamping each content event; True if it ended normally (``[DONE]``)."""
-    async with c.stream(method, url, json=body, headers=headers) as r:
+    async with c.stream(method, url, json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line == "data: [DONE]":
                 return True
             if line.startswith("event: error"):
                 return False
-            if line.startswith("data: {") and _carries_output(line[6:]):
-                arrivals.append(time.monotonic())
-                if len(arrivals) == 3:
-                    started.set()
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            moved = bool((chunk.get("tokenfan") or {}).get("migrated"))
+            if moved or _carries_output(chunk):
+                if moved and s.migrated_at is None:
+                    s.migrated_at = len(s.arrivals)
+                s.arrivals.append(time.monotonic())
+                if len(s.arrivals) == 3:
+                    s.started.set()
     return False
 
 
-def _carries_output(data: str) -> bool:
+def _carries_output(chunk: dict[str, Any]) -> bool:
     """A chunk with content, reasoning or a tool call's part (not the role chunk, not the usage chunk)."""
-    for choice in json.loads(data).get("choices") or ():
+    for choice in chunk.get("choices") or ():
         delta = choice.get("delta") or {}
         if delta.get("content") or delta.get("reasoning") or delta.get("tool_calls"):
             return True
     return False
 
 
-def _gaps(arrivals: list[list[float]], killed: float) -> list[float]:
-    """Per stream: the last arrival before the kill to the first after (streams that ended before it: none)."""
-    out = []
-    for a in arrivals:
-        before = [t for t in a if t <= killed]
-        after = [t for t in a if t > killed]
-        if before and after:
-            out.append(after[0] - before[-1])
-    return out
+def _gap(s: Stream, killed: float, migrated_only: bool) -> float | None:
+    """The stream's gap: ``migrated_only``, the event before its first after a migration to that event
+    (None if it never moved: its engine lived); else the last arrival before the kill to the first after
+    (None if it ended before the kill)."""
+    if migrated_only:
+        k = s.migrated_at
+        return s.arrivals[k] - s.arrivals[k - 1] if k else None
+    before = [t for t in s.arrivals if t <= killed]
+    after = [t for t in s.arrivals if t > killed]
+    return after[0] - before[-1] if before and after else None
 
 
 async def _drive(streams: int, make: Any, victim: int, transport: httpx.AsyncBaseTransport | None = None
-                 ) -> tuple[list[bool], list[list[float]], float]:
-    """Open the streams (``make(client, i, arrivals, started)``), SIGKILL the process group ``victim`` once
-    each has tokens."""
-    arrivals: list[list[float]] = [[] for _ in range(streams)]
-    started = [asyncio.Event() for _ in range(streams)]
+                 ) -> tuple[list[bool], list[Stream], float]:
+    """Open the streams (``make(client, i, stream)``), SIGKILL the process group ``victim`` once each has
+    tokens."""
+    seen = [Stream() for _ in range(streams)]
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=streams + 4),
                                  transport=transport) as c:
-        jobs = asyncio.gather(*[await make(c, i, arrivals[i], started[i]) for i in range(streams)])
-        for ev in started:
-            await ev.wait()
+        jobs = asyncio.gather(*[await make(c, i, seen[i]) for i in range(streams)])
+        for s in seen:
+            await s.started.wait()
         killed = time.monotonic()
         os.killpg(victim, signal.SIGKILL)  # its process group (vLLM's EngineCore too), as a container dies
         ended = await jobs
-    return list(ended), arrivals, killed
+    return list(ended), seen, killed
 
 
 def _engine(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
@@ -185,15 +205,16 @@ def _engine(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
         while not all(e["healthy"] for e in httpx.get(url + "/health").json()["engines"]):
             time.sleep(0.2)
 
-        async def make(c: httpx.AsyncClient, i: int, arrivals: list[float], started: asyncio.Event) -> Any:
-            return _read(c, "POST", url + "/v1/chat/completions", body(kind_of(args, i), i, args.tokens, vllm),
-                         arrivals, started)
+        async def make(c: httpx.AsyncClient, i: int, s: Stream) -> Any:
+            r = await c.post(url + "/v1/streams", json=body(kind_of(args, i), i, args.tokens, vllm))
+            r.raise_for_status()
+            return _read(c, "GET", f"{url}/v1/streams/{r.json()['id']}/events", None, s)
 
-        ended, arrivals, killed = asyncio.run(_drive(args.streams, make, engines[0].pid))
+        ended, seen, killed = asyncio.run(_drive(args.streams, make, engines[0].pid))
         metrics = httpx.get(url + "/metrics").text
     finally:
         stop_all([gateway, *engines])
-    return _result(args, "engine", "vllm" if vllm else "synthetic", ended, arrivals, killed,
+    return _result(args, "engine", "vllm" if vllm else "synthetic", ended, seen, killed,
                    migrations=[line for line in metrics.splitlines() if line.startswith("tokenfan_migrations_total")])
 
 
@@ -219,18 +240,18 @@ def _gateway(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
         for u, g in zip(urls, gateways, strict=True):
             wait_healthy(u, [g, engine], 600)
 
-        async def make(c: httpx.AsyncClient, i: int, arrivals: list[float], started: asyncio.Event) -> Any:
+        async def make(c: httpx.AsyncClient, i: int, s: Stream) -> Any:
             r = await c.post(urls[0] + "/v1/streams", json=body(kind_of(args, i), i, args.tokens, vllm))
             r.raise_for_status()
-            return _read(c, "GET", f"{urls[1]}/v1/streams/{r.json()['id']}/events", None, arrivals, started)
+            return _read(c, "GET", f"{urls[1]}/v1/streams/{r.json()['id']}/events", None, s)
 
-        ended, arrivals, killed = asyncio.run(_drive(args.streams, make, gateways[0].pid))
+        ended, seen, killed = asyncio.run(_drive(args.streams, make, gateways[0].pid))
         metrics = httpx.get(urls[1] + "/metrics").text
     finally:
         stop_all([*gateways, engine])
         redis.terminate()
         redis.wait(10)
-    return _result(args, "gateway", "vllm" if vllm else "synthetic", ended, arrivals, killed,
+    return _result(args, "gateway", "vllm" if vllm else "synthetic", ended, seen, killed,
                    adoptions=[line for line in metrics.splitlines() if line.startswith("tokenfan_adoptions_total")])
 
 
@@ -248,18 +269,18 @@ def _workers(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
         worker0 = next(c.pid for c in children(server.pid) if c.has_env(WORKER_INDEX_ENV, "0"))
         owner, reader = (httpx.AsyncHTTPTransport(uds=str(worker_socket(port, k))) for k in (0, 1))
 
-        async def make(c: httpx.AsyncClient, i: int, arrivals: list[float], started: asyncio.Event) -> Any:
+        async def make(c: httpx.AsyncClient, i: int, s: Stream) -> Any:
             async with httpx.AsyncClient(transport=owner) as w0:
                 r = await w0.post("http://worker/v1/streams", json=body(kind_of(args, i), i, args.tokens, vllm))
                 r.raise_for_status()
-            return _read(c, "GET", f"http://worker/v1/streams/{r.json()['id']}/events", None, arrivals, started)
+            return _read(c, "GET", f"http://worker/v1/streams/{r.json()['id']}/events", None, s)
 
-        ended, arrivals, killed = asyncio.run(_drive(args.streams, make, worker0, reader))
+        ended, seen, killed = asyncio.run(_drive(args.streams, make, worker0, reader))
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(worker_socket(port, 1)))) as c:
             metrics = c.get("http://worker/metrics").text
     finally:
         stop_all([server])
-    return _result(args, "workers", "vllm" if vllm else "synthetic", ended, arrivals, killed,
+    return _result(args, "workers", "vllm" if vllm else "synthetic", ended, seen, killed,
                    adoptions=[line for line in metrics.splitlines() if line.startswith("tokenfan_adoptions_total")])
 
 
@@ -270,13 +291,13 @@ def kind_of(args: argparse.Namespace, i: int) -> str:
     return str(args.kinds[(i // 2) % len(args.kinds)])
 
 
-def _result(args: argparse.Namespace, scenario: str, backend: str, ended: list[bool], arrivals: list[list[float]],
+def _result(args: argparse.Namespace, scenario: str, backend: str, ended: list[bool], seen: list[Stream],
             killed: float, **counters: list[str]) -> dict[str, Any]:
     kinds = {}
     for kind in args.kinds:
         mine = [i for i in range(args.streams) if kind_of(args, i) == kind]
         kinds[kind] = {"streams": len(mine), "ended_normally": sum(ended[i] for i in mine),
-                       "gaps_s": _gaps([arrivals[i] for i in mine], killed)}
+                       "gaps_s": [g for i in mine if (g := _gap(seen[i], killed, scenario == "engine")) is not None]}
     return {"scenario": scenario, "backend": backend, "streams": args.streams, "ended_normally": sum(ended),
             "kinds": kinds, **counters}
 

@@ -6,6 +6,9 @@ correctness only: speed is the bench's to measure, never asserted here."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -149,3 +152,32 @@ def test_the_jitter_the_bench_removes_is_the_jitter_the_proxy_added(gateway: str
     one 1.5 s window in 200 for this seed): the test passes when one of three runs fits; a lookup 120 ms off fits in
     none."""
     one_of_runs(lambda i: jitter_fit(gateway, tmp_path / str(i)), "no run's delivery followed the proxy's jitter")
+
+
+def test_bench_net_prints_an_ab_link_per_profile_that_serves_the_page_through_its_proxy(gateway: str) -> None:
+    """``tokenfan bench net`` (docs/browser.md): one shaping proxy per profile, each measured and printed with
+    an ``/ab`` link that carries every route, so the page's Network menu can switch; it stops at ``--for``'s
+    end or on Ctrl-C (SIGINT), with status 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "tokenfan.cli", "bench", "net", "--url", gateway, "--profiles",
+                             "lan,transatlantic", "--for", "120"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(6)]  # three lines per profile
+        rtts: dict[str, float] = {}
+        for k, name in enumerate(("lan", "transatlantic")):
+            head, measured, link = lines[3 * k:3 * k + 3]
+            assert head.split()[0] == name, lines
+            rtts[name] = float(measured.split("measured RTT ")[1].split()[0])
+            url = httpx.URL(link.strip())
+            assert (url.path, url.params["net"]) == ("/ab", name), link
+            routes = dict(r.split(":") for r in url.params["routes"].split(","))
+            assert list(routes) == ["lan", "transatlantic"] and routes[name] == str(url.port), link
+            page = httpx.get(str(url), timeout=30, trust_env=False)
+            assert page.status_code == 200 and "<html" in page.text.lower(), (link, page.status_code)
+        # a shaper's delay is a floor (a busy machine only adds to it): 90 ms ± 1 ms of jitter
+        assert rtts["transatlantic"] >= 85 and rtts["lan"] < rtts["transatlantic"], rtts
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()

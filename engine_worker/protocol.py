@@ -118,7 +118,7 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     ``data:``, or the whole response of a non-streamed request; ``text`` is then empty. ``token_ids``:
     the output token ids of the step (the plain path; what a continuation resumes from). ``steps``
     (vLLM's OpenAI layer): the engine steps whose chunks are complete with this delta, each a list of its
-    outputs as ``[choice_index, *token_ids]``; all deltas of one step travel in one :class:`DeltaBatch`, the
+    outputs as ``[choice_index, finished (0 or 1), *token_ids]``; all deltas of one step travel in one :class:`DeltaBatch`, the
     step on its last (a step that made no chunk rides on the next delta).
     """
 

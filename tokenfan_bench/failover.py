@@ -131,9 +131,10 @@ class Stream:
     started: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-async def _read(c: httpx.AsyncClient, method: str, url: str, body: dict[str, Any] | None, s: Stream) -> bool:
-    """Read one SSE stream, stamping each content event; True if it ended normally (``[DONE]``)."""
-    async with c.stream(method, url, json=body) as r:
+async def _read(c: httpx.AsyncClient, url: str, s: Stream) -> bool:
+    """Read one listed stream's SSE events, stamping each content event; True if it ended normally
+    (``[DONE]``)."""
+    async with c.stream("GET", url) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line == "data: [DONE]":
@@ -160,6 +161,16 @@ def _carries_output(chunk: dict[str, Any]) -> bool:
         if delta.get("content") or delta.get("reasoning") or delta.get("tool_calls"):
             return True
     return False
+
+
+def _listed(args: argparse.Namespace, vllm: bool, create: str, read: str) -> Any:
+    """``make`` for :func:`_drive`: stream ``i`` created on the gateway at ``create``, read at ``read``."""
+    async def make(c: httpx.AsyncClient, i: int, s: Stream) -> Any:
+        r = await c.post(create + "/v1/streams", json=body(kind_of(args, i), i, args.tokens, vllm))
+        r.raise_for_status()
+        return _read(c, f"{read}/v1/streams/{r.json()['id']}/events", s)
+
+    return make
 
 
 def _gap(s: Stream, killed: float, migrated_only: bool) -> float | None:
@@ -205,12 +216,7 @@ def _engine(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
         while not all(e["healthy"] for e in httpx.get(url + "/health").json()["engines"]):
             time.sleep(0.2)
 
-        async def make(c: httpx.AsyncClient, i: int, s: Stream) -> Any:
-            r = await c.post(url + "/v1/streams", json=body(kind_of(args, i), i, args.tokens, vllm))
-            r.raise_for_status()
-            return _read(c, "GET", f"{url}/v1/streams/{r.json()['id']}/events", None, s)
-
-        ended, seen, killed = asyncio.run(_drive(args.streams, make, engines[0].pid))
+        ended, seen, killed = asyncio.run(_drive(args.streams, _listed(args, vllm, url, url), engines[0].pid))
         metrics = httpx.get(url + "/metrics").text
     finally:
         stop_all([gateway, *engines])
@@ -240,12 +246,7 @@ def _gateway(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
         for u, g in zip(urls, gateways, strict=True):
             wait_healthy(u, [g, engine], 600)
 
-        async def make(c: httpx.AsyncClient, i: int, s: Stream) -> Any:
-            r = await c.post(urls[0] + "/v1/streams", json=body(kind_of(args, i), i, args.tokens, vllm))
-            r.raise_for_status()
-            return _read(c, "GET", f"{urls[1]}/v1/streams/{r.json()['id']}/events", None, s)
-
-        ended, seen, killed = asyncio.run(_drive(args.streams, make, gateways[0].pid))
+        ended, seen, killed = asyncio.run(_drive(args.streams, _listed(args, vllm, *urls), gateways[0].pid))
         metrics = httpx.get(urls[1] + "/metrics").text
     finally:
         stop_all([*gateways, engine])
@@ -273,7 +274,7 @@ def _workers(args: argparse.Namespace, tmp: Path, logs: Path) -> dict[str, Any]:
             async with httpx.AsyncClient(transport=owner) as w0:
                 r = await w0.post("http://worker/v1/streams", json=body(kind_of(args, i), i, args.tokens, vllm))
                 r.raise_for_status()
-            return _read(c, "GET", f"http://worker/v1/streams/{r.json()['id']}/events", None, s)
+            return _read(c, f"http://worker/v1/streams/{r.json()['id']}/events", s)
 
         ended, seen, killed = asyncio.run(_drive(args.streams, make, worker0, reader))
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(worker_socket(port, 1)))) as c:

@@ -120,14 +120,19 @@ def delivered(deltas: list[p.Delta], steps: int) -> list[p.Delta]:
 
 
 def steps_of(deltas: list[p.Delta]) -> list[list[list[int]]]:
-    """The engine steps behind ``deltas``, each a list of its outputs (``[choice, …, *token_ids]``)."""
+    """The engine steps behind ``deltas``, each a list of its outputs (``[choice, finished, *token_ids]``)."""
     return [s for d in deltas for s in d.steps]
+
+
+def tokens_of(out: list[int]) -> int:
+    """How many tokens one output of a step carries (``[choice, finished, *token_ids]``)."""
+    return len(out) - 2
 
 
 def merged(deltas: list[p.Delta]) -> bool:
     """Whether a step behind ``deltas`` carries more than one token of a choice (several engine steps that
     reached a slow reader as one)."""
-    return any(len(out) - 2 > 1 for s in steps_of(deltas) for out in s)
+    return any(tokens_of(out) > 1 for s in steps_of(deltas) for out in s)
 
 
 def grouping(deltas: list[p.Delta]) -> list[int]:
@@ -160,7 +165,7 @@ def continuations(address: str, bodies: dict[str, dict[str, Any]]) -> dict[str, 
     for kind, body in bodies.items():
         deltas = controls[kind]
         steps = steps_of(deltas)
-        assert sum(len(out) - 2 for s in steps for out in s) == assembled(deltas)["usage"][1], kind
+        assert sum(tokens_of(out) for s in steps for out in s) == assembled(deltas)["usage"][1], kind
         for cut in sorted({1, 2, len(steps) // 3, len(steps) // 2, len(steps) - 2} - {0}):
             rid = f"gen-r-{kind}-{cut}.m1"  # a continuation's id: its chunks keep the generation's id
             subs[rid] = submit(rid, body, steps[:cut])

@@ -54,14 +54,19 @@ def bench(out: Path, *args: str) -> dict:
 
 
 def test_bench_recovers_an_injected_1ms_websocket_delay(delayed_gateway: str, tmp_path: Path):
+    from tokenfan_bench.stats.report_estimates import applied_delay, injected_sleeps
+
+    before = injected_sleeps(httpx.get(delayed_gateway + "/metrics").text, "ws")
     r = bench(tmp_path, "--url", delayed_gateway, "--arms", "sse,ws", *RUN)
+    applied = applied_delay(injected_sleeps(httpx.get(delayed_gateway + "/metrics").text, "ws") - before)
     d = r["diff_ms"]
-    # The injected asyncio.sleep(0.001) really lasts ~1.15 ms on an idle machine and up to ~1.8 ms when the
-    # gateway shares 2 busy cores with the engine and the client (measured at load 9-11); the bound still
-    # fails a bench that misses the delay or adds a path difference of its own (one was 16.8 ms).
-    assert 0.8 <= d["median"] <= 2.0, d
+    # The injected asyncio.sleep(0.001) lasts ~1.15 ms on an idle machine and 2 ms or more when the gateway
+    # shares 2 busy cores (2.1 ms beside a second pytest worker): the gateway times each sleep (applied), and
+    # the bench must recover what it applied. It still fails a bench that misses the delay or adds a path
+    # difference of its own (one was 16.8 ms).
+    assert applied["n"] > 0 and abs(d["median"] - applied["median_ms"]) < 0.6, (d, applied)
     lo, hi = d["ci95"]
-    assert lo <= d["median"] <= hi and lo <= 2.0 and hi >= 0.8, d
+    assert 0.3 < lo <= d["median"] <= hi, d
     assert d["paired"] and d["streams"] == 24
     assert r["arms"]["A"]["errors"] == 0 and r["arms"]["B"]["errors"] == 0
 

@@ -604,16 +604,20 @@ def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_pre
         assert [spec[n]["lifecycle"]["preStop"]["exec"]["command"][0] for n in spec] == ["sleep", "sleep"]
         # an unlisted stream (POST SSE) in flight, longer than the gateway's drain: it is drained, then cut
         body: dict[str, Any] = {}
+        streaming = threading.Event()  # the response has begun (its headers are in)
 
         def read_long() -> None:
             with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
                     "messages": [{"role": "user", "content": "x"}], "max_tokens": 1500, "stream": True}) as r:
+                streaming.set()
                 body["events"] = sse_events(r.read().decode())
 
         reader = threading.Thread(target=read_long)
         reader.start()
-        wait_until(lambda: httpx.get(url + "/health", timeout=3).json()["engine"]["running"] >= 1, timeout=10,
-                   what="the long stream to run")
+        # (the engine running it is not enough: beside a second pytest worker SIGTERM once came before the
+        # response had begun, and that request was closed without one)
+        wait_until(lambda: streaming.is_set() and httpx.get(url + "/health", timeout=3).json()["engine"]["running"] >= 1,
+                   timeout=10, what="the long stream to run")
         rc_gw, drain = gateway.sigterm(timeout=grace)
         reader.join(30)
         assert rc_gw == 0, gateway.text()[-2000:]

@@ -9,7 +9,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -78,6 +78,20 @@ def one_of_runs(run: Callable[[int], str | None], what: str, tries: int = 3) -> 
             return
         misses.append(miss)
     raise AssertionError(f"{what}: {misses}")
+
+
+T = TypeVar("T")
+
+
+def with_applied_delay(url: str, transport: str, run: Callable[[], T]) -> tuple[T, dict[str, float]]:
+    """``run()``'s result and what the gateway's ``--inject-delay`` applied to ``transport`` meanwhile (the
+    sleeps it timed, :func:`~tokenfan_bench.stats.report_estimates.applied_delay`): an ``asyncio.sleep`` lasts
+    longer on a busy machine, and a bench must recover the delay that was applied."""
+    from tokenfan_bench.stats.report_estimates import applied_delay, injected_sleeps
+
+    before = injected_sleeps(httpx.get(url + "/metrics").text, transport)
+    result = run()
+    return result, applied_delay(injected_sleeps(httpx.get(url + "/metrics").text, transport) - before)
 
 
 def engine_load(url: str) -> tuple[int, int]:

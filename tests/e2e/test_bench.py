@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.helpers import with_applied_delay
 from tests.procs import spawn, start_engine, start_gateway
 from tokenfan_bench.cli import main as bench_main
 from tokenfan_bench.servers.processes import free_port
@@ -54,11 +55,8 @@ def bench(out: Path, *args: str) -> dict:
 
 
 def test_bench_recovers_an_injected_1ms_websocket_delay(delayed_gateway: str, tmp_path: Path):
-    from tokenfan_bench.stats.report_estimates import applied_delay, injected_sleeps
-
-    before = injected_sleeps(httpx.get(delayed_gateway + "/metrics").text, "ws")
-    r = bench(tmp_path, "--url", delayed_gateway, "--arms", "sse,ws", *RUN)
-    applied = applied_delay(injected_sleeps(httpx.get(delayed_gateway + "/metrics").text, "ws") - before)
+    r, applied = with_applied_delay(delayed_gateway, "ws",
+                                    lambda: bench(tmp_path, "--url", delayed_gateway, "--arms", "sse,ws", *RUN))
     d = r["diff_ms"]
     # The injected asyncio.sleep(0.001) lasts ~1.15 ms on an idle machine and 2 ms or more when the gateway
     # shares 2 busy cores (2.1 ms beside a second pytest worker): the gateway times each sleep (applied), and

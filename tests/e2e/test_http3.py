@@ -16,6 +16,7 @@ import pytest
 
 from gateway.http.certs import generate
 from gateway.http3.wire import RequestHead
+from tests.e2e.helpers import with_applied_delay
 from tests.procs import start_engine, start_gateway
 from tokenfan_bench.clients.quic import QuicOrigin, Response, read_events
 from tokenfan_bench.clients.recorder import Recorder
@@ -271,12 +272,9 @@ def bench(out: Path, *args: str) -> dict[str, object]:
 
 def test_bench_quic_arms_recover_an_injected_1ms_webtransport_delay(delayed_h3_gateway: tuple[str, str],
                                                                      tmp_path: Path) -> None:
-    from tokenfan_bench.stats.report_estimates import applied_delay, injected_sleeps
-
     url, h3 = delayed_h3_gateway
-    before = injected_sleeps(httpx.get(url + "/metrics").text, "wt")
-    r = bench(tmp_path, "--url", url, "--h3-url", h3, "--arms", "sse-h3,wt", *BENCH_RUN)
-    applied = applied_delay(injected_sleeps(httpx.get(url + "/metrics").text, "wt") - before)
+    r, applied = with_applied_delay(
+        url, "wt", lambda: bench(tmp_path, "--url", url, "--h3-url", h3, "--arms", "sse-h3,wt", *BENCH_RUN))
     d = r["diff_ms"]
     assert isinstance(d, dict) and d["paired"]
     # an asyncio.sleep(0.001) lasts 1.1-2 ms on 2 busy cores: the gateway times each one (applied)

@@ -95,12 +95,11 @@ def adopt_once(parser_gateway: str, ipc_dir: Path, redis_server: RedisServer, ki
             if kind == "replicas":  # (behind one port, the kernel may have given a reader to worker 1)
                 assert reader.reconnects >= 1, name  # it was read on A, then on B
         expected = asyncio.run(streamed_controls(parser_gateway, {name: (CHAT, body) for name, body in bodies.items()}))
+        misses = []  # answers unequal to their controls
         try:
             check_vllm({name: r.answer for name, r in readers.items()}, expected)
         except AssertionError as exc:
-            miss: str | None = f"check_vllm: {exc!r}"
-        else:
-            miss = None
+            misses.append(f"check_vllm: {exc!r}")
         assert expected["penalties"].logprobs and expected["n2"].others[1], expected
         calls = readers["required-tool"].answer.tools.values()
         assert calls and all((t["headers"], t["name"]) == (1, "get_weather") for t in calls), calls
@@ -113,11 +112,11 @@ def adopt_once(parser_gateway: str, ipc_dir: Path, redis_server: RedisServer, ki
         want = control_answer(httpx.post(parser_gateway + "/v1/responses", json=background, timeout=120).json())
         assert got.text.startswith('{"name":"'), got.text
         if (got.text, got.finish, got.usage) != (want.text, want.finish, want.usage):
-            miss = f"{miss}; background: {(got.text, got.finish, got.usage)} != {(want.text, want.finish, want.usage)}"
+            misses.append(f"background: {(got.text, got.finish, got.usage)} != {(want.text, want.finish, want.usage)}")
         # every stream was in flight on A (worker 0) at the kill, and B (worker 1) adopted it
         if where.settle is not None:
             where.settle()  # worker 0 serves again: the metric merges both workers'
         # (on a busy machine one short answer may end just before the kill: then it is not adopted)
         assert len(ended) <= 1, ended
         assert metric(where.survivor, "tokenfan_adoptions_total", {"outcome": "adopted"}) == len(bodies) + 1 - len(ended)
-        return miss
+        return "; ".join(misses) or None

@@ -9,6 +9,8 @@ need them all run on one worker (:func:`pytest_xdist_make_scheduler`).
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import json
 import os
 import tempfile
@@ -62,11 +64,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-# The three vLLM processes a session may need; each boot costs ~35 s of one core (importing torch and vLLM
+# The vLLM processes a session may need; each boot costs ~35 s of one core (importing torch and vLLM
 # in the front, EngineCore and worker processes). Without xdist they start with the session's first test,
 # side by side and at the lowest CPU priority (BOOT_NICE), and the modules that need them run last
 # (pytest_collection_modifyitems): the boot takes the CPU the other tests leave idle and delays none of them.
-# Under xdist the first test that needs any of them starts every one the session's collected tests need.
+# Under xdist the first test that needs any of them starts every one the session's collected tests need, at
+# the normal priority: the other worker's tests run beside them for their whole life, and an engine at nice 19
+# beside them once took more than 30 s for the first tokens of a few streams (a wait test_vllm_adoption bounds).
 BOOT_NICE = 19
 # The differential pair runs its requests side by side (test_vllm_parity.both): one OpenMP thread each, so
 # on 2 cores neither engine's thread pool spins against the other's.
@@ -78,46 +82,46 @@ ONE_THREAD = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 STRUCTURED = ("--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
 
 
-def _start_vllm_engine(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
+def _start_vllm_engine(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, str]:
     address = f"ipc://{ipc_dir / 'vllm.sock'}"
     # float32 and the name "tiny", as the differential pair: test_vllm_parity_plain compares this engine's
     # plain chat path with vllm serve (dtype auto would be bfloat16 on an AMX CPU)
     return start_engine(address, "--engine", "vllm", "--model", str(model), "--max-model-len", "512",
                         "--dtype", "float32", "--served-model-name", "tiny", *STRUCTURED, name="engine-vllm",
-                        nice=BOOT_NICE), address
+                        nice=nice), address
 
 
-def _start_parser_gateway(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
+def _start_parser_gateway(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, str]:
     port = free_port()
     proc = spawn(["-m", "tokenfan.cli", "serve", "--engine", "vllm", "--model", str(model),
                   "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
                   "--kv-cache-gib", "1", "--engine-address", f"ipc://{ipc_dir / 'parser.sock'}",
                   "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *PARSER_FLAGS],
-                 "tokenfan-parser", env=ONE_THREAD, nice=BOOT_NICE)
+                 "tokenfan-parser", env=ONE_THREAD, nice=nice)
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _start_vllm_serve(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
+def _start_vllm_serve(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, str]:
     port = free_port()
     env = {"VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **ONE_THREAD}
     proc = spawn(["-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                   "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
                   "--enforce-eager", "--disable-log-stats", "--host", "127.0.0.1", "--port", str(port),
-                  *PARSER_FLAGS], "vllm-serve", env=env, nice=BOOT_NICE)
+                  *PARSER_FLAGS], "vllm-serve", env=env, nice=nice)
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _start_spare_engine(model: Path, ipc_dir: Path) -> tuple[Proc, str]:
+def _start_spare_engine(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, str]:
     """A second engine beside the parser engine of :func:`_start_parser_gateway` for test_vllm_migration,
     which kills it (booted with the others, not in the test): the same flags, dtype and threads as that engine
     (vLLM's hermes and qwen3 parsers; float32: a continuation on the other engine must decode the same)."""
     address = f"ipc://{ipc_dir / 'vllm-spare.sock'}"
     return spawn(["-m", "engine_worker", "--address", address, "--engine", "vllm", "--model", str(model),
                   "--max-model-len", "512", "--dtype", "float32", "--served-model-name", "tiny", "--kv-cache-gib",
-                  "1", *PARSER_FLAGS], "engine-vllm-spare", env=ONE_THREAD, nice=BOOT_NICE), address
+                  "1", *PARSER_FLAGS], "engine-vllm-spare", env=ONE_THREAD, nice=nice), address
 
 
-VLLM_STARTS: dict[str, Callable[[Path, Path], tuple[Proc, str]]] = {
+VLLM_STARTS: dict[str, Callable[[Path, Path, int], tuple[Proc, str]]] = {
     "vllm_engine": _start_vllm_engine, "parser_gateway": _start_parser_gateway, "vllm_serve": _start_vllm_serve,
     "vllm_spare_engine": _start_spare_engine}
 
@@ -136,6 +140,7 @@ GROUPS_FILE = "tokenfan_groups_file"
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
     node.workerinput[GROUPS_FILE] = str(_groups_file(node.config))
+    node.workerinput[LOCK_FILES] = str(_groups_file(node.config)) + ".lock"
 
 
 def _groups_file(config: pytest.Config) -> Path:
@@ -144,6 +149,8 @@ def _groups_file(config: pytest.Config) -> Path:
         os.close(handle)
         config._tokenfan_groups = Path(path)  # type: ignore[attr-defined]
         config.add_cleanup(config._tokenfan_groups.unlink)  # type: ignore[attr-defined]
+        for lock in (".lock.gate", ".lock.run"):
+            config.add_cleanup(functools.partial(Path(path + lock).unlink, missing_ok=True))
     return config._tokenfan_groups  # type: ignore[attr-defined, no-any-return]
 
 
@@ -180,18 +187,46 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return GroupScheduling(config, log)
 
 
+# A test marked `alone` reads time (a benchmark's medians, a proxy's jitter) and runs with the other xdist
+# worker paused between its tests: `alone` takes an exclusive lock that every other test holds shared from its
+# setup to its teardown. A gate lock comes first, so a waiting `alone` test keeps the other worker from
+# starting new tests while it waits for the running one (flock alone would let that worker take the shared
+# lock again and again). Without xdist there is no other worker and the locks are never contended.
+LOCK_FILES = "tokenfan_lock_files"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    base = getattr(item.config, "workerinput", {}).get(LOCK_FILES)
+    if base is None:
+        yield
+        return
+    alone = item.get_closest_marker("alone") is not None
+    with open(f"{base}.gate", "a") as gate, open(f"{base}.run", "a") as run:
+        fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(run, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+
+
 class VllmBoot:
     """Starts the session's vLLM processes together on first use; each fixture waits for its own."""
 
     def __init__(self, session: pytest.Session, tiny_model: Path, ipc_dir: Path) -> None:
         self.model, self.ipc_dir = tiny_model, ipc_dir
+        self.nice = 0 if hasattr(session.config, "workerinput") else BOOT_NICE
         needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
         self.procs: dict[str, tuple[Proc, str]] = {
-            name: start(tiny_model, ipc_dir) for name, start in VLLM_STARTS.items() if name in needed}
+            name: start(tiny_model, ipc_dir, self.nice) for name, start in VLLM_STARTS.items() if name in needed}
 
     def get(self, name: str) -> tuple[Proc, str]:
         if name not in self.procs:  # a fixture requested dynamically (getfixturevalue) by no collected test
-            self.procs[name] = VLLM_STARTS[name](self.model, self.ipc_dir)
+            self.procs[name] = VLLM_STARTS[name](self.model, self.ipc_dir, self.nice)
         return self.procs[name]
 
     def stop(self) -> None:

@@ -142,6 +142,7 @@ def jitter_fit(gateway: str, tmp_path: Path) -> str | None:
     return "; ".join(failed) or None
 
 
+@pytest.mark.alone  # reads time: no other test runs beside it (tests/conftest.py)
 def test_the_jitter_the_bench_removes_is_the_jitter_the_proxy_added(gateway: str, tmp_path: Path) -> None:
     """Unpaired comparisons subtract each token's path jitter (``Paths.mark_jitter``): it must be the one the
     proxy really applied. Through a profile whose only noise is a wide jitter, each token's delivery follows

@@ -16,6 +16,7 @@ from tokenfan_bench.report.plots import slug
 from tokenfan_bench.stats.report_estimates import PLACEBO_MS
 
 
+@pytest.mark.alone  # reads time: no other test runs beside it (tests/conftest.py)
 @pytest.mark.timeout(600)
 def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_path: Path) -> None:
     require("nginx")

@@ -57,12 +57,11 @@ image: image-deps
 	deploy/image.sh gpu-dry
 
 # CI (.ci/run) runs exactly `make test`: the lint first, so a finding fails the build before the suite runs.
-# One process, about 18 min of pytest on 2 cores (docs/tests.md). Two pytest-xdist workers
-# (PYTEST_WORKERS="-n 2 --dist loadgroup --no-loadscope-reorder") take about 12.5 min but are opt-in: a
-# fresh-clone run with them failed again on 2026-11-28 (docs/tests.md).
+# Two pytest-xdist workers with this suite's grouping (tests/conftest.py), about 14 min of pytest on 2 cores;
+# `make test PYTEST_WORKERS=` runs one process (about 18 min). docs/tests.md has the measurements.
 # `image` first: tests/e2e/test_image.py starts the built image (about 6 min to build on 2 cores, nothing
 # when it is up to date).
-PYTEST_WORKERS ?=
+PYTEST_WORKERS ?= -n 2 --dist loadgroup --no-loadscope-reorder
 test: setup test-deps lint image
 	$(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 

@@ -54,6 +54,7 @@ def bench(out: Path, *args: str) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.alone  # reads time: no other test runs beside it (tests/conftest.py)
 def test_bench_recovers_an_injected_1ms_websocket_delay(delayed_gateway: str, tmp_path: Path):
     r, applied = with_applied_delay(delayed_gateway, "ws",
                                     lambda: bench(tmp_path, "--url", delayed_gateway, "--arms", "sse,ws", *RUN))

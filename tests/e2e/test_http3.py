@@ -270,6 +270,7 @@ def bench(out: Path, *args: str) -> dict[str, object]:
     return json.loads((out / "results.json").read_text())  # type: ignore[no-any-return]
 
 
+@pytest.mark.alone  # reads time: no other test runs beside it (tests/conftest.py)
 def test_bench_quic_arms_recover_an_injected_1ms_webtransport_delay(delayed_h3_gateway: tuple[str, str],
                                                                      tmp_path: Path) -> None:
     url, h3 = delayed_h3_gateway

@@ -15,6 +15,7 @@ from tokenfan_bench.cli import main as bench_main
 from tokenfan_bench.stats.page_levels import LEVELS
 
 
+@pytest.mark.alone  # reads time: no other test runs beside it (tests/conftest.py)
 @pytest.mark.browser
 @pytest.mark.timeout(180)
 def test_page_levels_stamps_every_token_at_every_level_and_recovers_the_injected_delay(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 import sys
@@ -9,8 +10,17 @@ import time
 
 import httpx
 
+from tests.e2e.helpers import wait_until
 from tests.procs import ROOT, spawn, start_engine, start_gateway
 from tokenfan_bench.servers.processes import free_port
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(url, timeout=5)
+    except httpx.TransportError:
+        return False
+    return True
 
 
 def test_curve_admits_authorized_gateways_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -33,8 +43,12 @@ def test_curve_admits_authorized_gateways_only(tmp_path) -> None:  # type: ignor
             proc = spawn(["-m", "tokenfan.cli", "gateway", "--engine", address, "--port", str(port),
                           "--log-level", "warning", *extra], f"gateway-{name}")
             try:
-                time.sleep(3)  # long enough for many heartbeats, had the link worked
-                r = httpx.get(f"http://127.0.0.1:{port}/health")
+                # serving HTTP first (beside a second pytest worker the start took more than 3 s), then long
+                # enough for many heartbeats, had the link worked
+                health = f"http://127.0.0.1:{port}/health"
+                wait_until(functools.partial(_answers, health), timeout=60, what=f"the {name} gateway to serve HTTP")
+                time.sleep(3)
+                r = httpx.get(health)
                 assert r.status_code == 503, name
             finally:
                 proc.stop()

@@ -194,8 +194,8 @@ def decode(frames: list[bytes]) -> Message:
         raise WireError(f"unsupported protocol header {bytes(magic[:32])!r}, expected {MAGIC!r}")
     try:
         return _decoder.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise WireError(f"undecodable payload: {exc}") from exc
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # a str of invalid UTF-8: UnicodeDecodeError
+        raise WireError(f"undecodable payload: {exc!r}") from exc
 
 
 def pack_steps(steps: list[list[list[int]]]) -> list[int]:

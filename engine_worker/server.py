@@ -208,15 +208,22 @@ class EngineServer:
             except p.WireError as exc:
                 self._bad_frame(identity, str(exc))
                 continue
-            if isinstance(msg, p.Submit):
-                self._on_submit(identity, msg)
-            elif isinstance(msg, p.Abort):
-                self._on_abort(identity, msg)
-            elif isinstance(msg, p.Ping):
-                self._last_ping[identity] = time.monotonic()
-                await self._send(identity, self._heartbeat(msg.sent_ns))
-            else:
-                self._bad_frame(identity, f"unexpected {type(msg).__name__} from a gateway")
+            try:
+                await self._on_message(identity, msg)
+            except Exception:  # one message must never end the loop (the engine would go deaf)
+                log.exception("dropped a %s from %s that failed", type(msg).__name__, identity.hex())
+                self._bad_frame(identity, f"{type(msg).__name__} failed")
+
+    async def _on_message(self, identity: bytes, msg: p.Message) -> None:
+        if isinstance(msg, p.Submit):
+            self._on_submit(identity, msg)
+        elif isinstance(msg, p.Abort):
+            self._on_abort(identity, msg)
+        elif isinstance(msg, p.Ping):
+            self._last_ping[identity] = time.monotonic()
+            await self._send(identity, self._heartbeat(msg.sent_ns))
+        else:
+            self._bad_frame(identity, f"unexpected {type(msg).__name__} from a gateway")
 
     def _bad_frame(self, identity: bytes, reason: str) -> None:
         self.stats.bad_frames += 1

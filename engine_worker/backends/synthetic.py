@@ -294,9 +294,13 @@ def _refuse_model_fields(endpoint: str, body: dict[str, Any]) -> None:
 
 def _plain_submit(submit: Submit, body: dict[str, Any]) -> Submit:
     """The plain request inside a forwarded body whose other fields vllm serve ignores too."""
-    stop = body.get("stop") or []
+    stop, seed = body.get("stop") or [], body.get("seed")
+    if not isinstance(stop, str) and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        _invalid("stop", "`stop` must be a string or a list of strings")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        _invalid("seed", "`seed` must be an integer")  # ([] reached the corpus offset as a 500 once)
     sampling = msgspec.structs.replace(
-        submit.sampling, seed=body.get("seed"), stop=[stop] if isinstance(stop, str) else list(stop))
+        submit.sampling, seed=seed, stop=[stop] if isinstance(stop, str) else list(stop))
     if submit.endpoint == "chat.completions":
         messages = [ChatMessage(role=str(m.get("role")), content=_text(m.get("content")))
                     for m in body.get("messages") or []]
@@ -310,6 +314,10 @@ def _text(content: Any) -> str | list[str]:
     if isinstance(content, list):
         return [str(part.get("text", "")) for part in content if isinstance(part, dict)]
     return content if isinstance(content, str) else ""
+
+
+def _invalid(param: str, message: str) -> None:
+    raise RequestRejected(message, code="invalid_request", param=param)
 
 
 def _refuse(param: str) -> None:

@@ -70,7 +70,8 @@ def test_junk_frames_are_dropped_and_the_engine_keeps_serving(synthetic_engine: 
     try:
         junk = [[b"hello"], [b"tokenfan/0", b"x"], [p.MAGIC, b"\xff\xfe"], [p.MAGIC, msgspec.msgpack.encode([1, 2])],
                 [p.MAGIC, msgspec.msgpack.encode(["submit", "r", "bogus-endpoint"])], [b"", b"", b""],
-                [p.MAGIC, os.urandom(4096)], p.encode(p.Heartbeat("x", "y", "z", 1, 0, 0, 0, 0))]
+                [p.MAGIC, os.urandom(4096)], p.encode(p.Heartbeat("x", "y", "z", 1, 0, 0, 0, 0)),
+                [p.MAGIC, b"\x92\xa4\xff\xfe\xfd\xfc\x01"]]  # invalid UTF-8 (it once ended the receive loop)
         for frames in junk:
             s.send_multipart(frames)
         s.send_multipart(p.encode(p.Ping(sent_ns=42)))

@@ -14,7 +14,6 @@ import functools
 import json
 import os
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -69,9 +68,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # in the front, EngineCore and worker processes). Without xdist they start with the session's first test,
 # side by side and at the lowest CPU priority (BOOT_NICE), and the modules that need them run last
 # (pytest_collection_modifyitems): the boot takes the CPU the other tests leave idle and delays none of them.
-# Under xdist the first worker starts them with its first test (pytest_xdist_make_scheduler), at the normal
-# priority: the other worker's tests run beside them for their whole life, and an engine at nice 19 beside
-# them once took more than 30 s for a few streams' first tokens (a wait test_vllm_adoption bounds).
+# Under xdist the first test that needs any of them starts every one the session's collected tests need, at
+# the normal priority: the other worker's tests run beside them for their whole life, and an engine at nice 19
+# beside them once took more than 30 s for the first tokens of a few streams (a wait test_vllm_adoption bounds).
 BOOT_NICE = 19
 # The differential pair runs its requests side by side (test_vllm_parity.both): one OpenMP thread each, so
 # on 2 cores neither engine's thread pool spins against the other's.
@@ -131,8 +130,8 @@ def needs_vllm(item: pytest.Item) -> bool:
     return any(name in VLLM_STARTS for name in getattr(item, "fixturenames", ()))
 
 
-# Under pytest-xdist (make test: -n 2 --dist loadgroup; docs/tests.md) every test that needs a vLLM process runs
-# on one worker, so a run still boots each vLLM process once, and the other tests go module by module (a module's
+# Under pytest-xdist (make test: -n 2 --dist loadgroup; docs/tests.md) every test that needs a vLLM process runs on one
+# worker, so a run still boots each vLLM process once, and the other tests go module by module (a module's
 # fixtures start once). Only a worker collects, so each worker writes its tests' groups to a file the
 # controller's scheduler reads. (xdist's own loadgroup renames nodeids, which pytest 9.2 no longer allows.)
 GROUPS_FILE = "tokenfan_groups_file"
@@ -167,14 +166,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     os.replace(tmp, path)  # every worker writes the same groups: whole files only
 
 
-# Under xdist the first worker (VLLM_WORKER) starts the vLLM processes with its first test, as one process
-# does, and the scheduler gives it the vLLM group only VLLM_AFTER seconds into the run, once the boot is about
-# done: until then it runs other modules instead of waiting for the boot (about 95 s on two busy cores). The
-# other worker never gets the group (another worker would boot the processes a second time), unless the
-# first one is gone.
-VLLM_WORKER, VLLM_GROUP, VLLM_AFTER = "gw0", "vllm", 90.0
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     if config.getvalue("dist") != "loadgroup":
@@ -182,11 +173,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     groups_file = _groups_file(config)
-    started = time.monotonic()
 
     class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
-        """xdist's scope scheduling with this suite's groups as the scopes (read once every worker collected)
-        and the vLLM group kept for :data:`VLLM_WORKER` until :data:`VLLM_AFTER`."""
+        """xdist's scope scheduling with this suite's groups as the scopes (read once every worker collected)."""
 
         groups: dict[str, str] | None = None
 
@@ -194,18 +183,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             if self.groups is None:
                 self.groups = json.loads(groups_file.read_text())
             return self.groups.get(nodeid, nodeid)
-
-        def _assign_work_unit(self, node: Any) -> None:
-            queue = self.workqueue
-            if VLLM_GROUP in queue:
-                ours = node.gateway.id == VLLM_WORKER or all(n.gateway.id != VLLM_WORKER for n in self.nodes)
-                if ours and (time.monotonic() - started >= VLLM_AFTER or len(queue) == 1):
-                    queue.move_to_end(VLLM_GROUP, last=False)
-                elif len(queue) == 1:
-                    return  # only the vLLM group is left, and it is not this worker's: nothing to run here
-                else:
-                    queue.move_to_end(VLLM_GROUP)
-            super()._assign_work_unit(node)
 
     return GroupScheduling(config, log)
 
@@ -273,10 +250,8 @@ def vllm_boot(request: pytest.FixtureRequest, tiny_model: Path, ipc_dir: Path) -
 
 @pytest.fixture(scope="session", autouse=True)
 def _boot_vllm_first(request: pytest.FixtureRequest) -> None:
-    """Start the vLLM processes the session needs with its first test: in one process (see BOOT_NICE), and
-    on :data:`VLLM_WORKER` under xdist (see :func:`pytest_xdist_make_scheduler`)."""
-    worker = getattr(request.config, "workerinput", {}).get("workerid", VLLM_WORKER)
-    if worker == VLLM_WORKER and any(map(needs_vllm, request.session.items)):
+    """Without xdist: start the vLLM processes the session needs with its first test (see BOOT_NICE)."""
+    if getattr(request.config, "workerinput", None) is None and any(map(needs_vllm, request.session.items)):
         request.getfixturevalue("vllm_boot")
 
 

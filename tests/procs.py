@@ -52,7 +52,11 @@ def start_gateway(engine_address: str, *args: str, name: str = "gateway", timeou
     proc = spawn(["-m", "tokenfan.cli", "gateway", "--engine-address", engine_address, "--host", "127.0.0.1",
                   "--port", str(port), "--log-level", "warning", *args], name)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, timeout)
+    try:
+        wait_healthy(url, proc, timeout)
+    except BaseException:  # a gateway that never became healthy is stopped, not left behind the session
+        proc.stop()
+        raise
     return proc, url
 
 

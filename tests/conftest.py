@@ -140,7 +140,7 @@ GROUPS_FILE = "tokenfan_groups_file"
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
     node.workerinput[GROUPS_FILE] = str(_groups_file(node.config))
-    node.workerinput[LOCK_FILES] = str(_groups_file(node.config)) + ".lock"
+    node.workerinput[LOCK_FILES] = _locks(_groups_file(node.config))
 
 
 def _groups_file(config: pytest.Config) -> Path:
@@ -149,8 +149,8 @@ def _groups_file(config: pytest.Config) -> Path:
         os.close(handle)
         config._tokenfan_groups = Path(path)  # type: ignore[attr-defined]
         config.add_cleanup(config._tokenfan_groups.unlink)  # type: ignore[attr-defined]
-        for lock in (".lock.gate", ".lock.run"):
-            config.add_cleanup(functools.partial(Path(path + lock).unlink, missing_ok=True))
+        for lock in _locks(config._tokenfan_groups):  # type: ignore[attr-defined]
+            config.add_cleanup(functools.partial(Path(lock).unlink, missing_ok=True))
     return config._tokenfan_groups  # type: ignore[attr-defined, no-any-return]
 
 
@@ -195,14 +195,19 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 LOCK_FILES = "tokenfan_lock_files"
 
 
+def _locks(groups_file: Path) -> tuple[str, str]:
+    """The gate and run lock files of a session (beside its groups file, removed with it)."""
+    return f"{groups_file}.gate", f"{groups_file}.run"
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    base = getattr(item.config, "workerinput", {}).get(LOCK_FILES)
-    if base is None:
+    locks = getattr(item.config, "workerinput", {}).get(LOCK_FILES)
+    if locks is None:
         yield
         return
     alone = item.get_closest_marker("alone") is not None
-    with open(f"{base}.gate", "a") as gate, open(f"{base}.run", "a") as run:
+    with open(locks[0], "a") as gate, open(locks[1], "a") as run:
         fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if not alone:

@@ -67,6 +67,15 @@ async def until(check: Callable[[], Awaitable[bool]], timeout: float = 5.0, what
         await asyncio.sleep(0.02)
 
 
+def listening(url: str) -> bool:
+    """Whether the server at ``url`` answers ``/health`` at all (whatever the status: it serves HTTP)."""
+    try:
+        httpx.get(url + "/health", timeout=5)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
 def one_of_runs(run: Callable[[int], str | None], what: str, tries: int = 3) -> None:
     """``run(i)`` (it asserts what must hold on every run and returns what a check that needs a quiet
     moment missed, or None) up to ``tries`` times until one run misses nothing; else fail with ``what`` and

@@ -10,17 +10,9 @@ import time
 
 import httpx
 
-from tests.e2e.helpers import wait_until
+from tests.e2e.helpers import listening, wait_until
 from tests.procs import ROOT, spawn, start_engine, start_gateway
 from tokenfan_bench.servers.processes import free_port
-
-
-def _answers(url: str) -> bool:
-    try:
-        httpx.get(url, timeout=5)
-    except httpx.TransportError:
-        return False
-    return True
 
 
 def test_curve_admits_authorized_gateways_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -45,10 +37,10 @@ def test_curve_admits_authorized_gateways_only(tmp_path) -> None:  # type: ignor
             try:
                 # serving HTTP first (beside a second pytest worker the start took more than 3 s), then long
                 # enough for many heartbeats, had the link worked
-                health = f"http://127.0.0.1:{port}/health"
-                wait_until(functools.partial(_answers, health), timeout=60, what=f"the {name} gateway to serve HTTP")
+                url = f"http://127.0.0.1:{port}"
+                wait_until(functools.partial(listening, url), timeout=60, what=f"the {name} gateway to serve HTTP")
                 time.sleep(3)
-                r = httpx.get(health)
+                r = httpx.get(url + "/health")
                 assert r.status_code == 503, name
             finally:
                 proc.stop()

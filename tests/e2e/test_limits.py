@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from tests.e2e.helpers import wait_until
+from tests.e2e.helpers import listening, wait_until
 from tests.procs import start_gateway
 
 
@@ -53,7 +53,7 @@ def test_requests_fail_fast_with_503_when_no_engine_is_attached(ipc_dir) -> None
                   str(port), "--log-level", "warning"], "gateway-no-engine")
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _up(url), what="gateway listening")
+        wait_until(lambda: listening(url), what="gateway listening")
         assert httpx.get(url + "/health").status_code == 503
         t0 = time.monotonic()
         r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
@@ -61,14 +61,6 @@ def test_requests_fail_fast_with_503_when_no_engine_is_attached(ipc_dir) -> None
         assert time.monotonic() - t0 < 2
     finally:
         proc.stop()
-
-
-def _up(url: str) -> bool:
-    try:
-        httpx.get(url + "/health")
-        return True
-    except httpx.HTTPError:
-        return False
 
 
 def test_a_post_stream_client_that_stops_reading_is_cut_and_its_generation_aborted(ipc_dir) -> None:  # type: ignore[no-untyped-def]

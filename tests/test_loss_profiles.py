@@ -117,6 +117,15 @@ def test_stalls_count_gaps_over_five_medians_and_250ms() -> None:
     assert row["p50"]["value"] == pytest.approx(30.0)
 
 
+def test_a_subscriber_whose_content_was_all_replayed_is_late() -> None:
+    a = _arm([[30.0] * 5, [31.0] * 5, [32.0] * 5])
+    assert arm_row(a, 20, seed=1)["late"] == 0
+    a.live[a.stream == 1] = False  # joined after its stream's last token: every event a replay
+    a.live[(a.stream == 2) & (a.seq < 2)] = False  # joined mid-stream: live from then on
+    row = arm_row(a, 20, seed=1)
+    assert row["late"] == 1 and row["p50"]["streams"] == 2
+
+
 def test_lowest_needs_an_interval_below_every_other() -> None:
     def cell(lo: float, hi: float) -> dict[str, dict[str, object]]:
         return {"p99": {"value": (lo + hi) / 2, "ci95": [lo, hi]}}

@@ -51,6 +51,11 @@ QUIC_CAL = ("sse-h3", "sse-h3", "wt")
 QUIC = ("sse-h3", "wt")
 DEFAULT_LEVELS = "0%,0.5%,2%,5%,2%-burst"
 DEFAULT_BASE = "rtt=60ms,jitter=5ms,down=20mbit,up=5mbit"  # 4g without its modelled stalls: loss is real here
+# The loss runs' first token comes at least this late, so every arm has joined its stream before it: over the
+# lossy path the stream's POST or a subscriber's handshake waits out retransmission timeouts (a lost SYN: 1 s),
+# and delivery counts only events emitted after the subscriber joined. At 5% loss with a 20 ms TTFT, a busy run
+# had all three HTTP/2 and all three WebSocket subscribers join after their 16-token streams had ended.
+JOIN_MS = 2000.0
 
 
 @dataclass
@@ -97,10 +102,19 @@ def lossy_gateways(s: LossSettings, net: LossyNet, cert: Path, key: str) -> Iter
                     [*base, f"--http3-port={ports[1]}", f"--inject-delay=sse-h3:{PLACEBO_MS:g}",
                      f"--inject-delay=wt:{PLACEBO_MS + s.inject_ms:g}"]]
             # one after the other: a child inherits the namespace of the thread that starts it (this one)
-            spawned = [stack.enter_context(processes.spawn_synthetic(s.rate, s.ttft_ms, s.logs, a)) for a in args]
+            spawned = [stack.enter_context(processes.spawn_synthetic(s.rate, max(s.ttft_ms, JOIN_MS), s.logs, a)) for a in args]
         ip = net.gateway_ip
         yield LossGateways(_on(spawned[0].url, ip), f"https://{ip}:{ports[0]}", _on(spawned[1].url, ip),
                            f"https://{ip}:{ports[1]}")
+
+
+def _rows(run: Run, s: LossSettings, tag: str) -> dict[str, dict[str, Any]]:
+    """The loss table's rows of ``run``, one per arm, printed in brief."""
+    rows = {k: arm_row(a, s.n_boot, s.seed) for k, a in run.arms.items()}
+    brief = " ".join(f"{k}={r['transport']} p50 {r['p50']['value'] or 0:.1f} p99 {r['p99']['value'] or 0:.1f} "
+                     f"err {r['errors']} late {r['late']}" for k, r in rows.items())
+    print(f"{tag}: {brief}", file=sys.stderr, flush=True)
+    return rows
 
 
 def measure(s: LossSettings, tcp: str, h3: str, arms: tuple[str, ...], tag: str) -> tuple[Run, dict[str, Any]]:
@@ -110,10 +124,7 @@ def measure(s: LossSettings, tcp: str, h3: str, arms: tuple[str, ...], tag: str)
                 rounds=-(-s.min_streams // s.streams))
     run = run_clients(plan, 1, tag, False)
     result = run_outputs.run_result(run, n_boot=s.n_boot, seed=s.seed)
-    result["loss_rows"] = {k: arm_row(a, s.n_boot, s.seed) for k, a in run.arms.items()}
-    brief = " ".join(f"{k}={r['transport']} p50 {r['p50']['value'] or 0:.1f} p99 {r['p99']['value'] or 0:.1f} "
-                     f"err {r['errors']}" for k, r in result["loss_rows"].items())
-    print(f"{tag}: {brief}", file=sys.stderr, flush=True)
+    result["loss_rows"] = _rows(run, s, tag)
     return run, result
 
 
@@ -129,10 +140,7 @@ def browser_run(s: LossSettings, g: LossGateways, cert: Path, tag: str) -> dict[
                              max_tokens=s.max_tokens, ramp=s.ramp / 2, n_boot=s.n_boot, seed=s.seed, browser=browser,
                              separate=True, wt={"url": g.h3 + "/v1/wt", "hash": sha256_of(cert)})
     run = result.pop("_run")
-    result["loss_rows"] = {k: arm_row(a, s.n_boot, s.seed) for k, a in run.arms.items()}
-    brief = " ".join(f"{k}={r['transport']} p50 {r['p50']['value'] or 0:.1f} p99 {r['p99']['value'] or 0:.1f} "
-                     f"err {r['errors']}" for k, r in result["loss_rows"].items())
-    print(f"{tag}: {brief}", file=sys.stderr, flush=True)
+    result["loss_rows"] = _rows(run, s, tag)
     return result
 
 

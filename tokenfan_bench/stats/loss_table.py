@@ -69,7 +69,14 @@ def arm_row(a: ArmSamples, n_boot: int, seed: int) -> dict[str, Any]:
     groups = delivery_by_stream(a)
     return {"transport": a.transport, "p50": quantile_ci(groups, 50, n_boot, seed),
             "p99": quantile_ci(groups, 99, n_boot, seed + 1), "stalls": stall_rate_ci(a, n_boot, seed + 2),
-            "errors": len(a.errors), "subscribers": int(a.sub_stream.size)}
+            "errors": len(a.errors), "subscribers": int(a.sub_stream.size), "late": late_subscribers(a)}
+
+
+def late_subscribers(a: ArmSamples) -> int:
+    """Subscribers with content but none of it live: they joined after their stream's last content event."""
+    m = a.content
+    saw, live = set(a.stream[m].tolist()), set(a.stream[m & a.live].tolist())
+    return len(saw - live)
 
 
 def lowest(rows: dict[str, dict[str, Any]], metric: str) -> str | None:

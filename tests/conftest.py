@@ -9,11 +9,14 @@ need them all run on one worker (:func:`pytest_xdist_make_scheduler`).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import json
 import os
+import resource
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -204,7 +207,8 @@ def _locks(groups_file: Path) -> tuple[str, str]:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     locks = getattr(item.config, "workerinput", {}).get(LOCK_FILES)
     if locks is None:
-        yield
+        with _cpu_logged(item):
+            yield
         return
     alone = item.get_closest_marker("alone") is not None
     with open(locks[0], "a") as gate, open(locks[1], "a") as run:
@@ -213,10 +217,36 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if not alone:
             fcntl.flock(gate, fcntl.LOCK_UN)
         try:
-            yield
+            with _cpu_logged(item):
+                yield
         finally:
             fcntl.flock(run, fcntl.LOCK_UN)
             fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+# TOKENFAN_TEST_CPU=<file>: one JSON line per test, its wall time and the CPU seconds its worker and the
+# processes it reaped used (a session's long-lived processes, such as the vLLM engines, count when they stop).
+CPU_LOG = os.environ.get("TOKENFAN_TEST_CPU")
+
+
+def _cpu_s() -> float:
+    own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+
+
+@contextlib.contextmanager
+def _cpu_logged(item: pytest.Item) -> Iterator[None]:
+    if CPU_LOG is None:
+        yield
+        return
+    t0, cpu0 = time.time(), _cpu_s()
+    try:
+        yield
+    finally:
+        row = {"test": item.nodeid, "start": t0, "wall_s": time.time() - t0, "cpu_s": _cpu_s() - cpu0,
+               "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
+        with open(CPU_LOG, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 class VllmBoot:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -16,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.core import sse
 from tests.procs import engine_and_gateway
+from tokenfan_bench.servers.processes import Proc, children, engine_child
 
 
 def sse_events(text: str) -> list[dict[str, str]]:
@@ -188,3 +191,22 @@ def _accepted_and_finished(engine_log: str) -> tuple[dict[str, str], set[str]]:
         elif " finished " in line:
             finished.add(line.split(" finished ", 1)[1].split()[0])
     return accepted, finished
+
+
+def engine_core(serve: Proc) -> int:
+    """The pid of vLLM's EngineCore process under ``tokenfan serve``'s engine worker."""
+    found, todo = [], [engine_child(serve.popen.pid)]
+    while todo:
+        for c in children(todo.pop()):
+            todo.append(c.pid)
+            if c.argv and c.argv[0].startswith(b"VLLM::EngineCore"):
+                found.append(c.pid)
+    (pid,) = found
+    return pid
+
+
+def step_stopped(pid: int, seconds: float = 0.01) -> None:
+    """Let a stopped (SIGSTOP) process run for ``seconds``, then stop it again."""
+    os.kill(pid, signal.SIGCONT)
+    time.sleep(seconds)
+    os.kill(pid, signal.SIGSTOP)

@@ -34,7 +34,7 @@ from playwright.sync_api import Browser, Page, Route, sync_playwright
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 from tests.e2e.browser_fixtures import CHROMIUM, CHROMIUM_ARGS
-from tests.e2e.helpers import metric, wait_until
+from tests.e2e.helpers import engine_core, metric, step_stopped, wait_until
 from tests.procs import (
     NODE_DIR,
     Proc,
@@ -48,7 +48,6 @@ from tests.procs import (
     wait_healthy,
 )
 from tests.system import require
-from tokenfan_bench.servers.processes import children, engine_child
 
 if TYPE_CHECKING:
     from tests.conftest import VllmBoot
@@ -430,18 +429,6 @@ def test_tiny_model_tool_loop_runs_the_tool_and_sends_the_next_turn(browser: Bro
     page.context.close()
 
 
-def engine_core(serve: Proc) -> int:
-    """The pid of vLLM's EngineCore process under ``tokenfan serve``'s engine worker."""
-    found, todo = [], [engine_child(serve.popen.pid)]
-    while todo:
-        for c in children(todo.pop()):
-            todo.append(c.pid)
-            if c.argv and c.argv[0].startswith(b"VLLM::EngineCore"):
-                found.append(c.pid)
-    (pid,) = found
-    return pid
-
-
 @contextlib.contextmanager
 def engine_stepped(page: Page, pid: int, chars: int) -> Iterator[str]:
     """vLLM's EngineCore stopped (SIGSTOP) and let run 10 ms at a time until the page shows ``chars`` characters
@@ -451,16 +438,11 @@ def engine_stepped(page: Page, pid: int, chars: int) -> Iterator[str]:
     page that renders late must not let the engine run on to the answer's end (it did, beside a CPU hog,
     when every 50 ms of lag bought the engine another step). The engine worker and its heartbeats go on
     meanwhile."""
-    def step() -> None:
-        os.kill(pid, signal.SIGCONT)
-        time.sleep(0.01)
-        os.kill(pid, signal.SIGSTOP)
-
     os.kill(pid, signal.SIGSTOP)
     try:
         deadline = time.monotonic() + 120
         shown, changed = -1, time.monotonic()
-        step()
+        step_stopped(pid)
         while True:
             state = chat_state(page)
             last = state["messages"][-1] if state["messages"] else {"role": "user"}
@@ -471,7 +453,7 @@ def engine_stepped(page: Page, pid: int, chars: int) -> Iterator[str]:
             if len(text) != shown:
                 shown, changed = len(text), time.monotonic()
             elif time.monotonic() - changed > 2.0:  # the page shows all the last step wrote
-                step()
+                step_stopped(pid)
                 changed = time.monotonic()
             time.sleep(0.05)
         yield text

@@ -187,12 +187,15 @@ class Run:
     async def sse(self, c: httpx.AsyncClient, name: str, path: str, body: dict[str, Any] | None,
                   headers: dict[str, str] | None = None) -> Answer:
         """POST ``body`` (GET when None) and read the SSE answer: chunks, Responses events or, on
-        ``/api/chat``, the AI SDK's UI message parts."""
+        ``/api/chat``, the AI SDK's UI message parts. A GET resuming (``Last-Event-ID``) at the end of a
+        finished stream gets 204, and nothing more to read."""
         answer = self._answer(name)
         seen = 0
         if body is not None:
             headers = {**trace(name), **(headers or {})}
         async with c.stream("GET" if body is None else "POST", self.url + path, json=body, headers=headers) as r:
+            if r.status_code == 204 and body is None and "Last-Event-ID" in (headers or {}):
+                return answer
             assert r.status_code == 200, await r.aread()
             buf = ""
             async for text in r.aiter_text():

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import engine_worker.models
+from tests.e2e.helpers import one_of_runs
 from tests.system import require
 from tokenfan_bench.cli import main as bench_main
 
@@ -35,7 +36,13 @@ def test_failover_reports_a_gap_per_cut_stream_of_each_kind(
         require("redis-server")
     # the session's tiny model (the same build, deterministic per seed) instead of a second one in the bench's tmp
     monkeypatch.setattr(engine_worker.models, "build_tiny_llama", lambda path, **_: tiny_model)
-    out = tmp_path / "failover"
+    # A run asserts everything; that the killed engine held a stream of every kind depends on how the gateway
+    # spread them (least loaded, by the counts it had at each request), so a run without is run once more.
+    one_of_runs(lambda i: failover_once(scenario, kinds, tmp_path / f"failover-{i}"),
+                "no run cut a stream of every kind", tries=2)
+
+
+def failover_once(scenario: str, kinds: tuple[str, ...], out: Path) -> str | None:
     assert bench_main(["failover", "--scenario", scenario, "--kind", ",".join(kinds), "--streams", str(STREAMS),
                        "--tokens", "100", "--tokens-per-s", "60", "--out", str(out)]) == 0
     (r,) = json.loads((out / "results.json").read_text())["results"]
@@ -51,7 +58,8 @@ def test_failover_reports_a_gap_per_cut_stream_of_each_kind(
         # others, on the engine that lived, have none: their next event is no gap)
         migrated = counted(r["migrations"], "tokenfan_migrations_total", "outcome")
         assert set(migrated) == {"continued"} and migrated["continued"] == sum(gaps.values()), (migrated, gaps)
-        assert all(gaps.values()), gaps  # the kinds take turns by pairs: one of each pair on each engine
+        if not all(gaps.values()):  # the kinds take turns by pairs: one of each pair on each engine, mostly
+            return f"a kind without a cut stream: {gaps}"
     else:
         # the owner of every stream was killed: each was adopted and each reader saw its gap
         adopted = counted(r["adoptions"], "tokenfan_adoptions_total", "outcome")
@@ -60,3 +68,4 @@ def test_failover_reports_a_gap_per_cut_stream_of_each_kind(
     assert summary.startswith("# tokenfan bench failover") and f"--scenario {scenario}" in summary
     for kind in kinds:
         assert f"| {scenario} | {kind} | synthetic | {per_kind} | {per_kind} | {gaps[kind]} |" in summary
+    return None

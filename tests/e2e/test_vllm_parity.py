@@ -27,7 +27,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.e2e.helpers import sse_events
+from tests.e2e.helpers import one_of_runs, sse_events
 
 pytestmark = pytest.mark.vllm
 
@@ -298,11 +298,21 @@ def test_every_transport_carries_the_same_chunks(servers: dict[str, str], case: 
     """POST SSE, /v1/ws and a /v1/streams subscriber assemble the same choices (content, reasoning, tool calls,
     logprobs, finish, usage); a resume from the middle replays the subscriber's own chunks exactly. (Which
     steps one chunk holds, and how choices of ``n`` interleave, are vLLM's timing, not the transport's.)"""
-    url = servers["tokenfan"]
+    # The transports' answers are three generations of one request: a run in which one differs from the
+    # reference runs once more (a fresh-clone run read 7 reasoning tokens over /v1/ws for the reference's 8,
+    # its other fields equal: a greedy step at a float32 near tie, the repeated prompt's prefill served from
+    # the prefix cache); a transport that changes an answer differs in both runs.
+    one_of_runs(lambda i: _transports_agree(servers["tokenfan"], case), "no run's transports agreed", tries=2)
+
+
+def _transports_agree(url: str, case: str) -> str | None:
     endpoint, body = CASES[case]
     full = {**body, "stream_options": {"include_usage": True}}
     reference = assembled(_stream(url, endpoint, body))
-    close(assembled(asyncio.run(_ws_chunks(url, endpoint, full))), reference)
+    try:
+        close(assembled(asyncio.run(_ws_chunks(url, endpoint, full))), reference)
+    except AssertionError as exc:
+        return f"/v1/ws: {exc}"
 
     made = httpx.post(url + "/v1/streams", json={"endpoint": "chat.completions" if endpoint == "chat" else "completions",
                                                  "model": "tiny", **full}, timeout=60)
@@ -311,7 +321,10 @@ def test_every_transport_carries_the_same_chunks(servers: dict[str, str], case: 
     events = [e for e in sse_events(httpx.get(info["events_url"], timeout=120).text)
               if e.get("data") not in (None, "[DONE]") and e.get("event", "message") == "message"]
     fanned = [json.loads(e["data"]) for e in events]
-    close(assembled(fanned), reference)
+    try:
+        close(assembled(fanned), reference)
+    except AssertionError as exc:
+        return f"/v1/streams: {exc}"
     middle = int(events[len(events) // 2]["id"])
     resumed = sse_events(httpx.get(info["events_url"], headers={"Last-Event-ID": str(middle)}, timeout=60).text)
     tail = [json.loads(e["data"]) for e in resumed if e.get("data") not in (None, "[DONE]")
@@ -319,6 +332,7 @@ def test_every_transport_carries_the_same_chunks(servers: dict[str, str], case: 
     assert [c["tokenfan"]["seq"] for c in tail] == list(range(middle + 1, len(fanned)))
     assert [{k: v for k, v in c.items() if k != "tokenfan"} for c in tail] == \
         [{k: v for k, v in c.items() if k != "tokenfan"} for c in fanned[middle + 1:]]
+    return None
 
 
 def test_the_gateway_hot_path_is_untouched_for_plain_requests(servers: dict[str, str]) -> None:

@@ -163,25 +163,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         vllm_modules = {item.nodeid.split("::")[0] for item in items if needs_vllm(item)}
         items.sort(key=lambda item: item.nodeid.split("::")[0] in vllm_modules)
         return
-    groups = {item.nodeid: scheduling_group(item) for item in items}
+    groups = {item.nodeid: "vllm" if needs_vllm(item) else item.nodeid.split("::")[0] for item in items}
     tmp = Path(f"{path}.{os.getpid()}")
     tmp.write_text(json.dumps(groups))
     os.replace(tmp, path)  # every worker writes the same groups: whole files only
-
-
-# Each group's wall time in a two-worker run (the sum of its tests'), rewritten from a TOKENFAN_TEST_CPU log
-# by `python -m tests.group_seconds LOG`; a group it does not name counts as UNKNOWN_GROUP_S.
-GROUP_SECONDS = Path(__file__).with_name("group_seconds.json")
-UNKNOWN_GROUP_S = 10.0
-
-
-def group_seconds() -> dict[str, float]:
-    return {str(k): float(v) for k, v in json.loads(GROUP_SECONDS.read_text()).items()}
-
-
-def scheduling_group(item: pytest.Item) -> str:
-    """The scheduling group of a test: every test that needs a vLLM process is in "vllm", the others in their module."""
-    return "vllm" if needs_vllm(item) else item.nodeid.split("::")[0]
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -193,26 +178,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     groups_file = _groups_file(config)
 
     class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
-        """xdist's scope scheduling with this suite's groups as the scopes (read once every worker collected),
-        the vLLM group first (its boot is the longest wait) and then the longest groups first, by the wall times
-        in :data:`GROUP_SECONDS`: a worker that runs out of work takes the next group, so the run ends with
-        the short ones on both workers instead of one long module on one of them."""
+        """xdist's scope scheduling with this suite's groups as the scopes (read once every worker collected)."""
 
         groups: dict[str, str] | None = None
-        ordered = False
 
         def _split_scope(self, nodeid: str) -> str:
             if self.groups is None:
                 self.groups = json.loads(groups_file.read_text())
             return self.groups.get(nodeid, nodeid)
-
-        def _assign_work_unit(self, node: Any) -> None:
-            if not self.ordered:  # the first call, right after xdist built its queue in collection order
-                self.ordered = True
-                seconds = group_seconds()
-                for scope in sorted(self.workqueue, key=lambda s: (s != "vllm", -seconds.get(s, UNKNOWN_GROUP_S))):
-                    self.workqueue.move_to_end(scope)
-            super()._assign_work_unit(node)
 
     return GroupScheduling(config, log)
 
@@ -271,7 +244,7 @@ def _cpu_logged(item: pytest.Item) -> Iterator[None]:
         yield
     finally:
         row = {"test": item.nodeid, "start": t0, "wall_s": time.time() - t0, "cpu_s": _cpu_s() - cpu0,
-               "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "group": scheduling_group(item)}
+               "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
         with open(CPU_LOG, "a") as f:
             f.write(json.dumps(row) + "\n")
 

@@ -56,10 +56,13 @@ def test_report_runs_a_tiny_matrix_and_writes_markdown_plots_and_results(tmp_pat
         assert all(a["errors"] == 0 for a in profile[cal]["arms"].values()), cal
         assert profile[cal]["applied"]["n"] > 0, cal  # the delayed gateway timed its sleeps in that run
         assert profile[cal]["expected_ms"] > 0, cal
-    # the browser's placebo sleeps PLACEBO_MS before each WebSocket write and its delayed gateway that + 2 ms
+    # the browser's placebo sleeps PLACEBO_MS before each WebSocket write and its delayed gateway that + 2 ms.
+    # The floors (a delay not applied) hold for the mean; the ceilings (a delay applied twice) for the median,
+    # read to ±10 µs (gateway.core.metrics.injected_delay_bounds): a late wake-up on a busy loop can add 10 ms
+    # to one of the 16 sleeps (a fresh-clone run: mean 4.01 ms, median 3.26 ms)
     placebo, delayed = profile["browser_calibration"]["applied_placebo"], profile["browser_calibration"]["applied"]
-    assert placebo["n"] > 0 and PLACEBO_MS <= placebo["mean_ms"] < PLACEBO_MS + 1
-    assert PLACEBO_MS + 2 <= delayed["mean_ms"] < PLACEBO_MS + 3
+    assert placebo["n"] > 0 and PLACEBO_MS <= placebo["mean_ms"] and placebo["median_ms"] < PLACEBO_MS + 1
+    assert PLACEBO_MS + 2 <= delayed["mean_ms"] and delayed["median_ms"] < PLACEBO_MS + 3
     assert profile["browser_calibration"]["expected_ms"] == pytest.approx(delayed["mean_ms"] - placebo["mean_ms"])
     via = results["via"]["lan"]["run"]
     assert [(w["transport"], w["via"]) for k, w in via["wire"].items() if k != "post"] == \

@@ -1,7 +1,7 @@
 """The scripted engine the suite shares: ``tokenfan serve --engine synthetic --synthetic-script`` with the tiny
 model's tokenizer and chat template (no weights) behind vLLM's ``hermes`` tool parser and ``qwen3`` reasoning
 parser. One script serves tests/e2e/test_scripted_parsers.py (the rules first) and the tool examples of the docs
-(tests/test_docs_examples.py: a weather question gets a call of ``get_weather``, its result an answer)."""
+(tests/e2e/test_docs_examples.py: a weather question gets a call of ``get_weather``, its result an answer)."""
 
 from __future__ import annotations
 

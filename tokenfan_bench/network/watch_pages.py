@@ -13,7 +13,6 @@ import contextlib
 import signal
 import sys
 import time
-from types import FrameType
 
 from tokenfan_bench.network.shaping_proxy import PROFILES, Shaper, parse_profile
 
@@ -26,16 +25,12 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str]) -> int:
     ns = parser().parse_args(argv)
     # Ctrl-C and SIGTERM stop the proxies, also when this runs as a background job (whose shell starts it with
     # SIGINT ignored, and then Python raises no KeyboardInterrupt: Ctrl-C was lost and the run went on)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupt)
+        signal.signal(sig, signal.default_int_handler)  # raises KeyboardInterrupt
     profiles = [parse_profile(p) for p in ns.profiles.split(",") if p.strip()]
     with contextlib.ExitStack() as stack:
         shapers = [stack.enter_context(Shaper(p, [ns.url.rstrip("/")])) for p in profiles]

@@ -15,11 +15,10 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from playwright.sync_api import Browser, Page, Request, Route, sync_playwright
+from playwright.sync_api import Browser, Page, Request, Route
 
 from tests.e2e.browser_fixtures import (
     CHROMIUM,
-    CHROMIUM_ARGS,
     ConsoleLog,
     CuttableProxy,
     aborted_total,
@@ -40,14 +39,6 @@ def _chromium_installed() -> None:
 TRANSPORTS = ["sse", "fetch", "ws", "responses-sse", "responses-ws"]
 API_KEY = "sk-browser-test"
 ANSWER = ".msg.assistant"
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
-        yield b
-        b.close()
 
 
 @pytest.fixture

@@ -29,12 +29,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+from playwright.sync_api import Browser
 
 from tests.procs import NODE_DIR, ROOT, npm_ci
 from tokenfan_bench.servers.processes import free_port
@@ -197,7 +197,7 @@ def run_node(e: Example, url: str, tmp: Path) -> None:
     assert proc.returncode == 0, f"{e.id} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
 
 
-def run_react(e: Example, url: str, browser: object, tmp: Path) -> None:
+def run_react(e: Example, url: str, browser: Browser, tmp: Path) -> None:
     """A React component (``export default``): bundled with esbuild, mounted in a page served on the gateway's
     origin, then used as a person would: a weather question typed and sent; passes when the answer that
     follows the tool's result is on the page, with no error logged."""
@@ -220,7 +220,7 @@ def run_react(e: Example, url: str, browser: object, tmp: Path) -> None:
     files = {"index.html": ((b'<!doctype html><meta charset="utf-8"><div id="root"></div>'
                             b'<script type="module" src="page.js"></script>'), "text/html"),
              "page.js": ((tmp / "page.js").read_bytes(), "text/javascript")}
-    page = browser.new_page()  # type: ignore[attr-defined]
+    page = browser.new_page()
     problems: list[str] = []
     page.on("console", lambda m: problems.append(m.text)
             if m.type == "error" and not m.location.get("url", "").endswith("/favicon.ico") else None)
@@ -239,8 +239,8 @@ def run_react(e: Example, url: str, browser: object, tmp: Path) -> None:
         page.close()
 
 
-def run_browser(e: Example, url: str, browser: object) -> None:
-    page = browser.new_page()  # type: ignore[attr-defined]
+def run_browser(e: Example, url: str, browser: Browser) -> None:
+    page = browser.new_page()
     problems: list[str] = []
     page.on("console", lambda m: problems.append(m.text)
             if m.type == "error" and not m.location.get("url", "").endswith("/favicon.ico") else None)
@@ -254,18 +254,6 @@ def run_browser(e: Example, url: str, browser: object) -> None:
         assert not problems, f"{e.id}: {problems}"
     finally:
         page.close()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    from playwright.sync_api import sync_playwright
-
-    from tests.e2e.browser_fixtures import CHROMIUM, CHROMIUM_ARGS
-
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
-        yield b
-        b.close()
 
 
 @pytest.mark.parametrize("example", RUN, ids=[e.id for e in RUN])

@@ -30,10 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, Route, sync_playwright
+from playwright.sync_api import Browser, Page, Route
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
-from tests.e2e.browser_fixtures import CHROMIUM, CHROMIUM_ARGS
 from tests.e2e.helpers import engine_core, metric, step_stopped, wait_until
 from tests.procs import (
     NODE_DIR,
@@ -95,15 +94,6 @@ def bundle(ui_node_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     return out
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    require(CHROMIUM)
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
-        yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")

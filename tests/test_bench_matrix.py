@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -243,3 +245,34 @@ def test_difference_in_differences_averages_run_pairs_so_a_runs_common_shift_can
     assert d["ci95"][0] < 1.5 < d["ci95"][1] and d["ci95"][1] - d["ci95"][0] < 0.2
     assert d["streams"] == 50
 
+
+
+def test_a_full_report_runs_the_loss_section_last_and_writes_it_after_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report's own wiring of the loss section (tests/e2e/test_bench_loss.py runs the section itself and
+    tests/e2e/test_bench_report.py the matrix with ``--loss none``): the matrix and the loss run are stand-ins."""
+    from tokenfan_bench.report import loss, matrix
+
+    calls: list[str] = []
+
+    class Ran:
+        def __init__(self, s: object) -> None:
+            self.runs: dict[str, object] = {}
+
+        def run(self) -> dict[str, object]:
+            calls.append("matrix")
+            return {"profiles": {}}
+
+    def report(results: dict[str, object], runs: object, out: Path, plots: Path) -> None:
+        out.write_text("# report\n\n## CPU and bytes on the wire\n")
+
+    monkeypatch.setattr(matrix, "Matrix", Ran)
+    monkeypatch.setattr(matrix, "write_report", report)
+    monkeypatch.setattr(matrix, "_run_loss", lambda ns, s: calls.append(f"loss {ns.loss}") or {"levels": {}})
+    monkeypatch.setattr(loss, "write_section", lambda results, out: out.write_text(out.read_text() + "## loss\n"))
+    out = tmp_path / "r.md"
+    assert matrix.main(["--loss", "1%", "--out", str(out)]) == 0
+    assert calls == ["matrix", "loss 1%"] and out.read_text().endswith("## CPU and bytes on the wire\n## loss\n")
+    calls.clear()
+    assert matrix.main(["--loss", "none", "--out", str(out)]) == 0
+    assert calls == ["matrix"] and "## loss" not in out.read_text()

@@ -75,14 +75,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # the normal priority: the other worker's tests run beside them for their whole life, and an engine at nice 19
 # beside them once took more than 30 s for the first tokens of a few streams (a wait test_vllm_adoption bounds).
 BOOT_NICE = 19
-# The differential pair runs its requests side by side (test_vllm_parity.both): one OpenMP thread each, so
-# on 2 cores neither engine's thread pool spins against the other's.
-# They also run vLLM's model worker inside its EngineCore process (VLLM_ENABLE_V1_MULTIPROCESSING=0: the
-# "uni" executor, which vLLM's CPU platform otherwise turns into "mp"), one spawned process fewer: measured
-# here, an engine worker with PARSER_FLAGS booted in 22 s and 22 s of CPU against 38 s and 37 s. The front
+# The differential pair and the spare engine (LEAN_VLLM): the pair runs its requests side by side
+# (test_vllm_parity.both), so one OpenMP thread each, and on 2 cores neither engine's thread pool spins
+# against the other's. They also run vLLM's model worker inside its EngineCore process
+# (VLLM_ENABLE_V1_MULTIPROCESSING=0: the "uni" executor, which vLLM's CPU platform otherwise turns into "mp"),
+# one spawned process fewer: measured here, an engine worker with PARSER_FLAGS booted in 22 s and 22 s of CPU
+# against 38 s and 37 s. The front
 # and EngineCore processes, what tokenfan talks to, are vLLM's usual ones; the session's plain engine
 # (vllm_engine) keeps vLLM's default executor, as `tokenfan serve` runs it.
-ONE_THREAD = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+LEAN_VLLM = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 # Structured outputs as PARSER_FLAGS set them (compact JSON: without it the tiny model writes whitespace until
@@ -105,13 +106,13 @@ def _start_parser_gateway(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, 
                   "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
                   "--kv-cache-gib", "1", "--engine-address", f"ipc://{ipc_dir / 'parser.sock'}",
                   "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *PARSER_FLAGS],
-                 "tokenfan-parser", env=ONE_THREAD, nice=nice)
+                 "tokenfan-parser", env=LEAN_VLLM, nice=nice)
     return proc, f"http://127.0.0.1:{port}"
 
 
 def _start_vllm_serve(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, str]:
     port = free_port()
-    env = {"VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **ONE_THREAD}
+    env = {"VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **LEAN_VLLM}
     proc = spawn(["-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                   "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
                   "--enforce-eager", "--disable-log-stats", "--host", "127.0.0.1", "--port", str(port),
@@ -126,7 +127,7 @@ def _start_spare_engine(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, st
     address = f"ipc://{ipc_dir / 'vllm-spare.sock'}"
     return spawn(["-m", "engine_worker", "--address", address, "--engine", "vllm", "--model", str(model),
                   "--max-model-len", "512", "--dtype", "float32", "--served-model-name", "tiny", "--kv-cache-gib",
-                  "1", *PARSER_FLAGS], "engine-vllm-spare", env=ONE_THREAD, nice=nice), address
+                  "1", *PARSER_FLAGS], "engine-vllm-spare", env=LEAN_VLLM, nice=nice), address
 
 
 VLLM_STARTS: dict[str, Callable[[Path, Path, int], tuple[Proc, str]]] = {

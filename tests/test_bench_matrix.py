@@ -246,7 +246,6 @@ def test_difference_in_differences_averages_run_pairs_so_a_runs_common_shift_can
     assert d["streams"] == 50
 
 
-
 def test_a_full_report_runs_the_loss_section_last_and_writes_it_after_the_others(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The report's own wiring of the loss section (tests/e2e/test_bench_loss.py runs the section itself and

@@ -139,7 +139,7 @@ def test_a_synthetic_continuation_goes_on_exactly_where_the_delivered_tokens_end
 def test_synthetic_shared_steps_put_every_running_request_in_the_same_ticks() -> None:
     """``--synthetic-steps shared``: a request that starts between two steps joins the step clock, so each
     of its tokens comes out in a tick that also carries a token of the request already running (as
-    continuous batching on a GPU); one step carries one token per request."""
+    continuous batching on a GPU); a tick carries one step per request (a late tick: the tokens due by then)."""
 
     async def main() -> tuple[list[int], list[int]]:
         backend = SyntheticBackend(EngineConfig(backend="synthetic", synthetic_tokens_per_s=50.0,
@@ -175,7 +175,7 @@ def test_synthetic_shared_steps_put_every_running_request_in_the_same_ticks() ->
     # b's every step rode one of a's steps (a late tick carries the tokens due by then in one step: on a busy
     # loop a fresh clone once saw b's 5 tokens in 3 steps, so the steps are not counted)
     assert set(b) <= set(a)
-    assert len(a) == len(set(a))  # one token per request per step
+    assert len(a) == len(set(a))  # one step per request per tick
 
 
 def test_synthetic_stop_string_spanning_steps_ends_the_request() -> None:

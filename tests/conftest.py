@@ -264,6 +264,7 @@ class VllmBoot:
         needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
         self.procs: dict[str, tuple[Proc, str]] = {
             name: start(tiny_model, ipc_dir, self.nice) for name, start in VLLM_STARTS.items() if name in needed}
+        session.config.stash[VLLM_BOOT] = self
 
     def get(self, name: str) -> tuple[Proc, str]:
         if name not in self.procs:  # a fixture requested dynamically (getfixturevalue) by no collected test
@@ -271,13 +272,33 @@ class VllmBoot:
         return self.procs[name]
 
     def stop(self) -> None:
-        stop_all((proc for proc, _ in self.procs.values()), timeout=30)
+        """Stops every process (once: a later :meth:`get` starts that one again)."""
+        procs, self.procs = self.procs, {}
+        stop_all((proc for proc, _ in procs.values()), timeout=30)
         # a clean stop of our vLLM engines leaves nothing for vLLM's AsyncLLM.__del__ at interpreter exit
         # (it once printed a TypeError traceback after every stop)
         for name in ("vllm_engine", "parser_gateway"):
-            if name in self.procs:
-                log = self.procs[name][0].log()
+            if name in procs:
+                log = procs[name][0].log()
                 assert "Exception ignored in" not in log, (name, log[log.index("Exception ignored in"):][:2000])
+
+
+VLLM_BOOT = pytest.StashKey[VllmBoot]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """The vLLM processes stop after the session's last test that needs them, not at its end: idle, each
+    EngineCore still polls (about 2% of a core each, measured here), and under xdist their tests run first,
+    one group on one worker (:func:`pytest_xdist_make_scheduler`), so they would idle for most of the run."""
+    boot = item.config.stash.get(VLLM_BOOT, None)
+    if boot is None or nextitem is None or not needs_vllm(item) or needs_vllm(nextitem):
+        return
+    if not hasattr(item.config, "workerinput"):  # one process: the rest of the session in collection order
+        rest = item.session.items[item.session.items.index(nextitem):]
+        if any(map(needs_vllm, rest)):
+            return
+    boot.stop()  # under xdist the group runs in one piece: it ends here
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,16 +131,27 @@ def check(readers: dict[str, Reader], expected: dict[int, str] | list[str]) -> N
         assert reader.text == want, (name, reader.text, want)
 
 
-def control(url: str, bodies: list[dict[str, Any]]) -> dict[int, str]:
-    """The text of each chat body, run uninterrupted (all at once)."""
-    async def run() -> list[str]:
-        async with httpx.AsyncClient(timeout=60) as c:
-            rs = await asyncio.gather(*(c.post(url + "/v1/chat/completions",
-                                               json={k: v for k, v in b.items() if k != "stream_options"})
-                                        for b in bodies))
-        return [r.json()["choices"][0]["message"]["content"] for r in rs]
+Controls = tuple[dict[int, str], dict[int, dict[str, Any]]]
 
-    return dict(enumerate(asyncio.run(run())))
+
+def controls(url: str, chats: list[dict[str, Any]], responses: list[dict[str, Any]]) -> Controls:
+    """The text of each chat body and the whole answer of each Responses body, run uninterrupted (all at once)."""
+    async def run() -> Controls:
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await acontrols(c, url, chats, responses)
+
+    return asyncio.run(run())
+
+
+async def acontrols(c: httpx.AsyncClient, url: str, chats: list[dict[str, Any]],
+                    responses: list[dict[str, Any]]) -> Controls:
+    """:func:`controls` on a client of the caller's: a scenario runs them on the gateway that lives on, beside
+    its own streams (the synthetic engine's text depends on the prompt and the seed alone)."""
+    chat = [c.post(url + "/v1/chat/completions", json={k: v for k, v in b.items() if k != "stream_options"})
+            for b in chats]
+    rs = await asyncio.gather(*chat, *(c.post(url + "/v1/responses", json=b) for b in responses))
+    return ({i: r.json()["choices"][0]["message"]["content"] for i, r in enumerate(rs[:len(chats)])},
+            {i: r.json() for i, r in enumerate(rs[len(chats):])})
 
 
 def replicas(ipc_dir: Path, url: str, names: str, engine_args: tuple[str, ...] = ENGINE_ARGS,
@@ -240,10 +250,11 @@ def test_ten_listed_streams_of_a_killed_replica_are_adopted_and_fifty_readers_ge
     response_bodies = [{"input": f"tell me about rivers {i}", "max_output_tokens": tokens,
                         "metadata": {"seed": str(i)}} for i in range(responses)]
     try:
-        async def scenario() -> tuple[dict[str, Reader], dict[str, list[dict[str, Any]]]]:
+        async def scenario() -> tuple[dict[str, Reader], dict[str, list[dict[str, Any]]], Controls]:
             readers: dict[str, Reader] = {}
             seen: dict[str, list[dict[str, Any]]] = {}
             async with httpx.AsyncClient(timeout=60) as c, async_playwright() as pw:
+                want = asyncio.ensure_future(acontrols(c, url_b, chat_bodies, response_bodies))
                 browser = await pw.chromium.launch(executable_path=str(CHROMIUM), headless=True,
                                                    args=[*CHROMIUM_ARGS, "--ignore-certificate-errors"])
                 page = await (await browser.new_context(ignore_https_errors=True)).new_page()
@@ -284,14 +295,12 @@ def test_ten_listed_streams_of_a_killed_replica_are_adopted_and_fifty_readers_ge
                     readers[name] = Reader(seqs=r["seqs"], text=r["text"], ended=r["ended"], errors=r["errors"],
                                            reconnects=r["opens"] - 1)
                 await browser.close()
-            return readers, seen
+                return readers, seen, await want
 
-        readers, seen = asyncio.run(scenario())
+        readers, seen, (texts, answers) = asyncio.run(scenario())
         assert len(readers) + len(seen) == 50
-        check(readers, control(url_b, chat_bodies))
-        with ThreadPoolExecutor(len(response_bodies)) as pool:  # all at once
-            done = [pool.submit(httpx.post, url_b + "/v1/responses", json=b, timeout=60) for b in response_bodies]
-            check_responses(seen, {i: d.result().json() for i, d in enumerate(done)})
+        check(readers, texts)
+        check_responses(seen, answers)
         assert sum(r.reconnects for name, r in readers.items() if "sse-a" in name) >= chats
         assert sum(r.reconnects for name, r in readers.items() if "browser" in name) >= 1  # some were on A
         assert metric(url_b, "tokenfan_adoptions_total", {"outcome": "adopted"}) == chats + responses
@@ -309,9 +318,10 @@ def test_two_replicas_racing_to_adopt_exactly_one_continues_each_stream(
     engine, gateways = replicas(ipc_dir, redis_server.url, "xyz")
     (gw_x, url_x), (_, url_y), (_, url_z) = gateways
     try:
-        async def scenario() -> dict[str, Reader]:
+        async def scenario() -> tuple[dict[str, Reader], Controls]:
             readers: dict[str, Reader] = {}
             async with httpx.AsyncClient(timeout=60) as c:
+                want = asyncio.ensure_future(acontrols(c, url_y, [body(10 + i) for i in range(n)], []))
                 jobs, started = [], []
                 for i in range(n):
                     r = await c.post(url_x + "/v1/streams", json=body(10 + i))
@@ -322,10 +332,10 @@ def test_two_replicas_racing_to_adopt_exactly_one_continues_each_stream(
                         started.append(ev)
                         jobs.append(sse_reader(c, [url], sid, reader, ev))
                 await until_killed(jobs, started, lambda: os.kill(gw_x.popen.pid, signal.SIGKILL))
-            return readers
+                return readers, await want
 
-        readers = asyncio.run(scenario())
-        check(readers, control(url_y, [body(10 + i) for i in range(n)]))
+        readers, (texts, _) = asyncio.run(scenario())
+        check(readers, texts)
         adopted = [metric(u, "tokenfan_adoptions_total", {"outcome": "adopted"}) for u in (url_y, url_z)]
         elsewhere = [metric(u, "tokenfan_adoptions_total", {"outcome": "elsewhere"}) for u in (url_y, url_z)]
         assert sum(adopted) == n and sum(elsewhere) <= n, (adopted, elsewhere)
@@ -342,9 +352,11 @@ def test_sigterm_hands_the_streams_over_and_exits_at_once(ipc_dir: Path, redis_s
     (gw_a, url_a), (_, url_b) = gateways
     exit_s: list[float] = []
     try:
-        async def scenario() -> dict[str, Reader]:
+        async def scenario() -> tuple[dict[str, Reader], Controls]:
             readers: dict[str, Reader] = {}
             async with httpx.AsyncClient(timeout=60) as c:
+                want = asyncio.ensure_future(
+                    acontrols(c, url_b, [{**body(20 + i), "max_tokens": tokens} for i in range(n)], []))
                 jobs, started = [], []
                 for i in range(n):
                     r = await c.post(url_a + "/v1/streams", json={**body(20 + i), "max_tokens": tokens})
@@ -362,12 +374,12 @@ def test_sigterm_hands_the_streams_over_and_exits_at_once(ipc_dir: Path, redis_s
                 await asyncio.get_running_loop().run_in_executor(None, gw_a.popen.wait, 10)
                 exit_s.append(asyncio.get_running_loop().time() - t0)
                 await asyncio.wait_for(all_, 60)
-            return readers
+                return readers, await want
 
-        readers = asyncio.run(scenario())
+        readers, (texts, _) = asyncio.run(scenario())
         assert exit_s[0] < 2.0, exit_s
 
-        check(readers, control(url_b, [{**body(20 + i), "max_tokens": tokens} for i in range(n)]))
+        check(readers, texts)
         assert metric(url_b, "tokenfan_adoptions_total", {"outcome": "adopted"}) == n
         assert "handed 3 listed streams over" in gw_a.log()
     finally:
@@ -428,8 +440,9 @@ def test_the_owning_worker_of_a_workers_server_is_killed_and_its_streams_go_on(
             return readers, seen
 
         readers, seen = asyncio.run(scenario())
-        check(readers, control(url, [body(30 + i) for i in range(chats)]))
-        check_responses(seen, {0: httpx.post(url + "/v1/responses", json=request, timeout=60).json()})
+        texts, answers = controls(url, [body(30 + i) for i in range(chats)], [request])
+        check(readers, texts)
+        check_responses(seen, answers)
         wait_until(lambda: _worker_pid(server, 0) != worker0, timeout=30, what="worker 0 started again")
         assert server_children(server)[0] == engine_pid  # the engine lived on
         assert metric(url, "tokenfan_adoptions_total", {"outcome": "adopted"}) == chats + 1  # merged over workers

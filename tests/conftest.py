@@ -144,12 +144,14 @@ def needs_vllm(item: pytest.Item) -> bool:
 # fixtures start once). Only a worker collects, so each worker writes its tests' groups to a file the
 # controller's scheduler reads. (xdist's own loadgroup renames nodeids, which pytest 9.2 no longer allows.)
 GROUPS_FILE = "tokenfan_groups_file"
+GROUPED = "tokenfan_grouped"
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
     node.workerinput[GROUPS_FILE] = str(_groups_file(node.config))
     node.workerinput[LOCK_FILES] = _locks(_groups_file(node.config))
+    node.workerinput[GROUPED] = node.config.getvalue("dist") == "loadgroup"  # GroupScheduling, below
 
 
 def _groups_file(config: pytest.Config) -> Path:
@@ -294,11 +296,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     boot = item.config.stash.get(VLLM_BOOT, None)
     if boot is None or nextitem is None or not needs_vllm(item) or needs_vllm(nextitem):
         return
-    if not hasattr(item.config, "workerinput"):  # one process: the rest of the session in collection order
-        rest = item.session.items[item.session.items.index(nextitem):]
-        if any(map(needs_vllm, rest)):
+    if hasattr(item.config, "workerinput"):
+        if not item.config.workerinput.get(GROUPED):  # xdist's own modes may mix them with the rest
             return
-    boot.stop()  # under xdist the group runs in one piece: it ends here
+    elif any(map(needs_vllm, item.session.items[item.session.items.index(nextitem):])):
+        return  # one process: the rest of the session in collection order
+    boot.stop()  # under this suite's scheduler the group runs in one piece: it ends here
 
 
 @pytest.fixture(scope="session")

@@ -80,9 +80,8 @@ BOOT_NICE = 19
 # against the other's. They also run vLLM's model worker inside its EngineCore process
 # (VLLM_ENABLE_V1_MULTIPROCESSING=0: the "uni" executor, which vLLM's CPU platform otherwise turns into "mp"),
 # one spawned process fewer: measured here, an engine worker with PARSER_FLAGS booted in 22 s and 22 s of CPU
-# against 38 s and 37 s. The front
-# and EngineCore processes, what tokenfan talks to, are vLLM's usual ones; the session's plain engine
-# (vllm_engine) keeps vLLM's default executor, as `tokenfan serve` runs it.
+# against 38 s and 37 s. The front and EngineCore processes, what tokenfan talks to, are vLLM's usual ones;
+# the session's plain engine (vllm_engine) keeps vLLM's default executor, as `tokenfan serve` runs it.
 LEAN_VLLM = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 

@@ -321,10 +321,11 @@ def test_two_replicas_racing_to_adopt_exactly_one_continues_each_stream(
         async def scenario() -> tuple[dict[str, Reader], Controls]:
             readers: dict[str, Reader] = {}
             async with httpx.AsyncClient(timeout=60) as c:
-                want = asyncio.ensure_future(acontrols(c, url_y, [body(10 + i) for i in range(n)], []))
+                bodies = [body(10 + i) for i in range(n)]
+                want = asyncio.ensure_future(acontrols(c, url_y, bodies, []))
                 jobs, started = [], []
-                for i in range(n):
-                    r = await c.post(url_x + "/v1/streams", json=body(10 + i))
+                for i, b in enumerate(bodies):
+                    r = await c.post(url_x + "/v1/streams", json=b)
                     sid = r.json()["id"]
                     for where, url in (("y", url_y), ("z", url_z)):
                         reader = readers[f"{i}/{where}"] = Reader()
@@ -355,11 +356,11 @@ def test_sigterm_hands_the_streams_over_and_exits_at_once(ipc_dir: Path, redis_s
         async def scenario() -> tuple[dict[str, Reader], Controls]:
             readers: dict[str, Reader] = {}
             async with httpx.AsyncClient(timeout=60) as c:
-                want = asyncio.ensure_future(
-                    acontrols(c, url_b, [{**body(20 + i), "max_tokens": tokens} for i in range(n)], []))
+                bodies = [{**body(20 + i), "max_tokens": tokens} for i in range(n)]
+                want = asyncio.ensure_future(acontrols(c, url_b, bodies, []))
                 jobs, started = [], []
-                for i in range(n):
-                    r = await c.post(url_a + "/v1/streams", json={**body(20 + i), "max_tokens": tokens})
+                for i, b in enumerate(bodies):
+                    r = await c.post(url_a + "/v1/streams", json=b)
                     sid = r.json()["id"]
                     for where, urls in (("a", [url_a, url_b]), ("b", [url_b])):
                         reader = readers[f"{i}/{where}"] = Reader()

@@ -57,7 +57,7 @@ image: image-deps
 	deploy/image.sh gpu-dry
 
 # CI (.ci/run) runs exactly `make test`: the lint first, so a finding fails the build before the suite runs.
-# Two pytest-xdist workers with this suite's grouping (tests/conftest.py), about 15 min of pytest on 2 cores;
+# Two pytest-xdist workers with this suite's grouping (tests/conftest.py), about 13 min of pytest on 2 cores;
 # `make test PYTEST_WORKERS=` runs one process (about 18 min). docs/tests.md has the measurements.
 # `image` first: tests/e2e/test_image.py starts the built image (about 6 min to build on 2 cores, nothing
 # when it is up to date).

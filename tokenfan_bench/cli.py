@@ -318,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         from tokenfan_bench.vs_vllm import main as vs_vllm_main
 
         return vs_vllm_main(argv[1:])
+    if argv[:1] == ["fanout"]:  # thousands of subscribers of one stream: spread, CPU and memory beside the floor
+        from tokenfan_bench.fanout import main as fanout_main
+
+        return fanout_main(argv[1:])
     if argv[:1] == ["cpu"]:  # gateway CPU per delivered token, steady state, beside the raw floor
         from tokenfan_bench.cpu.gateway_cost import main as cpu_main
 

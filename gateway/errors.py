@@ -178,7 +178,7 @@ def too_many_streams(streams: int, limit: int) -> Refusal:
 
 def slow_consumer(send_timeout: float, resumable: bool) -> StreamError:
     """A reader cut because a write was blocked past ``--send-timeout``."""
-    hint = " Resume with Last-Event-ID (or ?after=) to continue." if resumable else ""
+    hint = " Resume with Last-Event-ID (or ?after=<last seq>) to continue." if resumable else ""
     return StreamError(503, f"Reader too slow: a write was blocked for more than {send_timeout:g}s.{hint}",
                        type="server_error", code="slow_consumer")
 
@@ -187,6 +187,13 @@ def bad_resume_point(param: str, raw: str | None) -> ClientError:
     """A resume position (``Last-Event-ID``, ``?after=``, ``starting_after``) that is not an event id."""
     return ClientError(400, f"{param} must be an integer event id >= -1 (-1: from the start), got {raw!r}.",
                        param=param, code="invalid_value")
+
+
+def conflicting_resume_points(given: dict[str, str]) -> ClientError:
+    """A reader that names two different resume positions (say ``Last-Event-ID: 4`` and ``?after=7``)."""
+    named = ", ".join(f"{name}={raw}" for name, raw in given.items())
+    return ClientError(400, f"The resume positions disagree ({named}); send one of them.",
+                       param=next(iter(given)), code="invalid_value")
 
 
 def delivery_failed(exc: Exception) -> APIError:

@@ -39,9 +39,10 @@ ROUTES: dict[str, tuple[str, str]] = {
     "GET /v1/streams/{id}": ("a fan-out stream's status: running or finished, events, subscribers",
                              "api.md#fan-out-streams-v1streams"),
     "DELETE /v1/streams/{id}": ("cancels a fan-out stream's generation", "api.md#fan-out-streams-v1streams"),
-    "GET /v1/streams/{id}/events": ("a fan-out stream over SSE, from `Last-Event-ID` / `?after=`",
-                                    "api.md#fan-out-streams-v1streams"),
-    "WS /v1/streams/{id}/ws": ("a fan-out stream over WebSocket, from `?after=`", "api.md#fan-out-streams-v1streams"),
+    "GET /v1/streams/{id}/events": (("a fan-out stream over SSE (HTTP/1.1, HTTP/2, HTTP/3, WebTransport), after "
+                                     "`Last-Event-ID` or `?after=`"), "api.md#fan-out-streams-v1streams"),
+    "WS /v1/streams/{id}/ws": ("a fan-out stream over WebSocket, after `?after=` (or `Last-Event-ID`)",
+                               "api.md#fan-out-streams-v1streams"),
     "POST /v1/responses": ("OpenAI Responses API: a response, streamed (SSE) or not, or in the background",
                            "api.md#responses-api-v1responses-sse-and-websocket-mode"),
     "GET /v1/responses/{id}": ("a stored response, or its events again with `stream=true&starting_after=N`",
@@ -75,6 +76,21 @@ ROUTES: dict[str, tuple[str, str]] = {
     "POST /internal/standby/{id}": ("`--workers`: asks this worker to mirror a stream as its standby (private socket)",
                                     "failures.md#--workers-a-worker-that-dies"),
 }
+
+# Routes that are not the app's: served by the QUIC listener itself (gateway/http3/bridge.py), listed after the
+# app's routes; each is checked against the constant the code uses.
+QUIC_ROUTES: dict[str, tuple[str, str]] = {
+    "CONNECT /v1/wt": (("`--http3-port`: opens a WebTransport session on the UDP port; each stream on it is one "
+                        "request to the routes above (a fan-out stream resumes as over SSE)"),
+                       "api.md#http3-and-webtransport---http3-port"),
+}
+
+
+def quic_routes() -> list[tuple[str, str]]:
+    from gateway.http3.bridge import WT_PATH
+
+    return [("CONNECT", WT_PATH)]
+
 
 # code -> (status(es), when, what the client should do)
 ERRORS: dict[str, tuple[str, str, str]] = {
@@ -151,7 +167,7 @@ ERRORS: dict[str, tuple[str, str, str]] = {
                       "read faster; resume with `Last-Event-ID` / `?after=`"),
     "broker_unavailable": ("503", "`--broker`: Redis is unreachable", "retry after `Retry-After`"),
     "mirror_closed": ("503", "this replica stopped mirroring the stream", ("resume on another replica "
-                      "(`Last-Event-ID`)")),
+                      "(`Last-Event-ID`, `?after=`)")),
 }
 
 # codes the code names that never reach a client, and why
@@ -272,8 +288,11 @@ def routes_md() -> str:
     stale = sorted(set(ROUTES) - {f"{m} {p}" for m, p in routes})
     if missing or stale:
         raise LookupError(f"tools/reference.py ROUTES: no row for {missing}; rows for routes that are gone: {stale}")
-    for m, p in routes:
-        serves, see = ROUTES[f"{m} {p}"]
+    quic = quic_routes()
+    if {f"{m} {p}" for m, p in quic} != set(QUIC_ROUTES):
+        raise LookupError(f"tools/reference.py QUIC_ROUTES: {sorted(QUIC_ROUTES)}; the QUIC listener serves {quic}")
+    for m, p in [*routes, *quic]:
+        serves, see = {**ROUTES, **QUIC_ROUTES}[f"{m} {p}"]
         rows.append(f"| {m} | `{p}` | {_cell(serves)} | [{see.split('#')[0]}]({see}) |")
     return "\n".join(rows)
 

@@ -99,8 +99,9 @@ class Link(Protocol):
 
 
 def mirror_closed() -> APIError:
-    return StreamError(503, "This gateway stopped mirroring the stream; resume with Last-Event-ID on another replica.",
-                    type="server_error", code="mirror_closed", retry_after=1.0)
+    return StreamError(503, ("This gateway stopped mirroring the stream; resume with Last-Event-ID (or "
+                             "?after=<last seq>) on another replica."),
+                       type="server_error", code="mirror_closed", retry_after=1.0)
 
 
 def apply(stream: Stream, entry: codec.Entry) -> APIError | None:

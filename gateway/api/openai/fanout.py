@@ -12,6 +12,12 @@ Endings, per transport:
 A resume point at or past the end of a finished stream answers 204, which also tells a browser
 ``EventSource`` to stop reconnecting.
 
+Resume, the same on every reader route and transport (SSE over HTTP/1.1, HTTP/2, HTTP/3 and WebTransport, and the
+WebSocket route): the ``Last-Event-ID`` header (what ``EventSource`` sends by itself on reconnect) or the query
+parameter ``after=<seq>``; ``last_event_id=<seq>`` is accepted as another spelling of ``after``
+(:func:`resume_after`). The stream URLs may already carry ``?token=…``, so a client adds ``after`` as one more
+query parameter (``URL.searchParams.set``), never by appending ``"?after=…"``.
+
 Each client may hold ``--max-subscriptions-per-client`` subscriptions open (:mod:`gateway.http.clients`); one
 more is refused with 429 ``client_subscription_limit`` (SSE: the HTTP status; WS: an ``error`` message
 and close 4429), as is one more than ``--max-subscribers`` on one stream (``too_many_subscribers``).
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -43,7 +50,7 @@ from gateway.core.delivery import (
     until_disconnect,
 )
 from gateway.core.streams import Stream
-from gateway.errors import APIError, ClientError, Refusal
+from gateway.errors import APIError, ClientError, Refusal, conflicting_resume_points
 from gateway.state import Gateway
 
 log = logging.getLogger(__name__)
@@ -110,12 +117,27 @@ def _subscribe(gw: Gateway, scope: Any) -> str:
     return client
 
 
+RESUME_QUERY = ("after", "last_event_id")  # ?after= is the documented form; last_event_id its other spelling
+
+
+def resume_after(headers: Mapping[str, str], query: Mapping[str, str]) -> int:
+    """The ``seq`` a fan-out reader resumes after, from any of the forms the docs name: the ``Last-Event-ID``
+    header, ``?after=`` or ``?last_event_id=``; -1 (from the start) when none is given. Forms that name
+    different events are a 400: which one the client meant cannot be guessed."""
+    given = {name: query[name] for name in RESUME_QUERY if query.get(name, "") != ""}
+    if headers.get("last-event-id", "") != "":
+        given["Last-Event-ID"] = headers["last-event-id"]
+    points = {name: resume_point(raw, name) for name, raw in given.items()}
+    if len(set(points.values())) > 1:
+        raise conflicting_resume_points(given)
+    return next(iter(points.values()), -1)
+
+
 async def stream_events(request: Request) -> Any:
     gw: Gateway = gateway_of(request)
-    after = resume_point(request.headers.get("last-event-id") or request.query_params.get("last_event_id"),
-                         "last_event_id")
+    after = resume_after(request.headers, request.query_params)
     stream = await _subscribe_check(gw, request.path_params["id"])
-    if stream.finished and after >= len(stream.events) - 1 and stream.state == "done":
+    if stream.over and after >= len(stream.events) - 1 and stream.state == "done":
         return Response(status_code=204)
     preamble = sse.comment("tokenfan stream " + stream.id) + sse.retry(gw.config.sse_retry_ms)
     return _Subscriber(SseResponse(gw.delivery, stream, FANOUT_SSE, after, preamble=preamble), gw)
@@ -147,7 +169,7 @@ async def stream_ws(ws: WebSocket) -> None:
     gw: Gateway = gateway_of(ws)
     await ws.accept()
     try:
-        after = resume_point(ws.query_params.get("after"), "after")
+        after = resume_after(ws.headers, ws.query_params)
         stream = await _subscribe_check(gw, ws.path_params["id"])
         client = _subscribe(gw, ws.scope)
     except APIError as exc:

@@ -12,6 +12,7 @@ from typing import Any
 
 from engine_worker.backends.base import Backend
 from engine_worker.config import EngineConfig, add_engine_arguments, engine_config
+from engine_worker.tracing import EngineTracer
 from tokenfan_settings import SettingError, resolve
 
 log = logging.getLogger("engine_worker")
@@ -35,16 +36,19 @@ async def run_engine(config: EngineConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    tracer = EngineTracer.start(config)  # before the backend: vLLM reads the environment it prepares
     backend = build_backend(config)
     await backend.start()
     server = EngineServer(backend=backend, address=config.engine_address, max_queue=config.max_queue,
                           gateway_grace=config.gateway_grace,
                           allow_remote_tcp=config.allow_remote_engine, curve_dir=config.curve_dir,
-                          stream_interval=config.stream_interval)
+                          stream_interval=config.stream_interval, tracer=tracer)
     try:
         await server.serve(stop)
     finally:
         await backend.shutdown()
+        if tracer is not None:
+            tracer.shutdown()
 
 
 def _event_loop_runner() -> Callable[[Coroutine[Any, Any, None]], None]:

@@ -55,6 +55,7 @@ class EngineConfig:
     allow_remote_engine: bool = declared("allow_remote_engine")
     curve_dir: Path | None = declared("curve_dir")
     log_level: str = declared("log_level")
+    otlp_traces_endpoint: str | None = declared("otlp_traces_endpoint")  # OpenTelemetry traces (OTLP/HTTP)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -86,6 +86,10 @@ class Submit(msgspec.Struct, tag="submit", array_like=True, frozen=True):
     resume: list[int] = []
     resume_chars: int = 0
     resume_steps: list[list[list[int]]] = []
+    # W3C trace context of the gateway's generation span (``traceparent``, ``tracestate``): the engine's spans
+    # and vLLM's request span join that trace (docs/observability.md); empty when the gateway does not trace.
+    # Last, with a default: a gateway of an earlier release sends no such field, and an engine of one ignores it.
+    trace_headers: dict[str, str] = {}
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, frozen=True):

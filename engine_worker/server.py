@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -36,6 +37,9 @@ from engine_worker import protocol as p
 from engine_worker.backends.base import Backend, RequestRejected, Step
 from engine_worker.curve import serve_curve
 from engine_worker.ipc import check_tcp_bind, prepare_ipc_dir, secure_ipc_socket
+
+if TYPE_CHECKING:
+    from engine_worker.tracing import EngineTracer
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +144,7 @@ class EngineServer:
     allow_remote_tcp: bool = False
     curve_dir: Path | None = None
     stream_interval: int = 1  # tokens per delta, like vLLM's --stream-interval
+    tracer: EngineTracer | None = None  # --otlp-traces-endpoint: the engine.accept spans (engine_worker.tracing)
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     stats: ServerStats = field(default_factory=ServerStats)
 
@@ -285,6 +290,7 @@ class EngineServer:
 
     async def _run(self, identity: bytes, submit: p.Submit) -> None:
         rid = submit.request_id
+        received_ns = time.time_ns()
         try:
             try:
                 async with self._prepare_turn:
@@ -295,6 +301,8 @@ class EngineServer:
                 return
             await self._send(identity, p.Accepted(request_id=rid, prompt_tokens=prepared.prompt_tokens,
                                                   openai=prepared.openai))
+            if self.tracer is not None:
+                self.tracer.accepted(submit, received_ns, prepared.prompt_tokens, self.engine_id)
             # a continuation reports usage as one request: the output it resumes from counts
             resumed = sum(len(out) - 2 for step in submit.resume_steps for out in step) if prepared.openai \
                 else len(submit.resume)

@@ -132,6 +132,7 @@ class GatewayConfig:
     responses_ws_cache_entries: int = declared("responses_ws_cache_entries")
     responses_ws_cache_chars: int = declared("responses_ws_cache_chars")
     log_level: str = declared("log_level")
+    otlp_traces_endpoint: str | None = declared("otlp_traces_endpoint")  # OpenTelemetry traces (OTLP/HTTP)
 
     def __post_init__(self) -> None:
         try:

@@ -19,6 +19,7 @@ from gateway.errors import APIError, ClientError, Refusal, engine_unavailable
 
 if TYPE_CHECKING:
     from gateway.core.ports import Publisher, RemoteStreams
+    from gateway.core.tracing import Tracer
     from gateway.scaleout.peers import Peers
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class Gateway:
     delivery: Delivery = field(init=False)  # the core's parts: hub, metrics, policy, watchdog, publisher, remote
     admission: Admission = field(init=False)
     peers: Peers | None = None  # --workers: the other workers (their metrics merged into /metrics)
+    tracer: Tracer | None = None  # --otlp-traces-endpoint: each generation's span (gateway.telemetry); None: off
     draining: bool = False
     listening: bool = field(init=False)  # --workers: on the shared port yet (gateway.http.server.listen_when_ready)
 

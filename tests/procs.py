@@ -38,8 +38,9 @@ def spawn(args: list[str], name: str, env: dict[str, str] | None = None, nice: i
     return processes.spawn(args, log_path, env={"HF_HUB_OFFLINE": "1", **(env or {})}, nice=nice, cwd=ROOT)
 
 
-def start_engine(address: str, *args: str, name: str = "engine", nice: int = 0) -> Proc:
-    return spawn(["-m", "engine_worker", "--address", address, *args], name, nice=nice)
+def start_engine(address: str, *args: str, name: str = "engine", nice: int = 0,
+                 env: dict[str, str] | None = None) -> Proc:
+    return spawn(["-m", "engine_worker", "--address", address, *args], name, nice=nice, env=env)
 
 
 class StartGateway(Protocol):
@@ -47,10 +48,10 @@ class StartGateway(Protocol):
 
 
 def start_gateway(engine_address: str, *args: str, name: str = "gateway", timeout: float = 30.0,
-                  port: int | None = None) -> tuple[Proc, str]:
+                  port: int | None = None, env: dict[str, str] | None = None) -> tuple[Proc, str]:
     port = port or free_port()
     proc = spawn(["-m", "tokenfan.cli", "gateway", "--engine-address", engine_address, "--host", "127.0.0.1",
-                  "--port", str(port), "--log-level", "warning", *args], name)
+                  "--port", str(port), "--log-level", "warning", *args], name, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, timeout)

@@ -10,6 +10,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from gateway.core.tracing import TraceIds
 from gateway.http.server import run_gateway
 from tokenfan_settings import SettingError, add_arguments, default_runtime_dir, given, resolve
 
@@ -20,7 +21,11 @@ log = logging.getLogger("tokenfan")
 
 
 def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Plain lines; a line about a traced generation ends with its trace and span ids (``%(trace)s``:
+    :class:`gateway.core.tracing.TraceIds`, docs/observability.md)."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s%(trace)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(TraceIds())
 
 
 def cmd_serve(values: dict[str, Any], gconf: GatewayConfig) -> int:

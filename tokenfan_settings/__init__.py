@@ -53,6 +53,12 @@ def default_cache_dir() -> Path:
     return Path(base) / "tokenfan"
 
 
+def traces_endpoint(configured: str | None) -> str | None:
+    """Where OpenTelemetry spans go (OTLP/HTTP): ``--otlp-traces-endpoint``, else the standard
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``; None: tracing is off (docs/observability.md)."""
+    return configured or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None
+
+
 # -- kinds -------------------------------------------------------------------------------------
 
 def parse_bool(raw: str) -> bool:
@@ -176,6 +182,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("curve_dir", PATH, "CURVE keys (from `tokenfan keys DIR`) for tcp:// engine links: encrypted, and "
             "the engine admits only authorized gateways", EVERY),
     Setting("log_level", STR, "logging level (debug, info, warning, error)", EVERY, "INFO"),
+    Setting("otlp_traces_endpoint", STR, "OpenTelemetry traces: the OTLP/HTTP URL spans are sent to (e.g. "
+            "http://127.0.0.1:4318/v1/traces); off when unset (then OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, if set, "
+            "turns them on). The gateway traces each generation (W3C traceparent accepted on every route); the engine "
+            "passes it to vLLM, whose request spans join the gateway's trace (docs/observability.md)", EVERY),
     # gateway
     _gw("host", STR, "127.0.0.1", "bind address"),
     _gw("port", INT, 8000, "HTTP port", minimum=0),

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
+from engine_worker import tracing
 from engine_worker.backends import vllm_openai
 from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, StepSink, feed
 from engine_worker.backends.vllm_resume import RESUME_KEY
@@ -56,7 +57,8 @@ from engine_worker.config import EngineConfig
 from engine_worker.ipc import sweep_stale
 from engine_worker.models import DEFAULT_MODEL_DIRNAME, SERVING_HINTS, resolve_model
 from engine_worker.protocol import FinishReason, Sampling, Submit
-from tokenfan_settings import default_runtime_dir
+from engine_worker.tracing import trace_headers
+from tokenfan_settings import default_runtime_dir, traces_endpoint
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -196,7 +198,10 @@ class VllmBackend:
             tensor_parallel_size=self._config.tensor_parallel_size,
             pipeline_parallel_size=self._config.pipeline_parallel_size,
             gpu_memory_utilization=self._config.gpu_memory_utilization,
-            disable_log_stats=True,
+            # vLLM makes its request spans from the request's stats (OutputProcessor.do_tracing): with tracing on
+            # it must keep them (and then logs its throughput every 10 s, as vllm serve does)
+            disable_log_stats=not tracing.enabled(self._config),
+            otlp_traces_endpoint=traces_endpoint(self._config.otlp_traces_endpoint),
             # vLLM then wakes this process once per N tokens of a request, not once per token; the
             # engine server merges on the same rule, so the two never add up.
             stream_interval=self._config.stream_interval,
@@ -376,7 +381,8 @@ class VllmBackend:
                 return
             engine = self._require_engine()
             ids, params = cast("tuple[list[int], SamplingParams]", prepared.payload)
-            collector = await engine.add_request(rid, _engine_input(ids), params)
+            collector = await engine.add_request(rid, _engine_input(ids), params,
+                                                 trace_headers=trace_headers(self._config, prepared.submit))
             outputs = self._drainer()
             collector.ready = outputs.ready  # put() now wakes the one drain task (see the module docstring)
             if collector.output is not None:

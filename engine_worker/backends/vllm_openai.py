@@ -37,6 +37,7 @@ from engine_worker.backends.base import Prepared, RequestRejected, Step
 from engine_worker.backends.vllm_resume import Replay, ReplayError, resumed, step_record
 from engine_worker.plain_path import is_plain
 from engine_worker.protocol import Endpoint, FinishReason, Submit
+from engine_worker.tracing import trace_headers
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -64,6 +65,7 @@ class _Run:
     replay: Replay | None = None  # a continuation: the delivered steps (engine_worker.backends.vllm_resume)
     live: bool = True  # False while a continuation's replay runs: the chunks written for it are not sent
     steps: list[list[list[int]]] = field(default_factory=list)  # steps not yet reported with a chunk
+    trace_headers: dict[str, str] | None = None  # the gateway's trace context: vLLM's request span joins it
 
 
 _CONTINUATION = re.compile(r"(\.[am]\d+)+$")  # a continuation's suffixes: .m<k> (migrated), .a<k> (adopted)
@@ -87,6 +89,8 @@ class _ObservedEngine:
         run = _RUN.get()
         if run is None:  # not one of ours (vLLM-internal use): unobserved
             return self._engine.generate(prompt, sampling_params, request_id, **kwargs)
+        if run.trace_headers:  # the gateway's generation span: vLLM's llm_request span is its child
+            kwargs["trace_headers"] = run.trace_headers
         if run.replay is not None:
             if run.accepted.done():  # a second prompt (a completions batch): one replay cannot feed two
                 raise ReplayError("a continued request has one prompt")
@@ -154,6 +158,7 @@ class OpenAILayer:
         self.completion = OpenAIServingCompletion(observed, models, online_renderer=renderer, request_logger=None)
         self.renderer = renderer
         self.parsers = bool(config.tool_call_parser or reasoning)
+        self.config = config
         self.vocab_size = int(engine.model_config.get_vocab_size())
         self.model_name = model_name
 
@@ -173,7 +178,7 @@ class OpenAILayer:
 
         Raises :class:`RequestRejected` with vllm serve's status and message."""
         request = self._validate(submit, body)
-        run = _Run(asyncio.get_running_loop().create_future())
+        run = _Run(asyncio.get_running_loop().create_future(), trace_headers=trace_headers(self.config, submit))
         if submit.resume_steps:
             try:
                 run.replay = Replay.parse(submit.resume_steps, int(getattr(request, "n", 1) or 1), self.vocab_size)

@@ -12,10 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from gateway.api.chat_render import chat_renderer
 from gateway.api.chat_request import ChunkBuilder, ParsedRequest, new_id
 from gateway.core import delivery
 from gateway.core.generation import Renderer
+from gateway.core.tracing import CURRENT
 from gateway.errors import APIError, ClientError, EngineError
 
 if TYPE_CHECKING:
@@ -27,24 +30,43 @@ if TYPE_CHECKING:
 Source = Callable[["RequestHandle", ChunkBuilder], Renderer]
 
 
-async def open_request(gw: Gateway, parsed: ParsedRequest, scope: Any = None) -> tuple[RequestHandle, ChunkBuilder]:
+async def open_request(gw: Gateway, parsed: ParsedRequest, scope: Any = None, *,
+                       listed: bool = False) -> tuple[RequestHandle, ChunkBuilder]:
     """Admit, submit to the engine and wait until it accepted (prompt validated).
 
     Raises APIError or EngineError. ``scope`` (of the HTTP request or WebSocket) supplies the API key
-    for per-key limits and the request id the engine logs as ``trace``; the generation id is recorded
-    for the access log."""
+    for per-key limits, the request id the engine logs as ``trace`` and the W3C ``traceparent`` the
+    generation's span joins (``--otlp-traces-endpoint``); the generation id and its trace and span ids are
+    recorded for the access log."""
     state = scope.setdefault("state", {}) if scope is not None else {}
     key = state.get("api_key")
     client = state.get("client") or "internal"  # set by gateway.http.clients.ClientLimitMiddleware
     model = gw.check_model(parsed.model)
     gw.admit(client, key)
     rid = new_id(parsed.endpoint)
-    handle = gw.engine.submit(parsed.to_submit(rid, trace_id=state.get("request_id", rid)))
+    submit = parsed.to_submit(rid, trace_id=state.get("request_id", rid))
+    trace = None
+    if gw.tracer is not None:
+        trace = gw.tracer.generation(scope.get("headers") if scope is not None else None, request_id=rid,
+                                     endpoint=parsed.endpoint, model=model, max_tokens=submit.sampling.max_tokens,
+                                     listed=listed)
+        submit = msgspec.structs.replace(submit, trace_headers=trace.carrier())
+        state["trace_id"], state["span_id"] = trace.trace_id, trace.span_id
+        CURRENT.set(trace)
+    try:
+        handle = gw.engine.submit(submit)
+    except BaseException:
+        if trace is not None:
+            trace.end()
+        raise
+    handle.trace = trace
     state["generation_id"] = rid
     gw.clients.acquire("generations", client)
     handle.on_close.append(lambda: gw.clients.release("generations", client))
     try:
         prompt_tokens = await handle.wait_accepted(gw.config.accept_timeout)
+        if trace is not None:
+            trace.accepted(prompt_tokens, handle.owner.address)
         limit = gw.config.max_prompt_tokens
         if limit and prompt_tokens > limit:
             raise ClientError(400, f"The prompt has {prompt_tokens} tokens; this server accepts at most {limit}.",
@@ -75,7 +97,7 @@ async def start_generation(
             gw.hub.check_capacity()
         except APIError as err:
             raise gw.refused(err) from None
-    handle, builder = await open_request(gw, parsed, scope)
+    handle, builder = await open_request(gw, parsed, scope, listed=listed)
     return await delivery.start(gw.delivery, handle, source(handle, builder), endpoint=endpoint or parsed.endpoint,
                                 model=builder.model, listed=listed, detached=detached, stream_id=stream_id,
                                 options={"include_usage": builder.include_usage, "created": builder.created,

@@ -105,6 +105,7 @@ class HttpConn:
         self._safe_send = send
         # what the metrics call this connection: "sse", or the label a server adapter put in the scope
         self.label: str = scope.get("tokenfan.transport", self.transport)
+        self.headers: list[tuple[bytes, bytes]] = scope.get("headers") or []  # the request's (its traceparent)
         self.linger = linger
         self.closed = False
         self._cycle: Any = None  # uvicorn's request cycle, once write_now found it can write into it
@@ -206,6 +207,7 @@ class WsConn:
 
     def __init__(self, scope: MutableMapping[str, Any], send: Any, linger: float) -> None:
         self.send = scope.get("tokenfan.raw_send", send)  # accepted already: skip the wrappers
+        self.headers: list[tuple[bytes, bytes]] = scope.get("headers") or []  # the handshake's (its traceparent)
         self.linger = linger
         self.closed = False
         self._proto: Any = _writable_protocol(self.send)

@@ -82,6 +82,7 @@ async def start(delivery: Delivery, handle: RequestHandle, renderer: Renderer, *
     the rest of a listed stream if another gateway adopts it (:mod:`gateway.api.adoption`)."""
     stream = delivery.hub.create(endpoint, model, stream_id=stream_id or handle.request_id, listed=listed)
     stream.detached = listed if detached is None else detached
+    stream.trace = handle.trace
     if listed:
         stream.request, stream.options = msgspec.msgpack.encode(handle.submit), options or {}
     publisher = delivery.publisher if listed else None
@@ -280,6 +281,10 @@ async def read(delivery: Delivery, stream: Stream, framing: Framing, after: int,
     # --inject-delay (bench calibration) turns the one pass off for every transport, so the arms differ
     # only by the injected delay, not by the path their writes take.
     one_pass = delivery.direct_write and not delivery.inject_delay
+    if after >= 0:
+        m.resumes.labels(label).inc()
+    trace = stream.trace.reader(label, after, stream.listed, conn.headers) \
+        if stream.trace is not None else None
     active.inc()
     last = after
     try:
@@ -288,10 +293,16 @@ async def read(delivery: Delivery, stream: Stream, framing: Framing, after: int,
                             merge=framing.merge)
     except SlowConsumer:
         m.errors.labels("network").inc()
-        log.info("reader of %s cut: a write was blocked for more than %gs", stream.id, delivery.policy.send_timeout)
+        log.info("reader of %s cut: a write was blocked for more than %gs", stream.id, delivery.policy.send_timeout,
+                 extra={"trace": stream.trace})
+        m.readers_cut.labels(label).inc()
+        if trace is not None:
+            trace.cut(delivery.policy.send_timeout)
         return Outcome(framing.cut(delivery.policy.send_timeout), True, last)
     finally:
         active.dec()
+        if trace is not None:
+            trace.end(last)
     if stream.state == "moved":  # no end: the reader resumes on the replica that continues the stream
         return Outcome(MOVED[framing.transport], False, last)
     return Outcome(framing.ending(stream), False, last)

@@ -93,12 +93,17 @@ class Migrator:
         for h in handles:
             if h.closed:
                 continue
+            if h.trace is not None:
+                h.trace.engine_lost(address, err.code or "engine_unavailable")
             refused = self.refusal(h)
             if refused is not None:
                 reason, why = refused
+                if h.trace is not None:
+                    h.trace.migration_refused(reason)
                 self.migrations.outcomes["refused"] += 1
                 self.migrations.refusals[reason] += 1
-                log.warning("request %s lost with engine %s: not continued (%s)", h.request_id, address, why)
+                log.warning("request %s lost with engine %s: not continued (%s)", h.request_id, address, why,
+                            extra={"trace": h.trace})
                 h.done = True
                 h.fail(err)
                 continue
@@ -120,11 +125,14 @@ class Migrator:
                     break
             if placed is not None:
                 log.warning("request %s continued on engine %s at %s after %d output tokens (migration %d)",
-                            h.request_id, placed.engine_id, placed.address, len(h.output_ids), h.migrations)
+                            h.request_id, placed.engine_id, placed.address, len(h.output_ids), h.migrations,
+                            extra={"trace": h.trace})
             elif now >= deadline:
                 self.migrations.outcomes["timeout"] += 1
+                if h.trace is not None:
+                    h.trace.migration_refused("timeout")
                 log.error("request %s: no healthy engine within %.0fs to continue it on", h.request_id,
-                          self.policy.wait)
+                          self.policy.wait, extra={"trace": h.trace})
                 h.done = True
                 h.fail(EngineError.unavailable(f"{err.message}; no healthy engine to continue on within "
                                                f"{self.policy.wait:g}s"))
@@ -134,9 +142,14 @@ class Migrator:
 
     def continued(self, h: RequestHandle, gap: float, ok: bool) -> None:
         """A continuation's first delta arrived ``gap`` seconds after the loss (``ok``), or was refused."""
+        if h.trace is not None:
+            if ok:
+                h.trace.migrated(h.owner.address, gap, len(h.output_ids))
+            else:
+                h.trace.migration_refused("failed")
         if not ok:  # the new engine refused the continuation: the request fails with its error
             self.migrations.outcomes["failed"] += 1
-            log.error("request %s: the continuation was refused", h.request_id)
+            log.error("request %s: the continuation was refused", h.request_id, extra={"trace": h.trace})
             return
         self.migrations.outcomes["continued"] += 1
         self.migrations.gap.observe(gap)

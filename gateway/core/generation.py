@@ -107,6 +107,8 @@ class Generation:
         """Cancelled (no reader left, an explicit cancel): the closing payloads, then the end."""
         if self.ended.done():
             return
+        if self.handle.trace is not None:
+            self.handle.trace.cancelled()
         for ev in self.renderer.closing(None):
             self._publish(ev, None)
         self.stream.finish("cancelled")

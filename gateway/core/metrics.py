@@ -230,6 +230,16 @@ class Metrics:
                                  ["outcome"], registry=r)
         for outcome in ("adopted", "elsewhere", "refused", "failed"):
             self.adoptions.labels(outcome)
+        self.readers_cut = Counter("tokenfan_readers_cut_total", "Readers cut off as too slow: a write was blocked "
+                                   "for more than --send-timeout (SSE event: error slow_consumer, WebSocket close "
+                                   "1013), by transport", ["transport"], registry=r)
+        self.resumes = Counter("tokenfan_resumes_total", "Readers that resumed a stream after an event they had "
+                               "(Last-Event-ID, ?after=, starting_after), by transport", ["transport"], registry=r)
+        for t in ("sse", "ws"):
+            self.readers_cut.labels(t)
+            self.resumes.labels(t)
+        self.engine_link_up = Gauge("tokenfan_engine_link_up", "1 while this engine (by its address) answers "
+                                    "heartbeats: one series per --engine-address", ["engine"], registry=r)
         self.adoption_gap = Histogram("tokenfan_adoption_gap_seconds", "The lost owner's last event to this "
                                       "gateway's first of a stream it adopted (wall clocks of both gateways)",
                                       buckets=_LAT_BUCKETS, registry=r)

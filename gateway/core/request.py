@@ -18,6 +18,7 @@ from gateway.errors import APIError, EngineError, TokenfanError, to_api_error
 
 if TYPE_CHECKING:
     from gateway.core.conn import Step
+    from gateway.core.tracing import GenerationTrace
 
 # What a request can fail with: an EngineError from the engine link, or whatever the gateway passes to
 # ``fail_all`` (e.g. its shutdown error), delivered unchanged.
@@ -55,7 +56,7 @@ class RequestHandle:
 
     __slots__ = ("_accepted", "_error", "_queue", "closed", "done", "engine_rid", "lost_at", "migrations",
                  "on_close", "openai", "output_chars", "output_ids", "owner", "prompt_tokens", "rejoined",
-                 "request_id", "send_seq", "sink", "steps", "submit", "trace_id")
+                 "request_id", "send_seq", "sink", "steps", "submit", "trace", "trace_id")
 
     def __init__(self, owner: Owner, submit: p.Submit, send_seq: int = 0) -> None:
         self.owner = owner  # the link the request is on now (another one after a migration)
@@ -76,6 +77,7 @@ class RequestHandle:
         self.prompt_tokens: int | None = None  # set when the engine accepted it
         self.on_close: list[Callable[[], None]] = []
         self.sink: Sink | None = None
+        self.trace: GenerationTrace | None = None  # its generation's span (None: tracing is off)
         self._queue: asyncio.Queue[p.Delta | Failure] = asyncio.Queue()
         self._error: Failure | None = None  # the failure that came before an acceptance
         self._accepted: asyncio.Future[int] | None = None  # created by the first wait_accepted
@@ -97,6 +99,8 @@ class RequestHandle:
         if d.steps:
             self.steps += d.steps
         self.output_chars += len(d.text)
+        if self.trace is not None:
+            self.trace.delta(d)
         if self.sink is not None:
             self.sink.on_delta(d, step)
         else:
@@ -110,6 +114,8 @@ class RequestHandle:
             if self._accepted is not None and not self._accepted.done():
                 self._accepted.set_exception(err)
                 self._accepted.exception()  # mark retrieved: the consumer may be gone
+        if self.trace is not None:
+            self.trace.failed(err)
         if self.sink is not None:
             self.sink.on_failure(to_api_error(err))
         else:
@@ -170,3 +176,5 @@ class RequestHandle:
         for cb in callbacks:
             cb()
         self.owner.close_request(self)
+        if self.trace is not None:
+            self.trace.end()

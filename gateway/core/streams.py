@@ -31,6 +31,7 @@ from gateway.errors import APIError, stream_expired, stream_lost, stream_not_fou
 
 if TYPE_CHECKING:
     from gateway.core.conn import Step
+    from gateway.core.tracing import GenerationTrace
 
 Transport = Literal["sse", "ws"]
 TRANSPORTS: tuple[Transport, Transport] = ("sse", "ws")
@@ -214,6 +215,7 @@ class Stream:
     request: bytes = b""
     options: dict[str, Any] = field(default_factory=dict)
     handover: bool = False  # being handed to another gateway (SIGTERM): it ends here "moved", without an end
+    trace: GenerationTrace | None = None  # its generation's trace, for its readers (None: tracing is off)
 
     def __post_init__(self) -> None:
         # dicts as insertion-ordered sets: the rotation in _wake needs a stable order

@@ -2,7 +2,9 @@
 
 Every request gets a request id (the client's ``X-Request-ID`` if it sent a sane one, else a new
 one), echoed in the ``X-Request-ID`` response header and passed to the engine as the submission's
-``trace_id``, so the engine's log lines for that generation carry the same id.
+``trace_id``, so the engine's log lines for that generation carry the same id. ``trace_id`` and ``span_id``
+(W3C, hex) join the line to a trace (docs/observability.md): the generation's span when the request ran one
+with tracing on, else the request's own ``traceparent`` (its trace and its parent span), else null.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import uuid
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.core.tracing import traceparent_ids
 
 log = logging.getLogger("tokenfan.access")
 _SANE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -52,9 +56,13 @@ class AccessLogMiddleware:
         finally:
             if log.isEnabledFor(logging.INFO):
                 client = scope.get("client")
+                state = scope["state"]
+                ids = (state["trace_id"], state["span_id"]) if "trace_id" in state else \
+                    traceparent_ids(headers[b"traceparent"].decode("latin-1")) if b"traceparent" in headers else None
                 log.info(orjson.dumps({
                     "ts": time.time(), "request_id": rid, "type": scope["type"], "method": scope.get("method", "WS"),
                     "path": scope["path"], "status": status, "duration_ms": round((time.monotonic() - t0) * 1000, 2),
                     "bytes": sent, "client": f"{client[0]}:{client[1]}" if client else None,
-                    "generation_id": scope["state"].get("generation_id"),
-                }).decode())
+                    "generation_id": state.get("generation_id"),
+                    "trace_id": ids[0] if ids else None, "span_id": ids[1] if ids else None,
+                }).decode(), extra={"trace": ""})  # its ids are fields of the line already

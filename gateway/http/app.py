@@ -46,6 +46,7 @@ from gateway.http.middleware import (
 )
 from gateway.scaleout import workers
 from gateway.state import Gateway
+from tokenfan_settings import traces_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,12 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
             await asyncio.sleep(0.02)
         gw = Gateway(config=config, engine=engine)
         gw.metrics.registry.register(MigrationCollector(engine.migrations))
+        traces = traces_endpoint(config.otlp_traces_endpoint)
+        if traces is not None:
+            from gateway.telemetry import OtelTracer
+
+            gw.tracer = tracer = OtelTracer.otlp(traces, attributes={"tokenfan.worker": str(workers.worker_index())})
+            log.info("tracing: spans of every generation to %s (OTLP/HTTP)", traces)
         gc.set_threshold(config.gc_gen0_threshold, *gc.get_threshold()[1:])
         app.state.gateway = gw
         gw.loop.start()
@@ -107,6 +114,8 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
             for other in others:
                 await other.close()
             await engine.close()
+            if traces is not None:
+                await asyncio.to_thread(tracer.shutdown)  # the spans still queued are exported
 
     routes: list[Any] = [
         Route("/v1/chat/completions", routes_openai.completions_route("chat.completions"), methods=["POST"]),

@@ -68,6 +68,8 @@ def refresh_metrics(gw: Gateway) -> None:
     """Set the gauges that are read from the engine link at scrape time."""
     m = gw.metrics
     m.engine_up.set(1 if gw.engine.healthy else 0)
+    for client in gw.engine.clients:
+        m.engine_link_up.labels(client.address).set(1 if client.healthy else 0)
     running, waiting = gw.engine.load()
     m.engine_running.set(running)
     m.engine_queue.set(waiting)

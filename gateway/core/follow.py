@@ -29,6 +29,7 @@ class Subscription:
 
     transport: Transport
     task: asyncio.Task[Any] | None
+    relay: bool = False  # it feeds another worker's mirror (see Stream._wake)
     waiter: asyncio.Event = field(default_factory=asyncio.Event)
     cursor: int = 0  # the next seq this reader sends
     parked: bool = False  # its loop waits, caught up: the publisher may write for it (``reader``)
@@ -86,7 +87,7 @@ class Watchdog:
 async def follow(
     stream: Stream, transport: Transport, after: int, write: WriteEvents, policy: SlowConsumerPolicy,
     watchdog: Watchdog, *, idle: WriteIdle | None = None, reader: LiveWriter | None = None,
-    merge: MergeRules | None = None,
+    merge: MergeRules | None = None, relay: bool = False,
 ) -> int:
     """Send every event with ``seq > after`` and then the live tail until the stream ends.
 
@@ -95,7 +96,8 @@ async def follow(
     watchdog asks for a keep-alive. With ``reader``, a caught-up reader's live events are written by
     the publisher in its one pass over the readers (:meth:`Stream.append`); this loop only wakes for
     what that could not write (replay, a full buffer, the end). ``merge``: the API's rules for merging
-    the content events of a reader that lags (None: never merged). The caller writes the stream's ending.
+    the content events of a reader that lags (None: never merged). ``relay``: it feeds another worker's
+    mirror (written first in every pass). The caller writes the stream's ending.
     """
     # Lagging = more than coalesce_after events were published while our last write was in progress:
     # the client is the bottleneck, so merge. Events that were already there when a write started
@@ -104,7 +106,7 @@ async def follow(
     # A reader that was following a running stream gets its backlog merged when the stream fails, so the
     # notice is not stuck behind it; one that joins a finished stream replays it event by event.
     live = not stream.finished
-    sub = Subscription(transport, asyncio.current_task(), cursor=after + 1, reader=reader)
+    sub = Subscription(transport, asyncio.current_task(), relay, cursor=after + 1, reader=reader)
     stream.add_follower(sub)
     watchdog.add(sub)
 

@@ -38,6 +38,7 @@ class Framing:
     transport: Transport = "sse"
     resumable = False
     merge: MergeRules | None = None  # how a lagging reader's content events merge (None: each on its own)
+    relay = False  # its reader feeds another worker's mirror: written first in every pass (Stream._wake)
 
     def frame(self, ev: Event) -> bytes | str:
         cached = ev.frames.get(self.name)

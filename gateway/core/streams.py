@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import orjson
 
 from engine_worker import protocol as p
+from gateway.core.conn import Step
 from gateway.errors import APIError, stream_expired, stream_lost, stream_not_found, too_many_streams
 
 if TYPE_CHECKING:
-    from gateway.core.conn import Step
     from gateway.core.tracing import GenerationTrace
 
 Transport = Literal["sse", "ws"]
@@ -183,6 +183,7 @@ class Follower(Protocol):
     whether its loop is parked at the tail, what writes for it then, and what wakes its loop."""
 
     transport: Transport
+    relay: bool  # it feeds another worker's mirror of the stream (written first in every pass, at once)
     cursor: int
     parked: bool
     reader: LiveWriter | None
@@ -220,13 +221,14 @@ class Stream:
     def __post_init__(self) -> None:
         # dicts as insertion-ordered sets: the rotation in _wake needs a stable order
         self._waiters: dict[Transport, dict[Follower, None]] = {"sse": {}, "ws": {}}
+        self._relays: dict[Follower, None] = {}  # see _wake
 
     @property
     def finished(self) -> bool:
         return self.state != "running"
 
     def subscriber_count(self) -> int:
-        return len(self._waiters["sse"]) + len(self._waiters["ws"])
+        return len(self._waiters["sse"]) + len(self._waiters["ws"]) + len(self._relays)
 
     def publish(self, ev: ChunkEvent, step: Step | None = None) -> Event:
         """Append the next payload, stamped with its ``seq`` and timing (``step``: the engine step that
@@ -262,11 +264,22 @@ class Stream:
     def _wake(self, seq: int, event: Event | None = None, step: Step | None = None) -> None:
         """One pass over the readers for a new event (or the end): a caught-up reader that writes in the
         publisher's pass gets the event written here and now (:meth:`LiveWriter.write_now`);
-        any other reader's loop is woken."""
+        any other reader's loop is woken.
+
+        Relays (another worker's mirror, ``--workers``) come first and are written at once, not at the
+        step's end: that worker then writes its share of the readers on its core while this one writes its
+        own. A pass outside an engine step (a mirror's, a broker commit's) is a step of its own: one
+        clock read, and each connection written once at its end."""
+        for relay in self._relays:
+            self._wake_one(relay, seq, event, None)
         sse, ws = self._waiters["sse"], self._waiters["ws"]
-        if len(sse) + len(ws) == 1:  # one reader (a POST response, a /v1/ws request): nothing to rotate
-            self._wake_one(next(iter(sse or ws)), seq, event, step)
+        if len(sse) + len(ws) <= 1:  # one reader (a POST response, a /v1/ws request): nothing to rotate
+            if sse or ws:
+                self._wake_one(next(iter(sse or ws)), seq, event, step)
             return
+        own = step is None and event is not None
+        if own:
+            step = Step(time.monotonic(), time.time_ns())
         for group in ((sse, ws) if seq % 2 == 0 else (ws, sse)):
             if not group:
                 continue
@@ -274,6 +287,9 @@ class Stream:
             k = seq % len(subs)
             for sub in subs[k:] + subs[:k] if k else subs:
                 self._wake_one(sub, seq, event, step)
+        if own:
+            assert step is not None
+            step.flush()
 
     @staticmethod
     def _wake_one(sub: Follower, seq: int, event: Event | None, step: Step | None) -> None:
@@ -286,10 +302,10 @@ class Stream:
 
     def add_follower(self, sub: Follower) -> None:
         """``sub`` reads this stream: woken (or written to) by every new event and by the end."""
-        self._waiters[sub.transport][sub] = None
+        (self._relays if sub.relay else self._waiters[sub.transport])[sub] = None
 
     def remove_follower(self, sub: Follower) -> None:
-        self._waiters[sub.transport].pop(sub, None)
+        (self._relays if sub.relay else self._waiters[sub.transport]).pop(sub, None)
 
 
 @dataclass(slots=True)

@@ -59,6 +59,7 @@ class PeerFraming(Framing):
     no end: its mirror resumes after the last id it got."""
 
     name = "peer"
+    relay = True  # written first and at once: the peer writes its share of the readers meanwhile
 
     def build(self, ev: Event) -> bytes:
         return sse.event(codec.pack_event(ev), id=ev.seq)

@@ -26,13 +26,16 @@ run: setup
 # Debian packages the tests drive: chromium (Playwright's own browser download does not work here),
 # redis-server (the broker of the scale-out test), nginx (tests/e2e/test_nginx.py runs
 # deploy/nginx/tokenfan.conf; its service is never started) and iptables (the bench's packet-loss rules,
-# inside network namespaces of its own: tests/e2e/test_bench_loss.py).
+# inside network namespaces of its own: tests/e2e/test_bench_loss.py) and prometheus (with promtool: the shipped rules
+# and dashboard against a real Prometheus, tests/test_prometheus_rules.py and tests/e2e/test_prometheus.py; its
+# service is never started).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 test-deps:
 	@missing=""; command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	test -x /usr/sbin/nginx || missing="$$missing nginx"; \
 	command -v iptables >/dev/null 2>&1 || test -x /usr/sbin/iptables || missing="$$missing iptables"; \
+	command -v prometheus >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then $(SUDO) apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; fi
 

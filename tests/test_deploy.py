@@ -9,7 +9,9 @@
   (or the older ``docker-compose config``) runs when installed: it needs no Docker daemon.
 * Commands and settings in Dockerfiles, compose and manifests: every ``--flag`` and ``TOKENFAN_*``
   variable is looked up in the real ``tokenfan <sub> --help-all``.
-* Grafana: every metric in the dashboard's PromQL is one the gateway exports (``Metrics().render()``).
+* Grafana: every metric in the dashboard's PromQL is one the gateway exports (``Metrics().render()`` and the
+  migrations' collector), and every panel's query returns data from a real Prometheus scraping live gateways
+  (tests/e2e/test_prometheus.py).
 """
 
 from __future__ import annotations
@@ -147,10 +149,13 @@ def pyproject() -> dict[str, Any]:
 
 @functools.cache
 def exported_metric_families() -> dict[str, str]:
-    """``# TYPE`` lines of a fresh gateway's /metrics: family name -> type."""
-    from gateway.core.metrics import Metrics
+    """``# TYPE`` lines of a fresh gateway's /metrics: family name -> type (its app registers the migrations'
+    families beside :class:`Metrics`'s own)."""
+    from gateway.core.metrics import Metrics, MigrationCollector, Migrations
 
-    text = Metrics().render().decode()
+    metrics = Metrics()
+    metrics.registry.register(MigrationCollector(Migrations()))
+    text = metrics.render().decode()
     return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.MULTILINE))
 
 

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import struct
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,28 @@ def ws_close_frame(code: int, reason: str) -> bytes:
 def chunked(data: bytes) -> bytes:
     """One HTTP/1.1 chunk."""
     return b"%x\r\n%b\r\n" % (len(data), data) if data else b""
+
+
+class LastFrame:
+    """The wire form of the last payload asked for, by identity: in one pass over thousands of readers
+    each writes the same event's bytes object, so its HTTP chunk or WebSocket frame is built once and the
+    same bytes go to every connection (the payload is held, so its identity cannot be reused meanwhile)."""
+
+    __slots__ = ("_build", "_payload", "_wire")
+
+    def __init__(self, build: Callable[[bytes], bytes]) -> None:
+        self._build = build
+        self._payload: bytes | None = None
+        self._wire = b""
+
+    def __call__(self, payload: bytes) -> bytes:
+        if payload is not self._payload:
+            self._payload, self._wire = payload, self._build(payload)
+        return self._wire
+
+
+_http_chunk = LastFrame(chunked)
+_ws_text = LastFrame(lambda payload: ws_head(0x1, len(payload)) + payload)
 
 
 class Step:
@@ -110,7 +132,7 @@ class HttpConn:
         self.closed = False
         self._cycle: Any = None  # uvicorn's request cycle, once write_now found it can write into it
         self._checked = False
-        self._out: list[bytes] = []  # frames taken by write_now, written at flush
+        self._out: list[bytes] = []  # frames taken by write_now, written at flush (one HTTP chunk)
 
     async def write(self, data: bytes) -> None:
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
@@ -152,11 +174,11 @@ class HttpConn:
         return cycle if getattr(cycle, "chunked_encoding", False) or _h11_chunked(cycle) else None
 
     def flush(self) -> None:
-        """Write what ``write_now`` took as one HTTP chunk."""
-        out, self._out = self._out, []
+        """Write what ``write_now`` took as one HTTP chunk (one buffer: one send)."""
+        out = self._out
         if out and not self._cycle.transport.is_closing():
-            data = out[0] if len(out) == 1 else b"".join(out)
-            self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # one buffer: one send
+            self._cycle.transport.write(_http_chunk(out[0]) if len(out) == 1 else chunked(b"".join(out)))
+        out.clear()
 
     async def cut(self, data: bytes | None) -> None:
         """End now: ``data`` goes after whatever the peer has not read yet, then the connection closes."""
@@ -211,7 +233,7 @@ class WsConn:
         self.linger = linger
         self.closed = False
         self._proto: Any = _writable_protocol(self.send)
-        self._out: list[bytes] = []  # frame heads and payloads taken by write_now, written at flush
+        self._out: list[bytes] = []  # whole frames taken by write_now, written at flush
 
     @classmethod
     def of(cls, ws: Any, linger: float) -> WsConn:
@@ -240,19 +262,19 @@ class WsConn:
         if proto is None or not proto.writable.is_set() or proto.close_sent or proto.transport.is_closing():
             return False
         out = self._out
-        out.append(ws_head(0x1, len(data)))
-        out.append(data)
+        out.append(_ws_text(data))
         if step is None:
             self.flush()
-        elif len(out) == 2:
+        elif len(out) == 1:
             step.hold(self)
         return True
 
     def flush(self) -> None:
         """Write what ``write_now`` took (whole frames, in order) in one transport write."""
-        out, self._out = self._out, []
+        out = self._out
         if out and not self._proto.close_sent and not self._proto.transport.is_closing():
-            self._proto.transport.write(b"".join(out))
+            self._proto.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        out.clear()
 
     async def cut(self, code: int, reason: str, text: str | None = None) -> None:
         """Close with ``code`` now, without waiting for the stalled peer."""

@@ -72,8 +72,8 @@ class AuthMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        err = self._check(scope, headers)
+        # the headers as a dict only for the check: a local would stay alive for the whole response
+        err = self._check(scope, {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]})
         if err is None:
             return await self.app(scope, receive, send)
         if scope["type"] == "http":

@@ -23,6 +23,38 @@ WriteEvents = Callable[[list[Event]], Awaitable[None]]
 WriteIdle = Callable[[], Awaitable[None]]
 
 
+class Wake:
+    """What wakes one reader's loop: an ``asyncio.Event`` for a single waiter, without the Event's deque
+    of waiters (about 600 bytes a reader, at thousands of readers): a future exists only while it waits."""
+
+    __slots__ = ("_fut", "_set")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._fut: asyncio.Future[None] | None = None
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        fut = self._fut
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def clear(self) -> None:
+        self._set = False
+
+    async def wait(self) -> None:
+        if self._set:
+            return
+        self._fut = asyncio.get_running_loop().create_future()
+        try:
+            await self._fut
+        finally:
+            self._fut = None
+
+
 @dataclass(eq=False, slots=True)
 class Subscription:
     """One subscriber's state as the :class:`Watchdog` sees it."""
@@ -30,7 +62,7 @@ class Subscription:
     transport: Transport
     task: asyncio.Task[Any] | None
     relay: bool = False  # it feeds another worker's mirror (see Stream._wake)
-    waiter: asyncio.Event = field(default_factory=asyncio.Event)
+    waiter: Wake = field(default_factory=Wake)
     cursor: int = 0  # the next seq this reader sends
     parked: bool = False  # its loop waits, caught up: the publisher may write for it (``reader``)
     reader: LiveWriter | None = None  # writes in the publisher's pass (None: only its own loop writes)

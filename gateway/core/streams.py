@@ -178,6 +178,12 @@ class LiveWriter(Protocol):
         ...
 
 
+class Waker(Protocol):
+    """What wakes a follower's loop (:class:`gateway.core.follow.Wake`)."""
+
+    def set(self) -> None: ...
+
+
 class Follower(Protocol):
     """A reader of a stream as the log sees it (:class:`gateway.core.follow.Subscription`): its cursor,
     whether its loop is parked at the tail, what writes for it then, and what wakes its loop."""
@@ -188,7 +194,9 @@ class Follower(Protocol):
     parked: bool
     reader: LiveWriter | None
     last_write: float
-    waiter: asyncio.Event
+
+    @property
+    def waiter(self) -> Waker: ...
 
 
 @dataclass(eq=False)

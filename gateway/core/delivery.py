@@ -309,26 +309,37 @@ async def read(delivery: Delivery, stream: Stream, framing: Framing, after: int,
 
 
 async def until_disconnect(work: Awaitable[Any], receive: Callable[[], Awaitable[Any]]) -> Any:
-    """Run ``work`` until it finishes or the client disconnects (then cancel it and return None)."""
-    task = asyncio.ensure_future(work)
+    """Run ``work`` until it finishes or the client disconnects (then cancel it and return None).
+
+    ``work`` runs in the caller's task; one task beside it waits on ``receive`` and cancels the caller when
+    the client is gone (or ``receive`` fails): one task per reader fewer than running the work in its own."""
+    task = asyncio.current_task()
+    assert task is not None
+    running, gone = True, False
 
     async def watch() -> None:
-        while True:
-            msg = await receive()
-            if msg["type"] in ("http.disconnect", "websocket.disconnect"):
-                return
+        nonlocal gone
+        try:
+            while True:
+                msg = await receive()
+                if msg["type"] in ("http.disconnect", "websocket.disconnect"):
+                    return
+        finally:
+            if running:  # not cancelled by the caller's end: the client is gone
+                gone = True
+                task.cancel()
 
     watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if gone and task.uncancel() == 0:  # our own cancel, nobody else's
+            return None
+        raise
     finally:
-        for t in (task, watcher):
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        return None
-    return task.result()
+        running = False
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
 
 
 class SseResponse:

@@ -31,7 +31,7 @@ import orjson
 
 from tokenfan_bench.clients.fast import ReadBatch
 from tokenfan_bench.stats.spread import Outcome, Tally, add_receipt
-from tokenfan_bench.wire.events import OP_CLOSE, OP_TEXT, SseDecoder, WsDecoder
+from tokenfan_bench.wire.events import OP_CLOSE, OP_PING, OP_PONG, OP_TEXT, SseDecoder, WsDecoder, ws_frame
 from tokenfan_bench.wire.http1 import HttpError, ResponseParser
 
 monotonic_ns = time.monotonic_ns
@@ -149,6 +149,8 @@ class Subscriber(asyncio.Protocol):
                 elif kind == "error":
                     self.ended_with("error", str(msg.get("error", {}).get("code")))
                     return
+            elif frame.opcode == OP_PING and self.transport is not None:  # unanswered, the server closes 1011
+                self.transport.write(ws_frame(OP_PONG, frame.payload, os.urandom(4)))
             elif frame.opcode == OP_CLOSE:
                 code = int.from_bytes(frame.payload[:2], "big") if len(frame.payload) >= 2 else 1005
                 self.ended_with("cut" if code == 1013 else ("done" if self.out.end == "done" else "lost"),

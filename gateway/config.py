@@ -36,6 +36,7 @@ class BrokerTimings:
     backoff_max: float = 1.0  # reconnect delays double from 50 ms up to this (jittered)
     lease_interval: float = 0.5  # how often a gateway refreshes its lease
     lease_ttl: float = 2.0  # a lease not refreshed for this long means the gateway is gone
+    presence_check: float = 0.15  # a mirror quiet this long asks whether its owner's connection is open (0: never)
     cancel_timeout: float = 3.0  # how long cancel_remote waits for the owner's answer
     max_pending: int = 65_536  # entries queued for the next pipeline; beyond, streams are repaired later
 
@@ -45,6 +46,12 @@ class BrokerTimings:
         if self.lease_interval >= self.lease_ttl:
             raise ValueError(f"--broker-lease-interval ({self.lease_interval}) must be shorter than "
                              f"--broker-lease-ttl ({self.lease_ttl}), or every lease expires between refreshes")
+        if self.lease_interval >= self.lease_ttl * 0.75 and self.lease_interval >= self.lease_ttl - 0.5:
+            raise ValueError(f"--broker-lease-interval ({self.lease_interval}) must be shorter than the time a "
+                             f"gateway waits for a confirmed refresh before it fences itself (--broker-lease-ttl "
+                             f"minus min(0.5 s, a quarter of it)), or it fences itself between refreshes")
+        if self.presence_check < 0:
+            raise ValueError("--broker-presence-check must be 0 (off) or positive")
         if self.max_pending < 1:
             raise ValueError("--broker-max-pending must be at least 1")
 

@@ -170,6 +170,13 @@ def owner_lost(stream_id: str, detail: str) -> StreamError:
                     code="owner_lost")
 
 
+def owner_fenced(stream_id: str) -> StreamError:
+    """This gateway cannot confirm it still owns the stream (``--broker``: its lease went unconfirmed)."""
+    return StreamError(503, f"This gateway lost touch with the stream broker while it ran {stream_id}; read it on "
+                       "another replica, or again here shortly (GET /v1/responses/{id}, or resume with "
+                       "Last-Event-ID).", type="server_error", code="owner_fenced", retry_after=1.0)
+
+
 def too_many_streams(streams: int, limit: int) -> Refusal:
     """The 429 of a gateway holding as many streams as ``--max-streams`` allows."""
     return Refusal(429, f"Too many streams ({streams}); the limit is {limit}.", type="rate_limit_error",

@@ -296,8 +296,13 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("broker_lease_interval", FLOAT, 0.5, "how often a gateway refreshes its owner lease in Redis (and, with "
         "--workers, how often a quiet mirror asks its owner worker)",
         field="broker.lease_interval"),
-    _gw("broker_lease_ttl", FLOAT, 2.0, "a lease not refreshed for this long means its gateway is gone",
+    _gw("broker_lease_ttl", FLOAT, 2.0, "a lease not refreshed for this long means its gateway is gone; a gateway "
+        "whose refresh Redis has not confirmed for this long minus min(0.5 s, a quarter of it) fences itself: the "
+        "readers of its listed streams resume on a replica and /health says not ready (docs/failures.md)",
         field="broker.lease_ttl"),
+    _gw("broker_presence_check", FLOAT, 0.15, "a mirrored stream quiet this long asks Redis whether its owner's "
+        "presence subscription is open; closed twice, 0.1 s apart, the owner was killed and a replica adopts "
+        "the stream at once (0: wait for the lease)", field="broker.presence_check"),
     _gw("broker_cancel_timeout", FLOAT, 3.0, "how long a cross-replica DELETE waits for the owner's answer",
         field="broker.cancel_timeout"),
     _gw("broker_max_pending", INT, 65_536, "stream entries queued for the next Redis pipeline; beyond, the "

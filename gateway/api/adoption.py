@@ -110,7 +110,7 @@ class Adopter:
             gw.metrics.adoptions.labels("refused").inc()
             log.warning("stream %s lost its owner %s: not adopted (%s)", stream.id, header.owner, why)
             return "no"
-        if not await self.claims.claim(stream.id, header.owner):
+        if not await self.claims.claim(stream, header):
             gw.metrics.adoptions.labels("elsewhere").inc()
             return "elsewhere"
         self._n += 1

@@ -35,7 +35,7 @@ import msgspec
 from gateway.core import sse
 from gateway.core.backpressure import SlowConsumer, SlowConsumerPolicy
 from gateway.core.conn import HttpConn, WsConn
-from gateway.core.follow import Watchdog, follow
+from gateway.core.follow import Subscription, Watchdog, follow
 from gateway.core.framing import Ending, Framing
 from gateway.core.generation import Generation, Renderer
 from gateway.core.streams import Event, Stream, StreamHub
@@ -87,6 +87,7 @@ async def start(delivery: Delivery, handle: RequestHandle, renderer: Renderer, *
         stream.request, stream.options = msgspec.msgpack.encode(handle.submit), options or {}
     publisher = delivery.publisher if listed else None
     if publisher is not None:
+        stream.gated = publisher.durable
         try:
             await publisher.created(stream)  # announced before its id is handed out
         except BaseException:
@@ -164,6 +165,20 @@ async def stop(delivery: Delivery, stream: Stream) -> bool:
     with contextlib.suppress(asyncio.CancelledError):
         await stream.task
     return True
+
+
+async def settled(stream: Stream) -> None:
+    """Wait until a stream's readers may see its end (:attr:`Stream.over`: a gated stream's end is durable),
+    or it is paused (its owner fenced itself): a whole-response read (a non-streamed response) waits here."""
+    sub = Subscription("sse", None)
+    stream.add_follower(sub)
+    try:
+        while not (stream.over or stream.paused):
+            sub.waiter.clear()
+            sub.cursor = stream.next_seq
+            await sub.waiter.wait()
+    finally:
+        stream.remove_follower(sub)
 
 
 def resume_point(raw: str | None, param: str) -> int:
@@ -303,7 +318,7 @@ async def read(delivery: Delivery, stream: Stream, framing: Framing, after: int,
         active.dec()
         if trace is not None:
             trace.end(last)
-    if stream.state == "moved":  # no end: the reader resumes on the replica that continues the stream
+    if stream.state == "moved" or stream.paused:  # no end: the reader resumes where the stream goes on
         return Outcome(MOVED[framing.transport], False, last)
     return Outcome(framing.ending(stream), False, last)
 

@@ -167,7 +167,7 @@ async def follow(
                 lagging = len(stream.events) - head > policy.coalesce_after
                 continue
             lagging = False
-            if stream.finished:
+            if stream.over or stream.paused:
                 return sub.cursor - 1
             if sub.ping_due:
                 sub.ping_due = False

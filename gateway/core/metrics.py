@@ -230,6 +230,15 @@ class Metrics:
                                  ["outcome"], registry=r)
         for outcome in ("adopted", "elsewhere", "refused", "failed"):
             self.adoptions.labels(outcome)
+        self.given_up = Counter("tokenfan_streams_fenced_total", "Listed streams whose readers this gateway sent "
+                                "to resume on a replica because another gateway may own them (--broker): fenced "
+                                "(Redis refused its epoch: a replica adopted it; given up here) or lease (its lease "
+                                "went unconfirmed; the stream waits here until it is confirmed again)", ["reason"],
+                                registry=r)
+        for reason in ("fenced", "lease"):
+            self.given_up.labels(reason)
+        self.broker_serving = Gauge("tokenfan_broker_serving", "1 while this gateway can run listed streams "
+                                    "(--broker: Redis reachable and its lease confirmed), else 0", registry=r)
         self.readers_cut = Counter("tokenfan_readers_cut_total", "Readers cut off as too slow: a write was blocked "
                                    "for more than --send-timeout (SSE event: error slow_consumer, WebSocket close "
                                    "1013), by transport", ["transport"], registry=r)

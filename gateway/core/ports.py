@@ -19,7 +19,16 @@ if TYPE_CHECKING:
 
 
 class Publisher(Protocol):
-    """The owner's side: what the pump tells the other gateways about a listed stream it runs."""
+    """The owner's side: what the pump tells the other gateways about a listed stream it runs.
+
+    ``durable``: its listed streams are gated (:attr:`gateway.core.streams.Stream.gated`): an event reaches a
+    reader only once the publisher committed it where an adopter reads it (the broker)."""
+
+    durable: bool
+
+    def serving(self) -> bool:
+        """Whether this gateway can run listed streams now (False: the broker is unreachable, or this gateway
+        lost its lease and fenced itself): ``/health`` says not ready."""
 
     async def created(self, stream: Stream) -> None:
         """Announce the stream before its id is handed out (APIError 503 if that fails)."""

@@ -225,6 +225,15 @@ class Stream:
     options: dict[str, Any] = field(default_factory=dict)
     handover: bool = False  # being handed to another gateway (SIGTERM): it ends here "moved", without an end
     trace: GenerationTrace | None = None  # its generation's trace, for its readers (None: tracing is off)
+    # Durable delivery (``--broker``): a *gated* stream's new events wait in ``pending`` until the publisher
+    # says the broker holds them (:meth:`commit`), and its end reaches readers once the end record is there
+    # (``sealed``): a reader never sees what an adopter of the stream would not read. ``epoch``: the fencing
+    # token of this gateway's ownership of it (every write to the broker carries it).
+    gated: bool = False
+    sealed: bool = False
+    paused: bool = False  # its owner fenced itself (--broker): its readers are sent to resume on a replica
+    epoch: int = 0
+    pending: list[Event] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # dicts as insertion-ordered sets: the rotation in _wake needs a stable order
@@ -235,6 +244,15 @@ class Stream:
     def finished(self) -> bool:
         return self.state != "running"
 
+    @property
+    def over(self) -> bool:
+        """Whether its readers may end: it finished and, if gated, its end is durable (or it moved away)."""
+        return self.state != "running" and (self.sealed or not self.gated or self.state == "moved")
+
+    @property
+    def next_seq(self) -> int:
+        return len(self.events) + len(self.pending)
+
     def subscriber_count(self) -> int:
         return len(self._waiters["sse"]) + len(self._waiters["ws"]) + len(self._relays)
 
@@ -242,7 +260,7 @@ class Stream:
         """Append the next payload, stamped with its ``seq`` and timing (``step``: the engine step that
         produced it, whose clock read it shares), and write it to the caught-up readers. A payload that
         numbers itself (``ev.seq``) must land at that ``seq``."""
-        seq = len(self.events)
+        seq = self.next_seq
         if ev.seq is not None and ev.seq != seq:
             raise ValueError(f"stream {self.id}: a payload numbered {ev.seq} published at seq {seq}")
         w = self._waiters
@@ -253,13 +271,51 @@ class Stream:
                                  migrated=ev.migrated), step)
 
     def append(self, event: Event, step: Step | None = None) -> Event:
-        """Add an already built event (its ``seq`` must be the next one) and write it to the readers."""
-        if event.seq != len(self.events):
-            raise ValueError(f"stream {self.id}: event seq {event.seq}, expected {len(self.events)}")
+        """Add an already built event (its ``seq`` must be the next one) and write it to the readers (a gated
+        stream's: once committed)."""
+        if event.seq != self.next_seq:
+            raise ValueError(f"stream {self.id}: event seq {event.seq}, expected {self.next_seq}")
+        if self.gated:
+            self.pending.append(event)
+            return event
         self.events.append(event)
         self.size += event.size
         self._wake(event.seq, event, step)
         return event
+
+    def commit(self, upto: int, sealed: bool = False) -> None:
+        """The broker holds this gated stream's events below ``upto`` (and, ``sealed``, its end): they, and
+        then the end, reach the readers."""
+        k = 0
+        for ev in self.pending:
+            if ev.seq >= upto:
+                break
+            k += 1
+            self.events.append(ev)
+            self.size += ev.size
+            self._wake(ev.seq, ev)
+        if k:
+            del self.pending[:k]
+        if sealed and not self.pending and self.finished and not self.sealed:
+            self.sealed = True
+            self._wake(len(self.events))
+
+    def pause(self, paused: bool) -> None:
+        """While paused, every reader (new ones too, after what is committed) ends with the resume-elsewhere
+        ending (:data:`gateway.core.delivery.MOVED`); the log and the generation go on."""
+        self.paused = paused
+        if paused:
+            self._wake(self.next_seq)
+
+    def relinquish(self) -> None:
+        """This gateway lost the stream (fenced: another owns it now): what the broker does not hold is
+        dropped, never shown, and it ends ``moved`` here (its readers resume on a replica that has it)."""
+        self.pending.clear()
+        if self.state == "moved":
+            return
+        self.state = "moved"
+        self.finished_at = time.monotonic()
+        self._wake(len(self.events))
 
     def finish(self, state: State, error: APIError | None = None) -> None:
         if self.finished:

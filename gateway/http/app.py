@@ -85,7 +85,9 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
             from gateway.scaleout.broker import Broker
 
             redis = Broker(config.broker_url, gw.hub, idle_timeout=config.broker_idle_timeout,
-                           local_cancel=gw.cancel_local_stream, timings=config.broker)
+                           local_cancel=gw.cancel_local_stream, timings=config.broker,
+                           on_fenced=lambda _, why: gw.metrics.given_up.labels(
+                               "lease" if "lease" in why else "fenced").inc())
             await redis.start()
             gw.remote = gw.publisher = redis
             redis.mirrors.adopt = Adopter(gw, redis)

@@ -31,13 +31,17 @@ def limits(gw: Gateway) -> dict[str, int | float]:
 
 async def health(request: Request) -> Response:
     """200 when this gateway can serve: its engine link is up and, with ``--workers``, so is that of every
-    worker listening on the shared port (else 503 + Retry-After; ``workers`` says how many are ready).
+    worker listening on the shared port, and with ``--broker`` it can reach Redis and holds its lease (else 503
+    + Retry-After; ``workers`` says how many are ready, ``broker`` that the broker is unavailable).
     ``limits`` gives the admission limits of this gateway (per process), ready or not."""
     gw: Gateway = gateway_of(request)
     hb = gw.engine.last_heartbeat
     engines = gw.engine.status()
     extra: dict[str, Any] = {"limits": limits(gw)}
     ready = gw.engine.healthy and hb is not None
+    if gw.publisher is not None and not gw.publisher.serving():  # --broker: Redis unreachable, or fenced
+        ready = False
+        extra["broker"] = "unavailable"
     if gw.config.workers > 1:
         from gateway.scaleout.peers import peers_ready
         from gateway.scaleout.workers import worker_index
@@ -75,6 +79,7 @@ def refresh_metrics(gw: Gateway) -> None:
     m.engine_queue.set(waiting)
     m.bad_frames.set(gw.engine.bad_frames)
     m.loop_lag.set(gw.loop.lag)
+    m.broker_serving.set(1 if gw.publisher is None or gw.publisher.serving() else 0)
     if gw.engine.last_heartbeat is not None:
         m.engine_bad_frames.set(gw.engine.last_heartbeat.bad_frames)
 

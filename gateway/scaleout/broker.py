@@ -21,6 +21,11 @@ the owner lease, the cancel RPC, the transcripts, the mirrors' link). Faults, an
 - **Lost records.** Events are written with ``XADD NOMKSTREAM``, so a key is never re-created without
   its header: a missing key makes the owner rewrite the stream. A key without a header answers 410
   ``stream_lost``; a hole or a short end ends a mirror with ``stream_lost``, never with a normal end.
+- **Partitions** (docs/failures.md). Every write carries the owner's epoch and Redis refuses a stale one
+  (:mod:`gateway.scaleout.redis_fence`): a gateway whose stream another replica adopted meanwhile gives it up
+  (it ends ``moved`` here, its readers resume where it goes on). Its readers never saw anything Redis does not
+  hold: a listed stream is *gated* (:meth:`gateway.core.streams.Stream.commit`), its events reach readers
+  once Redis took them. A gateway whose lease went unconfirmed fences itself first (:mod:`~gateway.scaleout.redis_lease`).
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
@@ -38,9 +43,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from gateway.config import BrokerTimings
+from gateway.core.delivery import hand_over
 from gateway.core.streams import Event, Stream, StreamHub
-from gateway.errors import stream_lost
 from gateway.scaleout import broker_codec as codec
+from gateway.scaleout import redis_fence as fence
+from gateway.scaleout.broker_codec import Header
 from gateway.scaleout.mirror import MirrorSet, RemoteStreamsByMirror, stop_tasks
 from gateway.scaleout.redis_cancel import CancelRpc
 from gateway.scaleout.redis_lease import OwnerLease
@@ -62,19 +69,33 @@ log = logging.getLogger(__name__)
 HANDOVER_SETTLE_S = 0.1  # SIGTERM: how long the other workers of a stopping server get to say they drain too
 
 
+@dataclass(slots=True)
+class _Out:
+    """What is queued for one stream until the next pipeline: its records, and what to commit once written."""
+
+    stream: Stream
+    records: list[codec.Fields] = field(default_factory=list)
+    upto: int = 0  # its events below this seq are among the records
+    end: bool = False  # so is its end record
+    expire_s: int = 0  # the key expires this long after the records (0: not set here)
+
+
 class Broker(RemoteStreamsByMirror):
     """One gateway's link to Redis: publishing its streams (:class:`gateway.core.ports.Publisher`), and
     mirrors, cancels and transcripts of other replicas' (:class:`gateway.core.ports.RemoteStreams`).
 
     ``local_cancel(stream_id)`` cancels a generation this gateway runs and says whether it did.
-    """
+    ``on_fenced(stream)`` (metrics): this gateway gave up a listed stream (its epoch was refused, or it fenced
+    itself)."""
+
+    durable = True
 
     def __init__(self, url: str, hub: StreamHub, *, idle_timeout: float, local_cancel: Callable[[str], bool],
-                 timings: BrokerTimings | None = None) -> None:
+                 timings: BrokerTimings | None = None, on_fenced: Callable[[Stream, str], None] | None = None) -> None:
         self.url = url
         self.hub = hub
         self.t = t = timings or BrokerTimings()
-        self.gateway_id = uuid.uuid4().hex[:16]
+        self.on_fenced = on_fenced
         # One immediate retry, on a new connection: after a Redis restart every pooled connection is
         # stale and fails once. Beyond that we retry ourselves, with backoff, where it is safe.
         once = Retry(NoBackoff(), 1)
@@ -83,19 +104,29 @@ class Broker(RemoteStreamsByMirror):
         self._blocking: Any = Redis.from_url(url, socket_connect_timeout=t.op_timeout, retry=once)
         # set after parsing, so a socket_timeout in the URL cannot undercut the block time
         self._blocking.connection_pool.connection_kwargs["socket_timeout"] = t.block + t.op_timeout
-        self.lease = OwnerLease(self._redis, self.gateway_id, t, on_lost=self._repair_all)
+        self.fence = fence.Fence(self._redis)
+        self.lease = OwnerLease(self._redis, t, on_lost=self._repair_all, on_fenced=self._fence_all)
         self.cancels = CancelRpc(self._redis, self._blocking, t, local_cancel, self._mirror_running)
-        self.transcripts = RedisTranscripts(self._redis)
-        link = RedisLink(self._redis, self._blocking, t, self.cancels, lambda: hub.retention.finished_ttl)
+        self.transcripts = RedisTranscripts(self._redis, self.fence)
+        link = RedisLink(self._redis, self._blocking, t, self.cancels, lambda: hub.retention.finished_ttl, self.fence)
         self.mirrors = MirrorSet(hub, link, idle_timeout=idle_timeout, recheck=t.lease_interval,
-                               on_owner_lost=link.record_owner_lost, lease_check=t.lease_ttl)
-        # owner side: (stream id, fields, seconds to expire the key after this entry or None)
-        self._pending: list[tuple[str, codec.Fields, int | None]] = []
+                               on_owner_lost=link.record_owner_lost, lease_check=t.lease_ttl,
+                               presence_check=t.presence_check or None)
+        self._pending: dict[str, _Out] = {}  # owner side: by stream id, in the order first queued
+        self._queued = 0  # records in _pending
         self._dirty: set[str] = set()  # own streams Redis may be behind on: repaired from the log
         self._up = True
         self._wake = asyncio.Event()
         self._background: list[asyncio.Task[None]] = []
         self._closing = False
+
+    @property
+    def gateway_id(self) -> str:
+        """This gateway's id in Redis (a new one after it fenced itself: :mod:`gateway.scaleout.redis_lease`)."""
+        return self.lease.gateway_id
+
+    def serving(self) -> bool:
+        return self._up and not self.lease.fenced
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -154,7 +185,9 @@ class Broker(RemoteStreamsByMirror):
         return await self.transcripts.get(response_id)
 
     def put_transcript(self, response_id: str, data: bytes, ttl: float) -> None:
-        self.transcripts.put(response_id, data, ttl)
+        stream = self.hub.streams.get(response_id)
+        epoch = stream.epoch if stream is not None and not stream.mirrored else 0
+        self.transcripts.put(response_id, data, ttl, epoch)
 
     def _mirror_running(self, stream_id: str) -> bool:
         s = self.hub.streams.get(stream_id)
@@ -163,9 +196,14 @@ class Broker(RemoteStreamsByMirror):
     # -- this gateway's streams (gateway.core.ports.Publisher) --------------------------------------------------------------------------
 
     async def created(self, stream: Stream) -> None:
-        """Announce a new stream before its id is handed out; APIError 503 if Redis does not take it."""
+        """Announce a new stream (its epoch 1) before its id is handed out; APIError 503 if Redis does not
+        take it, or while this gateway is fenced."""
+        if self.lease.fenced:
+            raise broker_unavailable(ConnectionError("this gateway's lease is not confirmed"))
+        stream.epoch = 1
         key = codec.stream_key(stream.id)
         pipe = self._redis.pipeline(transaction=False)
+        pipe.set(fence.epoch_key(stream.id), b"1", ex=KNOWN_TTL_S)
         pipe.xadd(key, codec.encode_header_of(stream, self.gateway_id))
         pipe.expire(key, KNOWN_TTL_S)  # bounded even if this owner dies mid-stream
         pipe.set(codec.known_key(stream.id), b"1", ex=KNOWN_TTL_S)
@@ -175,34 +213,51 @@ class Broker(RemoteStreamsByMirror):
             log.warning("broker: announcing stream %s failed: %s", stream.id, exc)
             raise broker_unavailable(exc) from exc
 
-    async def claim(self, stream_id: str, owner: str) -> bool:
-        """Take over a stream whose owner ``owner`` is gone: True for exactly one gateway (the one whose
-        ``SET NX`` of the stream's adoption key for that owner succeeds)."""
+    async def claim(self, stream: Stream, header: Header) -> bool:
+        """Take over a stream whose owner (``header``'s) is gone: True for exactly one gateway, the one whose
+        :func:`~gateway.scaleout.redis_fence.Fence.take` of the owner's epoch succeeds (its new epoch is the
+        stream's from now on). A header without an epoch (an older gateway's): ``SET NX`` of an adoption key."""
         try:
-            return bool(await self._redis.set(codec.adopt_key(stream_id, owner), self.gateway_id.encode(), nx=True,
-                                              ex=KNOWN_TTL_S))
+            if header.epoch:
+                epoch = await self.fence.take(self._redis, stream.id, header.epoch)
+                if epoch is None:
+                    return False
+                stream.epoch = epoch
+                return True
+            return bool(await self._redis.set(codec.adopt_key(stream.id, header.owner), self.gateway_id.encode(),
+                                              nx=True, ex=KNOWN_TTL_S))
         except REDIS_ERRORS as exc:
-            log.warning("broker: claiming stream %s failed: %s", stream_id, exc)
+            log.warning("broker: claiming stream %s failed: %s", stream.id, exc)
             return False
 
     def adopted(self, stream: Stream) -> None:
-        """This gateway owns ``stream`` from now on: its header again, naming this gateway (other replicas'
-        mirrors then check this gateway's lease), then its events as they come."""
-        self._queue(stream.id, codec.encode_header_of(stream, self.gateway_id), None)
+        """This gateway owns ``stream`` from now on: its header again, naming this gateway and its epoch (other
+        replicas' mirrors then check this gateway's lease), then its events as they come, gated."""
+        stream.gated = True
+        self._queue(stream, codec.encode_header_of(stream, self.gateway_id))
 
     def published(self, stream: Stream, event: Event) -> None:
         """Queue one event of a local stream for the next pipeline."""
-        self._queue(stream.id, codec.encode_event_of(event), None)
+        self._queue(stream, codec.encode_event_of(event), upto=event.seq + 1)
 
     def ended(self, stream: Stream) -> None:
         """Queue the end of a local stream; its key then expires with the stream's retention."""
-        self._queue(stream.id, codec.encode_end_of(stream), max(1, int(self.hub.retention.finished_ttl)))
+        self._queue(stream, codec.encode_end_of(stream), end=True,
+                    expire_s=max(1, int(self.hub.retention.finished_ttl)))
 
-    def _queue(self, stream_id: str, fields: codec.Fields, expire_s: int | None) -> None:
-        if self._up and stream_id not in self._dirty and len(self._pending) < self.t.max_pending:
-            self._pending.append((stream_id, fields, expire_s))
+    def _queue(self, stream: Stream, fields: codec.Fields, *, upto: int = 0, end: bool = False,
+               expire_s: int = 0) -> None:
+        if self._up and stream.id not in self._dirty and self._queued < self.t.max_pending:
+            out = self._pending.get(stream.id)
+            if out is None:
+                out = self._pending[stream.id] = _Out(stream)
+            out.records.append(fields)
+            out.upto = max(out.upto, upto)
+            out.end = out.end or end
+            out.expire_s = expire_s or out.expire_s
+            self._queued += 1
         else:
-            self._dirty.add(stream_id)  # Redis is behind on it: the repair writes it from the log
+            self._dirty.add(stream.id)  # Redis is behind on it: the repair writes it from the log
         self._wake.set()
 
     async def _run_publisher(self) -> None:
@@ -220,8 +275,9 @@ class Broker(RemoteStreamsByMirror):
         """Wait for Redis with backoff. Meanwhile nothing is queued: streams are only marked dirty and
         repaired from their logs afterwards, so memory does not grow with the outage."""
         self._up = False
-        self._dirty.update(sid for sid, _, _ in self._pending)
+        self._dirty.update(self._pending)
         self._pending.clear()
+        self._queued = 0
         backoff = Backoff(self.t.backoff_max)
         while not (self._closing or cancel_requested()):
             await asyncio.sleep(backoff.next())
@@ -236,12 +292,12 @@ class Broker(RemoteStreamsByMirror):
 
     async def _flush_once(self) -> None:
         """Send what is queued, then repair dirty streams; raises the Redis error if either fails."""
-        batch, self._pending = self._pending, []
+        batch, self._pending, self._queued = self._pending, {}, 0
         if batch:
             try:
-                missing = await self._send(batch)
+                missing = await self._send(list(batch.values()))
             except BaseException:
-                self._dirty.update(sid for sid, _, _ in batch)
+                self._dirty.update(batch)
                 raise
             if missing:
                 log.warning("broker: %d streams were missing in Redis; writing them again", len(missing))
@@ -249,87 +305,131 @@ class Broker(RemoteStreamsByMirror):
         if self._dirty:
             await self._repair()
 
-    async def _send(self, batch: list[tuple[str, codec.Fields, int | None]]) -> set[str]:
-        """Pipeline the batch; the ids of streams whose key was gone (``NOMKSTREAM`` wrote nothing)."""
+    async def _send(self, outs: list[_Out]) -> set[str]:
+        """One pipeline: each stream's records in one fenced append; then each stream's events (and end) that
+        Redis took reach its readers. The ids of streams whose key (or epoch) was gone: they are repaired."""
         pipe = self._redis.pipeline(transaction=False)
-        xadds: list[tuple[int, str]] = []
-        n = 0
-        for stream_id, fields, expire_s in batch:
-            key = codec.stream_key(stream_id)
-            pipe.xadd(key, fields, nomkstream=True)
-            xadds.append((n, stream_id))
-            n += 1
-            if expire_s is not None:
-                pipe.expire(key, expire_s)
-                pipe.set(codec.known_key(stream_id), b"1", ex=KNOWN_TTL_S)
-                n += 2
-        results = await pipe.execute()
-        return {sid for i, sid in xadds if results[i] is None}
+        for out in outs:
+            self.fence.append(pipe, out.stream.id, out.stream.epoch, out.records, expire_s=out.expire_s)
+        replies = await pipe.execute()
+        missing: set[str] = set()
+        for out, reply in zip(outs, replies, strict=True):
+            st, current = fence.status(reply)
+            if st == fence.OK:
+                out.stream.commit(out.upto, sealed=out.end)
+            elif st == fence.FENCED:
+                self._give_up(out.stream, f"its epoch {out.stream.epoch} was refused: another gateway owns it "
+                                          f"(epoch {current})")
+            else:
+                missing.add(out.stream.id)
+        return missing
 
     async def _repair(self) -> None:
         """Bring Redis level with the log of every dirty stream (idempotent: readers skip repeats)."""
         ids = list(self._dirty)
         self._dirty.clear()
-        repaired = set(ids)
-        self._pending = [e for e in self._pending if e[0] not in repaired]  # the repair writes these too
+        for sid in ids:  # the repair writes these too
+            out = self._pending.pop(sid, None)
+            if out is not None:
+                self._queued -= len(out.records)
         try:
             for i in range(0, len(ids), 256):
-                part = ids[i:i + 256]
+                part = [s for sid in ids[i:i + 256] if (s := self._own(sid)) is not None]
                 pipe = self._redis.pipeline(transaction=False)
-                for sid in part:
-                    pipe.xrevrange(codec.stream_key(sid), count=1)
+                for s in part:
+                    pipe.xrevrange(codec.stream_key(s.id), count=1)
                 lasts = await pipe.execute()
                 pipe = self._redis.pipeline(transaction=False)
-                queued = sum(self._repair_one(pipe, sid, last[0][1] if last else None)
-                             for sid, last in zip(part, lasts, strict=True))
-                if queued:
-                    await pipe.execute()
+                for s, last in zip(part, lasts, strict=True):
+                    self._repair_one(pipe, s, last[0][1] if last else None)
+                replies = await pipe.execute() if part else []
+                for s, reply in zip(part, replies, strict=True):
+                    st, current = fence.status(reply)
+                    if st == fence.OK:
+                        s.commit(s.next_seq, sealed=s.finished)
+                    elif st == fence.FENCED:
+                        self._give_up(s, f"its epoch {s.epoch} was refused after an outage: another gateway "
+                                         f"adopted it (epoch {current})")
+                    else:  # gone again meanwhile: next round
+                        self._dirty.add(s.id)
         except BaseException:
             self._dirty.update(ids)
             raise
 
-    def _repair_one(self, pipe: Any, stream_id: str, last_fields: codec.Fields | None) -> int:
-        """Queue on ``pipe`` what Redis lacks of one stream, given its last entry there; how many commands."""
-        key = codec.stream_key(stream_id)
+    def _own(self, stream_id: str) -> Stream | None:
+        """The local stream this gateway publishes under ``stream_id``, if it still does."""
+        stream = self.hub.streams.get(stream_id)
+        if stream is None or stream.mirrored or stream.state == "moved" or not stream.epoch:
+            return None  # evicted, a mirror, handed over, or given up: nothing of ours to write
+        return stream
+
+    def _repair_one(self, pipe: Any, stream: Stream, last_fields: codec.Fields | None) -> None:
+        """Queue on ``pipe`` one fenced append of what Redis lacks of ``stream``, given its last entry there (a
+        key that is gone is written anew, header first)."""
         last: codec.Entry | None = None
         if last_fields is not None:
             try:
                 last = codec.decode(last_fields)
             except codec.CodecError:
                 last = None  # unreadable: write every event again, readers skip the repeats
-        if isinstance(last, codec.EndEntry):
-            return 0
-        stream = self.hub.streams.get(stream_id)
-        if stream is not None and stream.state == "moved":
-            return 0  # handed over: its adopter writes the rest
-        if stream is None or stream.mirrored:
-            if last_fields is None:
-                return 0
-            # evicted here before its end reached Redis: end it there explicitly, never leave it open
-            err = stream_lost(stream_id, "its owner dropped it before the broker had its end")
-            pipe.xadd(key, codec.encode_end("error", None, err), nomkstream=True)
-            return 1
-        n = 0
-        start = last.seq + 1 if isinstance(last, codec.EventEntry) else 0
+        log_ = stream.events + stream.pending
+        records: list[codec.Fields] = []
         if last_fields is None:  # the key is gone (a Redis restart without persistence): write it anew
-            pipe.xadd(key, codec.encode_header_of(stream, self.gateway_id))
-            pipe.set(codec.known_key(stream_id), b"1", ex=KNOWN_TTL_S)
-            start, n = 0, 2
-        for ev in stream.events[start:]:
-            pipe.xadd(key, codec.encode_event_of(ev), nomkstream=True)
-            n += 1
+            records.append(codec.encode_header_of(stream, self.gateway_id))
+        if not isinstance(last, codec.EndEntry):
+            start = last.seq + 1 if isinstance(last, codec.EventEntry) else 0
+            records += [codec.encode_event_of(ev) for ev in log_[start:]]
+            if stream.finished:
+                records.append(codec.encode_end_of(stream))
+        expire = 0
         if stream.finished:
-            pipe.xadd(key, codec.encode_end_of(stream), nomkstream=True)
             ttl = self.hub.retention.finished_ttl
             if stream.finished_at is not None:
                 ttl -= time.monotonic() - stream.finished_at
-            pipe.expire(key, max(1, int(ttl)))
-            n += 2
-        elif last_fields is None:
-            pipe.expire(key, KNOWN_TTL_S)
-            n += 1
-        return n
+            expire = max(1, int(ttl))
+        self.fence.append(pipe, stream.id, stream.epoch, records, expire_s=expire, create=last_fields is None)
 
     def _repair_all(self) -> None:
-        self._dirty.update(s.id for s in self.hub.streams.values() if not s.mirrored)
+        self._dirty.update(s.id for s in self.hub.streams.values() if not s.mirrored and s.epoch)
         self._wake.set()
+
+    # -- fencing: giving up streams another gateway owns (or may own) ---------------------------------------
+
+    def _give_up(self, stream: Stream, why: str) -> None:
+        """This gateway no longer owns ``stream``: its generation stops, what Redis does not hold is dropped,
+        its readers are told to resume on a replica, and the hub forgets it (a reader here mirrors it)."""
+        if stream.state == "moved" and stream.id not in self.hub.streams:
+            return
+        log.warning("broker: gave up stream %s (%s)", stream.id, why)
+        if self.on_fenced is not None:
+            self.on_fenced(stream, why)
+        self._dirty.discard(stream.id)
+        out = self._pending.pop(stream.id, None)
+        if out is not None:
+            self._queued -= len(out.records)
+        running = hand_over(stream)  # its pump aborts the engine request; it ends moved
+        stream.relinquish()
+        stream.paused = False
+        task = stream.task
+
+        def forget(_: object = None) -> None:
+            if self.hub.streams.get(stream.id) is stream:
+                self.hub.drop(stream.id)
+
+        if running and task is not None:
+            task.add_done_callback(forget)
+        else:
+            forget()
+
+    def _fence_all(self, fenced: bool) -> None:
+        """This gateway's lease may expire (``fenced``): the readers of every listed stream it owns whose end
+        Redis does not hold yet resume on a replica; confirmed again: its streams take readers again (each one
+        another gateway adopted meanwhile is given up at its next write, refused by its epoch)."""
+        for stream in list(self.hub.streams.values()):
+            if not stream.mirrored and stream.epoch and stream.state != "moved" \
+                    and not (stream.finished and stream.sealed) and stream.paused != fenced:
+                stream.pause(fenced)
+                if fenced and self.on_fenced is not None:
+                    self.on_fenced(stream, "its lease went unconfirmed: readers sent to a replica")
+        if not fenced:
+            self._repair_all()  # every stream written (or refused) at once, not at its next event

@@ -7,12 +7,17 @@ one JSON object (:func:`pack` / :func:`decode_line`).
 Keys:
   ``tokenfan:s:<id>``    the stream: a Redis stream of entries, always starting with its header
   ``tokenfan:k:<id>``    "this id existed" marker, outlives the stream so an expired id answers 410
-  ``tokenfan:gw:<gid>``  a gateway's lease, refreshed while it runs (a mirror's owner is alive)
+  ``tokenfan:gw:<gid>``  a gateway's lease, refreshed while it runs (a mirror's owner is alive): ``1`` serves,
+                         ``1p`` serves and is present on ``tokenfan:p:<gid>``, ``draining``
+  ``tokenfan:p:<gid>``   pub/sub channel a gateway subscribes to while it runs: a killed gateway's connection
+                         closes at once, so ``PUBSUB NUMSUB`` 0 says it is gone without waiting for its lease
+  ``tokenfan:e:<id>``    the stream's fencing epoch (:mod:`gateway.scaleout.redis_fence`)
   ``tokenfan:ack:<n>``   the replies to one forwarded cancel (a list; ``1`` = "I held it and cancelled")
   ``tokenfan:t:<id>``    a finished stored response's transcript (msgpack), for ``previous_response_id``
 
 Entries of ``tokenfan:s:<id>`` (field names are bytes; values UTF-8):
   header  ``created`` = model, ``endpoint``, ``owner`` = gateway id (or worker index), ``detached`` = 1 | 0,
+          ``epoch`` = the owner's fencing epoch (:mod:`gateway.scaleout.redis_fence`; absent: 0, not fenced),
           ``held`` = how many records (events, and the end) the owner's log held when it wrote the header
           (0 in Redis, written at creation; a peer writes one per connection: the mirror waits for those)
   event   ``seq``, ``data`` = the chunk JSON with its ``tokenfan`` object, ``text``, ``fin`` = finish reason or ""
@@ -58,6 +63,10 @@ def lease_key(gateway_id: str) -> str:
     return f"tokenfan:gw:{gateway_id}"
 
 
+def presence_channel(gateway_id: str) -> str:
+    return f"tokenfan:p:{gateway_id}"
+
+
 def ack_key(nonce: str) -> str:
     return f"tokenfan:ack:{nonce}"
 
@@ -84,6 +93,7 @@ class Header:
     held: int = 0  # records (events, and the end) the owner held when it wrote this header
     request: bytes = b""  # the engine request (msgpack Submit) a gateway that adopts the stream continues
     options: dict[str, Any] | None = None  # the API's renderer options, for that gateway
+    epoch: int = 0  # the owner's fencing epoch (0: an unfenced owner's, e.g. a peer worker's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +116,12 @@ Entry = Header | EventEntry | EndEntry
 
 
 def encode_header(endpoint: str, model: str, owner: str, *, detached: bool = True, held: int = 0,
-                  request: bytes = b"", options: dict[str, Any] | None = None) -> Fields:
+                  request: bytes = b"", options: dict[str, Any] | None = None, epoch: int = 0) -> Fields:
     """A stream's header: written when it is created, and again by a gateway that adopts it (its new owner)."""
     fields = {b"created": model.encode(), b"endpoint": endpoint.encode(), b"owner": owner.encode(),
               b"detached": b"1" if detached else b"0", b"held": b"%d" % held}
+    if epoch:
+        fields[b"epoch"] = b"%d" % epoch
     if request:
         fields[b"request"] = request
         fields[b"options"] = orjson.dumps(options or {})
@@ -118,7 +130,7 @@ def encode_header(endpoint: str, model: str, owner: str, *, detached: bool = Tru
 
 def encode_header_of(stream: Stream, owner: str) -> Fields:
     return encode_header(stream.endpoint, stream.model, owner, detached=stream.detached, request=stream.request,
-                         options=stream.options)
+                         options=stream.options, epoch=stream.epoch)
 
 
 def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str | None,
@@ -144,9 +156,9 @@ def encode_end_of(stream: Stream) -> Fields:
     """The end record of a stream that ended (one still running gets ``stream_lost``: its generation
     ended without an end state, so mirrors must never take it for a normal end)."""
     if stream.state == "running" or stream.state == "moved":  # (a moved stream's end is its adopter's to write)
-        return encode_end("error", len(stream.events),
+        return encode_end("error", stream.next_seq,
                           stream_lost(stream.id, "its generation ended without an end state"))
-    return encode_end(stream.state, len(stream.events), stream.error)
+    return encode_end(stream.state, stream.next_seq, stream.error)
 
 
 def decode(fields: Fields) -> Entry:
@@ -160,7 +172,8 @@ def decode(fields: Fields) -> Entry:
             return Header(fields.get(b"endpoint", b"").decode(), fields[b"created"].decode(),
                           fields.get(b"owner", b"").decode(), fields.get(b"detached", b"1") != b"0",
                           int(fields.get(b"held") or 0), fields.get(b"request", b""),
-                          orjson.loads(fields[b"options"]) if fields.get(b"options") else None)
+                          orjson.loads(fields[b"options"]) if fields.get(b"options") else None,
+                          int(fields.get(b"epoch") or 0))
     except (KeyError, ValueError, TypeError) as exc:  # UnicodeDecodeError and orjson's error are ValueErrors
         raise CodecError(f"malformed broker entry ({exc!r}): {sorted(fields)}") from exc
     raise CodecError(f"unknown broker entry with fields {sorted(fields)}")

@@ -40,6 +40,7 @@ from gateway.scaleout import broker_codec as codec
 log = logging.getLogger(__name__)
 
 CATCH_UP_S = 5.0  # longest wait for a new mirror to hold what its owner held when asked
+PRESENCE_RECHECK = 0.1  # a closed owner connection is asked about again this much later before it counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,18 +70,20 @@ Adopt = Callable[[Stream, codec.Header], Awaitable[Adoption]]
 class Lease:
     """An owner's lease as its link sees it: ``held`` (for ``remaining`` s; None: no expiry), ``missing``,
     or ``unknown`` (the link could not ask). ``certain``: a missing lease that cannot come back (a worker's
-    socket that refuses, or answers with another pid), unlike a key a restarted Redis lost."""
+    socket that refuses, or answers with another pid), unlike a key a restarted Redis lost. ``present``: the
+    owner's own connection to the link is open (False: closed, so the owner was killed); None: not known."""
 
     state: Literal["held", "missing", "unknown"]
     remaining: float | None = None
     certain: bool = False
+    present: bool | None = None
 
 
 class Claims(Protocol):
     """Who decides which gateway adopts a stream: the broker (Redis ``SET NX``) or the workers (a file)."""
 
-    async def claim(self, stream_id: str, owner: str) -> bool:
-        """True for exactly one gateway asking for ``stream_id`` of the lost ``owner``."""
+    async def claim(self, stream: Stream, header: codec.Header) -> bool:
+        """True for exactly one gateway asking for ``stream`` of the lost owner its ``header`` names."""
 
     def adopted(self, stream: Stream) -> None:
         """This gateway owns ``stream`` from now on (the broker writes its header naming it)."""
@@ -129,19 +132,26 @@ class Idle:
     """When a quiet mirror asks for its owner's lease, and which answers end it (pure: the clock is passed in).
 
     ``lease_check``: seconds of quiet before the first question; ``timeout``: seconds the link may be
-    unreachable before the mirror gives up (``broker_unavailable``)."""
+    unreachable before the mirror gives up (``broker_unavailable``). ``presence_check``: seconds of quiet
+    before asking whether the owner's connection is still open (None: only its lease is asked); closed on
+    two questions :data:`PRESENCE_RECHECK` apart, the owner was killed (no need to wait out its lease)."""
 
-    def __init__(self, timeout: float, recheck: float, now: float, lease_check: float | None = None) -> None:
+    def __init__(self, timeout: float, recheck: float, now: float, lease_check: float | None = None,
+                 presence_check: float | None = None) -> None:
         self.timeout, self.recheck = timeout, recheck
         self.lease_check = timeout if lease_check is None else lease_check
-        self.deadline = now + self.lease_check
+        self.presence_check = presence_check
+        self.first_check = min(self.lease_check, presence_check or self.lease_check)
+        self.deadline = now + self.first_check
         self.misses = 0  # checks in a row that found the lease missing
+        self.absent = 0  # checks in a row that found the lease held but its owner's connection closed
         self.unreachable_since: float | None = None
 
     def heard(self, now: float) -> None:
         """A record arrived: the owner is alive."""
-        self.deadline = now + self.lease_check
+        self.deadline = now + self.first_check
         self.misses = 0
+        self.absent = 0
         self.unreachable_since = None
 
     def due(self, now: float) -> bool:
@@ -161,6 +171,13 @@ class Idle:
         """The lease asked when :meth:`due`: ``owner_lost`` when it is missing the second time in a row (the
         first, if it is certainly gone), else None and the time of the next check (held: just after it would expire unless refreshed,
         so a quiet mirror costs one question per lease period)."""
+        if lease.state == "held" and lease.present is False:
+            self.absent += 1
+            if self.absent >= 2:
+                return owner_lost(stream_id, "its owner's connection to the broker closed (the gateway was killed)")
+            self.deadline = now + PRESENCE_RECHECK
+            return None
+        self.absent = 0
         if lease.state == "missing":
             self.misses += 1
             if self.misses >= 2 or lease.certain:
@@ -171,6 +188,9 @@ class Idle:
             self.deadline = now + self.recheck
             return None
         self.misses = 0
+        if lease.present and self.presence_check is not None:  # keep an eye on its connection while quiet
+            self.deadline = now + self.presence_check
+            return None
         self.deadline = now + (lease.remaining + 0.05 if lease.remaining is not None else self.timeout)
         return None
 
@@ -234,10 +254,11 @@ class MirrorSet:
     ``on_owner_lost`` (Redis): record an ``owner_lost`` end where later readers find it at once."""
 
     def __init__(self, hub: StreamHub, link: Link, *, idle_timeout: float, recheck: float,
-                 on_owner_lost: Callable[[Stream, APIError], Awaitable[None]] | None = None,
-                 lease_check: float | None = None) -> None:
+                 on_owner_lost: Callable[[Stream, APIError, codec.Header], Awaitable[None]] | None = None,
+                 lease_check: float | None = None, presence_check: float | None = None) -> None:
         self.hub, self.link = hub, link
         self.idle_timeout, self.recheck, self.lease_check = idle_timeout, recheck, lease_check
+        self.presence_check = presence_check
         self.on_owner_lost = on_owner_lost
         self.adopt: Adopt | None = None  # set by the app: who continues a stream whose owner is gone
         self._adopted: set[str] = set()
@@ -263,8 +284,8 @@ class MirrorSet:
         h = opened.header
         stream = self.hub.create(h.endpoint, h.model, stream_id=stream_id)
         stream.mirrored, stream.detached = True, h.detached
-        m = Mirror(stream, opened, self.link, Idle(self.idle_timeout, self.recheck, time.monotonic(), self.lease_check),
-                   adopt=self.adopt)
+        idle = Idle(self.idle_timeout, self.recheck, time.monotonic(), self.lease_check, self.presence_check)
+        m = Mirror(stream, opened, self.link, idle, adopt=self.adopt)
         self._mirrors[stream_id] = m
         task = asyncio.create_task(self._run(m), name=f"mirror-{stream_id}")
         self._tasks.add(task)
@@ -295,7 +316,7 @@ class MirrorSet:
                 self._adopted.add(stream.id)  # a local stream now: its pump finishes and retains it
                 return
             if ending is not None and ending.code == "owner_lost" and self.on_owner_lost is not None:
-                await self.on_owner_lost(stream, ending)
+                await self.on_owner_lost(stream, ending, m.header)
         except asyncio.CancelledError:
             ending = mirror_closed()
             raise

@@ -261,6 +261,11 @@ class Peers(RemoteStreamsByMirror):
 
     # -- Publisher: a standby mirror of each listed stream on the next worker ----------------------------
 
+    durable = False  # a worker's socket is local: no partition between it and its standby to fence
+
+    def serving(self) -> bool:
+        return True
+
     async def created(self, stream: Stream) -> None:
         if not self.paths:
             return
@@ -309,9 +314,9 @@ class Peers(RemoteStreamsByMirror):
 
     # -- adoption among the workers ---------------------------------------------------------------------
 
-    async def claim(self, stream_id: str, owner: str) -> bool:
+    async def claim(self, stream: Stream, header: codec.Header) -> bool:
         """True for exactly one worker: the one that creates the stream's adoption file for that owner."""
-        path = worker_socket(self.port, 0).parent / f"adopt-{self.port}-{stream_id}-{owner}"
+        path = worker_socket(self.port, 0).parent / f"adopt-{self.port}-{stream.id}-{header.owner}"
         try:
             os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         except FileExistsError:

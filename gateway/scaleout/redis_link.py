@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -15,18 +16,23 @@ from gateway.errors import APIError, stream_expired, stream_lost, stream_not_fou
 from gateway.scaleout import broker_codec as codec
 from gateway.scaleout.mirror import Item, Lease, Opened, Quiet
 from gateway.scaleout.redis_cancel import CancelRpc
+from gateway.scaleout.redis_fence import Fence
 from gateway.scaleout.redis_support import REDIS_ERRORS, Backoff, broker_unavailable, cancel_requested
 
 log = logging.getLogger(__name__)
+
+LEASE_CACHE_S = 0.05  # an owner's lease, as asked by one mirror, answers the others for this long
 
 
 class RedisLink:
     """The mirror's link through Redis (:class:`gateway.scaleout.mirror.Link`)."""
 
     def __init__(self, redis: Any, blocking: Any, t: BrokerTimings, cancels: CancelRpc,
-                 finished_ttl: Callable[[], float]) -> None:
+                 finished_ttl: Callable[[], float], fence: Fence) -> None:
         self.redis, self.blocking, self.t, self.cancels = redis, blocking, t, cancels
         self.finished_ttl = finished_ttl
+        self.fence = fence
+        self._leases: dict[str, tuple[float, Lease]] = {}  # owner -> (monotonic time asked, answer): shared
 
     async def open(self, stream_id: str) -> Opened:
         key = codec.stream_key(stream_id)
@@ -77,24 +83,51 @@ class RedisLink:
                 yield codec.decode(fields)
 
     async def lease(self, owner: str) -> Lease:
+        """The owner's lease and, if its value says it keeps one, whether its presence subscription is open
+        (answers younger than :data:`LEASE_CACHE_S` are shared by the mirrors of one owner's streams)."""
         if not owner:
             return Lease("missing")
+        now = time.monotonic()
+        cached = self._leases.get(owner)
+        if cached is not None and now - cached[0] < LEASE_CACHE_S:
+            return cached[1]
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.pttl(codec.lease_key(owner))
+        pipe.get(codec.lease_key(owner))
+        pipe.pubsub_numsub(codec.presence_channel(owner))
         try:
-            ttl_ms = int(await self.redis.pttl(codec.lease_key(owner)))
+            ttl_ms, value, numsub = await pipe.execute()
         except REDIS_ERRORS:
             return Lease("unknown")
-        if ttl_ms == -1:  # held without an expiry (set by hand)
-            return Lease("held")
-        return Lease("held", ttl_ms / 1000) if ttl_ms >= 0 else Lease("missing")
+        present = int(numsub[0][1]) > 0 if value == b"1p" else None
+        if int(ttl_ms) == -1:  # held without an expiry (set by hand)
+            lease = Lease("held", present=present)
+        else:
+            lease = Lease("held", int(ttl_ms) / 1000, present=present) if int(ttl_ms) >= 0 else Lease("missing")
+        if len(self._leases) > 1024:
+            self._leases.clear()
+        self._leases[owner] = (now, lease)
+        return lease
 
     async def cancel(self, stream_id: str, owner: str) -> bool:
         return await self.cancels.ask(stream_id)  # published to every replica: the owner answers
 
-    async def record_owner_lost(self, stream: Stream, err: APIError) -> None:
-        """Write the ``owner_lost`` end, so that later readers get it at once."""
-        key = codec.stream_key(stream.id)
+    async def record_owner_lost(self, stream: Stream, err: APIError, header: codec.Header) -> None:
+        """Write the ``owner_lost`` end, so that later readers get it at once: fenced (the lost owner's epoch
+        taken over first), so a partitioned owner that comes back cannot write after it."""
         with contextlib.suppress(*REDIS_ERRORS):
+            if stream.epoch > header.epoch:  # this gateway took it over, and its adoption failed
+                epoch: int | None = stream.epoch
+            else:
+                epoch = await self.fence.take(self.redis, stream.id, header.epoch) if header.epoch else 0
+            if header.epoch and epoch is None:
+                return  # another gateway took the stream over meanwhile: its records follow
             pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(key, codec.encode_end("error", len(stream.events), err), nomkstream=True)
-            pipe.expire(key, max(1, int(self.finished_ttl())))
+            end = codec.encode_end("error", len(stream.events), err)
+            if epoch:
+                self.fence.append(pipe, stream.id, epoch, [end], expire_s=max(1, int(self.finished_ttl())))
+            else:
+                key = codec.stream_key(stream.id)
+                pipe.xadd(key, end, nomkstream=True)
+                pipe.expire(key, max(1, int(self.finished_ttl())))
             await pipe.execute()

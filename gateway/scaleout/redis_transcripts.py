@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from gateway.scaleout import broker_codec as codec
+from gateway.scaleout.redis_fence import Fence
 from gateway.scaleout.redis_support import REDIS_ERRORS, broker_unavailable
 
 log = logging.getLogger(__name__)
@@ -15,16 +16,22 @@ log = logging.getLogger(__name__)
 class RedisTranscripts:
     """Finished stored responses' transcripts, so ``previous_response_id`` works on any replica."""
 
-    def __init__(self, redis: Any) -> None:
-        self.redis = redis
+    def __init__(self, redis: Any, fence: Fence) -> None:
+        self.redis, self.fence = redis, fence
         self.puts: set[asyncio.Task[None]] = set()  # writes in flight
 
-    def put(self, response_id: str, data: bytes, ttl: float) -> None:
-        """Keep it for ``ttl`` s (in the background: a failure only logs)."""
+    def put(self, response_id: str, data: bytes, ttl: float, epoch: int = 0) -> None:
+        """Keep it for ``ttl`` s (in the background: a failure only logs). ``epoch``: the stream's owner's, so a
+        gateway that lost the stream to another cannot write it (fenced: nothing is written)."""
 
         async def put() -> None:
+            key, px = codec.transcript_key(response_id), max(1, int(ttl * 1000))
             try:
-                await self.redis.set(codec.transcript_key(response_id), data, px=max(1, int(ttl * 1000)))
+                if epoch:
+                    if not await self.fence.set_if(self.redis, response_id, epoch, key, data, px):
+                        log.warning("transcript of %s not stored: another gateway owns the response now", response_id)
+                    return
+                await self.redis.set(key, data, px=px)
             except REDIS_ERRORS as exc:
                 log.warning("transcript of %s not stored in Redis (%s): previous_response_id works on this "
                             "replica only", response_id, exc)

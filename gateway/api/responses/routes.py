@@ -34,9 +34,9 @@ from gateway.api.responses.request import (
     response_not_found,
 )
 from gateway.api.responses.stream import RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesSse
-from gateway.core.delivery import SseResponse, resume_point, stop
+from gateway.core.delivery import SseResponse, resume_point, settled, stop
 from gateway.core.streams import Stream, StreamHub
-from gateway.errors import APIError, ClientError, TokenfanError
+from gateway.errors import APIError, ClientError, TokenfanError, owner_fenced
 from gateway.state import Gateway
 
 ENDPOINT = "responses"
@@ -113,6 +113,9 @@ async def create_response(request: Request) -> Any:
     assert stream.task is not None
     with contextlib.suppress(asyncio.CancelledError):
         await asyncio.shield(stream.task)
+    await settled(stream)  # --broker: its end is in Redis (what another replica serves is what this says)
+    if not stream.over:
+        raise owner_fenced(stream.id)
     return JSONResponse(response_from_events(e.payload for e in stream.events))
 
 

@@ -1,0 +1,116 @@
+"""Fencing (``--broker``): every write to a listed stream's Redis key carries its owner's epoch, and Redis
+refuses the write of a stale owner (one function each: compare, then write; no interleaving is possible).
+
+Each ownership of a stream has an epoch in ``tokenfan:e:<id>``: 1 for the gateway that created it, one more
+for each gateway that adopted it (:func:`take`, which succeeds for exactly one adopter of a given epoch). A
+gateway cut off from Redis while another adopts its stream finds, once it can write again, that its epoch
+is gone: :func:`append` answers :data:`FENCED` and writes nothing, so its late events never land beside the
+adopter's (the Redlock critique: a lock without a fencing token checked by the store is not safe).
+
+Redis runs each script atomically. A Redis that restarts without persistence loses the epochs with the
+streams: then the owner writes its stream anew (``create``), which sets the epoch it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.scaleout import broker_codec as codec
+from gateway.scaleout.redis_support import KNOWN_TTL_S
+
+OK, GONE, FENCED, NO_EPOCH = 1, 0, -1, -2
+
+# KEYS: stream, epoch, known. ARGV: epoch, expire seconds (0: none), create (1: the key may be made anew,
+# and a missing epoch set), then each record: its field count n, then n field/value pairs.
+# Returns {status, current epoch}: OK; GONE (the stream key is missing and create is 0; nothing written);
+# FENCED (another epoch owns it; nothing written); NO_EPOCH (the epoch is missing and create is 0).
+APPEND = """
+local cur = redis.call('GET', KEYS[2])
+local create = ARGV[3] == '1'
+if cur then
+  if cur ~= ARGV[1] then return {-1, cur} end
+elseif create then
+  redis.call('SET', KEYS[2], ARGV[1], 'EX', KNOWN_TTL)
+else
+  return {-2, ''}
+end
+local i = 4
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  local args = {}
+  for j = 1, 2 * n do args[j] = ARGV[i + j] end
+  i = i + 2 * n + 1
+  local id
+  if create then
+    id = redis.call('XADD', KEYS[1], '*', unpack(args))
+  else
+    id = redis.call('XADD', KEYS[1], 'NOMKSTREAM', '*', unpack(args))
+  end
+  if not id then return {0, cur or ''} end
+end
+local ttl = tonumber(ARGV[2])
+if ttl > 0 then
+  redis.call('EXPIRE', KEYS[1], ttl)
+  redis.call('EXPIRE', KEYS[2], ttl)
+  redis.call('SET', KEYS[3], '1', 'EX', KNOWN_TTL)
+elseif create then
+  redis.call('EXPIRE', KEYS[1], KNOWN_TTL)
+  redis.call('SET', KEYS[3], '1', 'EX', KNOWN_TTL)
+end
+return {1, ARGV[1]}
+""".replace("KNOWN_TTL", str(KNOWN_TTL_S))
+
+# KEYS: epoch. ARGV: the epoch taken over. Returns the next epoch (this caller's), or false if the stream has
+# another epoch already (another gateway took it over first) or none.
+TAKE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+return redis.call('INCR', KEYS[1])
+"""
+
+# KEYS: epoch, key. ARGV: epoch, value, px. Sets key only while epoch is the caller's (a transcript).
+SET_IF = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+
+
+def epoch_key(stream_id: str) -> str:
+    return f"tokenfan:e:{stream_id}"
+
+
+class Fence:
+    """The three scripts, registered once on one client (redis-py loads them again after a Redis restart)."""
+
+    def __init__(self, redis: Any) -> None:
+        self._append = redis.register_script(APPEND)
+        self._take = redis.register_script(TAKE)
+        self._set_if = redis.register_script(SET_IF)
+
+    def append(self, pipe: Any, stream_id: str, epoch: int, records: list[codec.Fields], *, expire_s: int = 0,
+               create: bool = False) -> None:
+        """Queue on ``pipe`` the fenced append of ``records``; its reply is ``[status, current epoch]``."""
+        args: list[Any] = [epoch, expire_s, 1 if create else 0]
+        for fields in records:
+            args.append(len(fields))
+            for k, v in fields.items():
+                args += (k, v)
+        # queued like any pipelined command (the script's own __call__ awaits; a pipeline loads it at execute)
+        pipe.scripts.add(self._append)
+        pipe.evalsha(self._append.sha, 3, codec.stream_key(stream_id), epoch_key(stream_id),
+                     codec.known_key(stream_id), *args)
+
+    async def take(self, redis: Any, stream_id: str, epoch: int) -> int | None:
+        """Take the stream over from the owner of ``epoch``: the new epoch, or None if another did first."""
+        got = await self._take(keys=[epoch_key(stream_id)], args=[epoch], client=redis)
+        return None if got is None else int(got)
+
+    async def set_if(self, redis: Any, stream_id: str, epoch: int, key: str, value: bytes, px: int) -> bool:
+        """SET ``key`` (PX ``px``) only while ``epoch`` owns the stream."""
+        return bool(await self._set_if(keys=[epoch_key(stream_id), key], args=[epoch, value, px], client=redis))
+
+
+def status(reply: Any) -> tuple[int, int]:
+    """(status, current epoch; 0 if none) of an :data:`APPEND` reply."""
+    st, cur = reply
+    return int(st), int(cur) if cur else 0

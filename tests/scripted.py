@@ -27,10 +27,13 @@ PARSER_SCRIPT = [
     {"match": "just think", "reply": ["<thi", "nk>hm", "m</th", "ink>Bon", "jour"]},
 ]
 DOCS_SCRIPT = [
-    {"match": "18 C|celsius", "reply": ["It is 18 C", " in Paris."]},
+    # an answer ends its thinking first: vLLM's qwen3 parser reads a reply without </think> as all reasoning
+    {"match": "18 C|celsius", "reply": ["<think>The tool answered.</think>", "It is 18 C", " in Paris."]},
     {"match": "[Ww]eather", "reply": ['<tool_call>\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}',
                                       "\n</tool_call>"]},
     {"match": "Paris in France", "reply": ['{"answer": "yes"}']},
+    {"match": "haiku about rivers", "reply": ["<think>Five, seven, five.</think>", "Water finds its way\n",
+                                              "around the stone, through the years\n", "the valley listens"]},
 ]
 
 

@@ -133,7 +133,7 @@ def resume_after(headers: Mapping[str, str], query: Mapping[str, str]) -> int:
     return next(iter(points.values()), -1)
 
 
-async def stream_events(request: Request) -> Any:
+async def _stream_events(request: Request) -> Any:
     gw: Gateway = gateway_of(request)
     after = resume_after(request.headers, request.query_params)
     stream = await _subscribe_check(gw, request.path_params["id"])
@@ -165,7 +165,7 @@ class _Subscriber:
             self.gw.clients.release("subscriptions", client)
 
 
-async def stream_ws(ws: WebSocket) -> None:
+async def _stream_ws(ws: WebSocket) -> None:
     gw: Gateway = gateway_of(ws)
     await ws.accept()
     try:
@@ -197,3 +197,25 @@ async def stream_ws(ws: WebSocket) -> None:
         await conn.cut(end.close_code, end.reason, text)
     else:
         await conn.end(text, end.close_code, end.reason)
+
+
+class _Bare:
+    """A subscriber route's endpoint as a plain ASGI app (Starlette serves an endpoint that is not a function
+    as one): without the per-request wrappers of a function endpoint (``request_response`` or
+    ``websocket_session`` and their exception wrapper, with the Request they hold), which would stay alive
+    with each of thousands of subscribers for as long as it reads (about 2 KB each, tracemalloc). An error
+    raised before the response starts reaches the app's exception middleware as from any route."""
+
+    def __init__(self, endpoint: Any, kind: type[Request | WebSocket]) -> None:
+        self.endpoint, self.kind = endpoint, kind
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.kind is WebSocket:
+            await self.endpoint(WebSocket(scope, receive, send))
+            return
+        response = await self.endpoint(Request(scope, receive, send))
+        await response(scope, receive, send)
+
+
+stream_events = _Bare(_stream_events, Request)  # GET /v1/streams/{id}/events
+stream_ws = _Bare(_stream_ws, WebSocket)  # WS /v1/streams/{id}/ws

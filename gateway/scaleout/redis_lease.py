@@ -59,6 +59,7 @@ class OwnerLease:
         self.valid_until = 0.0  # monotonic: no other replica can find the lease missing before this
         self.present_as: str | None = None  # the gateway id whose presence channel this gateway subscribes to
         self._timer: asyncio.TimerHandle | None = None
+        self._changed = asyncio.Event()  # the presence subscription came up: refresh the lease's value at once
         self._presence: asyncio.Task[None] | None = None
 
     @property
@@ -95,7 +96,10 @@ class OwnerLease:
                 if held:
                     log.warning("broker: refreshing the lease failed: %s", exc)
                 held = False
-            await asyncio.sleep(self.t.lease_interval)
+            with contextlib.suppress(TimeoutError):  # early when the presence subscription changed: say so now
+                async with asyncio.timeout(self.t.lease_interval):
+                    await self._changed.wait()
+            self._changed.clear()
 
     def _confirmed(self, sent: float) -> None:
         """A refresh sent at ``sent`` is in Redis: no replica can find the lease missing before sent + TTL."""
@@ -131,6 +135,7 @@ class OwnerLease:
             try:
                 await pubsub.subscribe(codec.presence_channel(self.gateway_id))
                 self.present_as = self.gateway_id
+                self._changed.set()
                 backoff.reset()
                 while not cancel_requested():
                     await pubsub.get_message(timeout=min(self.t.block, 0.5))

@@ -53,6 +53,8 @@ class RedisLink:
 
     async def _records(self, stream_id: str) -> AsyncGenerator[Item, None]:
         key = codec.stream_key(stream_id)
+        # a quiet mirror looks up every presence check (a killed owner is noticed in a fraction of a second)
+        block_ms = max(1, int(min(self.t.block, self.t.presence_check or self.t.block) * 1000))
         last_id: bytes | str = b"0-0"
         backoff = Backoff(self.t.backoff_max)
         unreachable: BaseException | None = None
@@ -60,7 +62,7 @@ class RedisLink:
             if cancel_requested():  # redis-py may have swallowed the cancellation
                 raise asyncio.CancelledError
             try:
-                reply = await self.blocking.xread({key: last_id}, count=512, block=max(1, int(self.t.block * 1000)))
+                reply = await self.blocking.xread({key: last_id}, count=512, block=block_ms)
             except REDIS_ERRORS as exc:
                 if unreachable is None:
                     log.info("broker: mirror of %s lost Redis (%s); reconnecting", stream_id, exc)

@@ -121,6 +121,7 @@ class HttpConn:
     """The body of one streaming HTTP response (SSE)."""
 
     transport = "sse"
+    __slots__ = ("_checked", "_cycle", "_out", "_safe_send", "closed", "headers", "label", "linger", "send")
 
     def __init__(self, scope: MutableMapping[str, Any], send: Any, linger: float) -> None:
         self.send = scope.get("tokenfan.raw_send", send)  # the response has started: skip the wrappers
@@ -226,6 +227,7 @@ class WsConn:
 
     transport = "ws"
     label = "ws"  # what the metrics call it
+    __slots__ = ("_out", "_proto", "closed", "headers", "linger", "send")
 
     def __init__(self, scope: MutableMapping[str, Any], send: Any, linger: float) -> None:
         self.send = scope.get("tokenfan.raw_send", send)  # accepted already: skip the wrappers

@@ -360,6 +360,8 @@ async def until_disconnect(work: Awaitable[Any], receive: Callable[[], Awaitable
 class SseResponse:
     """An ASGI response that is one SSE reader of a stream (POST SSE, fan-out events, Responses SSE)."""
 
+    __slots__ = ("after", "delivery", "framing", "preamble", "stream", "t0")
+
     def __init__(self, delivery: Delivery, stream: Stream, framing: Framing, after: int, *, preamble: bytes = b"",
                  t0: float | None = None) -> None:
         self.delivery, self.stream, self.framing, self.after = delivery, stream, framing, after

@@ -147,6 +147,8 @@ class _Subscriber:
     """Counts a fan-out SSE subscriber in ``tokenfan_subscribers`` and against its client's
     ``--max-subscriptions-per-client`` while its response runs (checked here, where it is also released)."""
 
+    __slots__ = ("gw", "inner")
+
     def __init__(self, inner: SseResponse, gw: Gateway) -> None:
         self.inner, self.gw = inner, gw
 

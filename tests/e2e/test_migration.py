@@ -63,9 +63,13 @@ class Answer:
     tools: dict[int, dict[str, Any]] = field(default_factory=dict)
     others: dict[int, str] = field(default_factory=dict)  # the text of each choice after the first (n > 1)
     logprobs: list[tuple[int, str, float]] = field(default_factory=list)  # (choice, token, logprob) in order
+    tops: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # (choice, its top_logprobs), likewise
 
     def logprobs_of(self, index: int) -> list[tuple[str, float]]:
         return [(token, lp) for k, token, lp in self.logprobs if k == index]
+
+    def tops_of(self, index: int) -> list[dict[str, float]]:
+        return [top for k, top in self.tops if k == index]
 
     def fold(self, obj: dict[str, Any]) -> None:
         """A chat or completions chunk, or a whole (non-streamed) response."""
@@ -74,8 +78,10 @@ class Answer:
             if "delta" in choice or "message" in choice:
                 part = choice.get("delta") or choice.get("message") or {}
                 text = part.get("content") or ""
-                self.logprobs += [(index, e["token"], e["logprob"])
-                                  for e in (choice.get("logprobs") or {}).get("content") or ()]
+                entries = (choice.get("logprobs") or {}).get("content") or ()
+                self.logprobs += [(index, e["token"], e["logprob"]) for e in entries]
+                self.tops += [(index, {t["token"]: t["logprob"] for t in e.get("top_logprobs") or ()})
+                              for e in entries]
             else:  # completions
                 part, text = {}, choice.get("text") or ""
             if index:

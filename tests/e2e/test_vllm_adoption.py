@@ -12,6 +12,14 @@ with a JSON schema, are created on replica A (worker 0's private socket) and rea
 log (in Redis; in its standby) and the engine continues it, the parsers and the grammar advanced over what
 was delivered: every reader gets each event once and the uninterrupted control's content, reasoning, tool
 calls, text of every choice, logprobs, finish and usage.
+
+Compared once, with one tolerance, the one its cause calls for: the continuation's prefill computes the delivered
+tokens in other batches than the control's decode steps, so a greedy step at a float32 near tie may take the
+other token. A stream whose tokens leave the control's at a step where the control's own top logprobs hold the
+stream's token within :data:`NEAR_TIE` of the chosen one is accepted (from that token on the two answers are two
+generations); at any other step, or with any other difference, it fails. Every miss and every accepted tie is
+printed. (The logprobs are vLLM's raw ones: a tie that only penalties make, or a token outside the top 5, is not
+shown by them and fails.)
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import httpx
 import pytest
 
 from tests.conftest import VllmBoot
-from tests.e2e.helpers import engine_core, metric, one_of_runs, step_stopped
+from tests.e2e.helpers import engine_core, metric, step_stopped
 from tests.e2e.scaleout import scaleout
 from tests.e2e.test_adoption import RESPONSE_END, responses_reader, sse_reader
 from tests.e2e.test_broker import RedisServer, redis_server  # noqa: F401  (the fixture)
@@ -49,24 +57,61 @@ pytestmark = pytest.mark.vllm
 KINDS = ("json", "penalties", "n2", "required-tool", "auto-tool")
 
 
+NEAR_TIE = 1e-3  # logprob gap: float32 sums over other batch shapes differ far less
+
+
+def near_tie(got: Answer, want: Answer) -> str | None:
+    """Where ``got`` leaves ``want`` at a greedy near tie (see the module's docstring), or None: the tokens of
+    every choice are the control's up to one step k, and at k the control's top logprobs hold the stream's
+    token within :data:`NEAR_TIE` of the control's."""
+    ties = []
+    for k in (0, *want.others):
+        mine, theirs, tops = got.logprobs_of(k), want.logprobs_of(k), want.tops_of(k)
+        step = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a[0] != b[0]), None)
+        if step is None:
+            if len(mine) != len(theirs):
+                return None  # one stopped early on the same tokens: not a tie
+            continue
+        token, (chosen, lp) = mine[step][0], theirs[step]
+        if token not in tops[step] or abs(tops[step][token] - lp) > NEAR_TIE:
+            return None
+        ties.append(f"choice {k} step {step}: {chosen!r} {lp:.6f} / {token!r} {tops[step][token]:.6f}")
+    return "; ".join(ties) or None
+
+
+def compare_once(name: str, got: Answer, want: Answer) -> str | None:
+    """None when ``got`` is its control's answer (:func:`check_vllm`) or left it at a near tie (printed);
+    else the miss."""
+    try:
+        check_vllm({name: got}, {name: want})
+        return None
+    except AssertionError as exc:
+        tie = near_tie(got, want)
+        if tie is None:
+            return f"{name}: {exc!r}"
+        print(f"{name}: accepted, a greedy near tie: {tie}")
+        return None
+
+
 @pytest.mark.parametrize("kind", ["replicas", "workers"])
 def test_tool_reasoning_json_logprobs_and_n2_streams_of_a_killed_gateway_are_adopted_exactly(
         parser_gateway: str, vllm_boot: VllmBoot, ipc_dir: Path, redis_server: RedisServer,  # noqa: F811
         kind: str) -> None:
-    # A run asserts everything structural (no error, each event once, every stream in flight adopted); an
-    # answer unequal to its control is a miss to run again, once: the continuation's prefill computes the
-    # delivered tokens in other batches than the control's decode steps, and on a busy machine (two pytest
-    # workers) a greedy step at a float32 near tie once took the other token. A continuation that is wrong
-    # (a parser or grammar not advanced) differs in both runs.
     core = engine_core(vllm_boot.get("parser_gateway")[0])
-    one_of_runs(lambda i: adopt_once(parser_gateway, core, ipc_dir, redis_server, kind),
-                "no run's adopted answers equalled their controls", tries=2)
+    misses = adopt_once(parser_gateway, core, ipc_dir, redis_server, kind)
+    for miss in misses:
+        print("miss:", miss)
+    assert not misses, misses
 
 
 def adopt_once(parser_gateway: str, core: int, ipc_dir: Path, redis_server: RedisServer,  # noqa: F811
-               kind: str) -> str | None:
+               kind: str) -> list[str]:
+    """The scenario, once: what must hold on any run is asserted; the answers unequal to their controls
+    (beyond a near tie) are returned."""
     with scaleout(kind, f"ipc://{ipc_dir / 'parser.sock'}", redis_server.url, "vllm-adopt") as where:
-        bodies = {name: openai_body(name, 20 + i, max_tokens=400) for i, name in enumerate(KINDS)}
+        # every stream with its top logprobs: a near tie is accepted only where they show it
+        bodies = {name: openai_body(name, 20 + i, max_tokens=400, logprobs=True, top_logprobs=5)
+                  for i, name in enumerate(KINDS)}
         background = {**responses_json(30), "max_output_tokens": 400}
         events: list[dict[str, Any]] = []
         ended: list[str] = []  # the streams whose answer had ended at the kill
@@ -117,16 +162,12 @@ def adopt_once(parser_gateway: str, core: int, ipc_dir: Path, redis_server: Redi
             if kind == "replicas":  # (behind one port, the kernel may have given a reader to worker 1)
                 assert reader.reconnects >= 1, name  # it was read on A, then on B
         expected = asyncio.run(streamed_controls(parser_gateway, {name: (CHAT, body) for name, body in bodies.items()}))
-        misses = []  # answers unequal to their controls
-        try:
-            check_vllm({name: r.answer for name, r in readers.items()}, expected)
-        except AssertionError as exc:
-            misses.append(f"check_vllm: {exc!r}")
-        assert expected["penalties"].logprobs and expected["n2"].others[1], expected
+        misses = [miss for name, r in readers.items() if (miss := compare_once(name, r.answer, expected[name]))]
+        assert all(want.tops for want in expected.values()) and expected["n2"].others[1], expected
         calls = readers["required-tool"].answer.tools.values()
         assert calls and all((t["headers"], t["name"]) == (1, "get_weather") for t in calls), calls
         assert expected["auto-tool"].reasoning and expected["auto-tool"].logprobs, expected["auto-tool"]
-        # the background response: each event once, and the control's JSON
+        # the background response: each event once, and the control's JSON (no logprobs: compared exactly)
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
         got = Answer()
         for ev in events:
@@ -140,4 +181,26 @@ def adopt_once(parser_gateway: str, core: int, ipc_dir: Path, redis_server: Redi
             where.settle()  # worker 0 serves again: the metric merges both workers'
         assert not ended, ended  # (the engine was stopped: nothing could end before the kill)
         assert metric(where.survivor, "tokenfan_adoptions_total", {"outcome": "adopted"}) == len(bodies) + 1
-        return "; ".join(misses) or None
+        return misses
+
+
+def _answer(tokens: str, tops: list[dict[str, float]]) -> Answer:
+    """Choice 0 with one token per character, each chosen with its logprob in ``tops``."""
+    a = Answer(text=tokens)
+    a.logprobs = [(0, t, top.get(t, -9.0)) for t, top in zip(tokens, tops)]
+    a.tops = [(0, top) for top in tops]
+    return a
+
+
+def test_a_near_tie_is_accepted_only_where_the_logprobs_show_it() -> None:
+    tops = [{"a": -0.1}, {"b": -0.6931, "c": -0.6935}, {"d": -0.2}]
+    want = _answer("abd", tops)
+    assert near_tie(_answer("acx", [tops[0], {"c": -0.69, "b": -0.70}, {"x": -0.3}]), want) == \
+        "choice 0 step 1: 'b' -0.693100 / 'c' -0.693500"
+    assert near_tie(want, want) is None  # no divergence: nothing to accept
+    wide = [{"a": -0.1}, {"b": -0.5, "c": -0.9}, {"d": -0.2}]
+    assert near_tie(_answer("acd", wide), _answer("abd", wide)) is None  # a gap of 0.4 is no tie
+    assert near_tie(_answer("azd", tops), want) is None  # a token outside the control's top logprobs
+    assert near_tie(_answer("ab", tops), want) is None  # the same tokens, one fewer: not a tie
+    assert compare_once("x", _answer("acx", tops), want) is None
+    assert compare_once("x", _answer("azd", tops), want) is not None

@@ -18,6 +18,7 @@ for the one difference vllm serve's own Responses prompt has).
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.e2e.helpers import one_of_runs, sse_events
+from tests.e2e.helpers import sse_events
 
 pytestmark = pytest.mark.vllm
 
@@ -297,23 +298,14 @@ async def _ws_chunks(url: str, endpoint: str, body: dict[str, Any]) -> list[dict
 def test_every_transport_carries_the_same_chunks(servers: dict[str, str], case: str) -> None:
     """POST SSE, /v1/ws and a /v1/streams subscriber assemble the same choices (content, reasoning, tool calls,
     logprobs, finish, usage); a resume from the middle replays the subscriber's own chunks exactly. (Which
-    steps one chunk holds, and how choices of ``n`` interleave, are vLLM's timing, not the transport's.)"""
-    # The transports' answers are three generations of one request: a run in which one differs from the
-    # reference runs once more (a fresh-clone run read 7 reasoning tokens over /v1/ws for the reference's 8,
-    # its other fields equal: a greedy step at a float32 near tie, the repeated prompt's prefill served from
-    # the prefix cache); a transport that changes an answer differs in both runs.
-    one_of_runs(lambda i: _transports_agree(servers["tokenfan"], case), "no run's transports agreed", tries=2)
-
-
-def _transports_agree(url: str, case: str) -> str | None:
+    steps one chunk holds, and how choices of ``n`` interleave, are vLLM's timing, not the transport's; so is
+    ``reasoning_tokens``, which vLLM's parser engine counts per reasoning chunk: a fresh-clone run read 7 over
+    /v1/ws for the reference's 8, every other field equal. It is compared within one, as against vllm serve.)
+    Compared once; every transport's difference is reported."""
+    url = servers["tokenfan"]
     endpoint, body = CASES[case]
     full = {**body, "stream_options": {"include_usage": True}}
     reference = assembled(_stream(url, endpoint, body))
-    try:
-        close(assembled(asyncio.run(_ws_chunks(url, endpoint, full))), reference)
-    except AssertionError as exc:
-        return f"/v1/ws: {exc}"
-
     made = httpx.post(url + "/v1/streams", json={"endpoint": "chat.completions" if endpoint == "chat" else "completions",
                                                  "model": "tiny", **full}, timeout=60)
     assert made.status_code == 201, made.text
@@ -321,10 +313,15 @@ def _transports_agree(url: str, case: str) -> str | None:
     events = [e for e in sse_events(httpx.get(info["events_url"], timeout=120).text)
               if e.get("data") not in (None, "[DONE]") and e.get("event", "message") == "message"]
     fanned = [json.loads(e["data"]) for e in events]
-    try:
-        close(assembled(fanned), reference)
-    except AssertionError as exc:
-        return f"/v1/streams: {exc}"
+    misses = []
+    for name, chunks in (("/v1/ws", asyncio.run(_ws_chunks(url, endpoint, full))), ("/v1/streams", fanned)):
+        got, want = assembled(chunks), copy.deepcopy(reference)
+        try:
+            reasoning_tokens(got, want)
+            close(got, want)
+        except AssertionError as exc:
+            misses.append(f"{name}: {exc}")
+    assert not misses, misses
     middle = int(events[len(events) // 2]["id"])
     resumed = sse_events(httpx.get(info["events_url"], headers={"Last-Event-ID": str(middle)}, timeout=60).text)
     tail = [json.loads(e["data"]) for e in resumed if e.get("data") not in (None, "[DONE]")
@@ -332,7 +329,6 @@ def _transports_agree(url: str, case: str) -> str | None:
     assert [c["tokenfan"]["seq"] for c in tail] == list(range(middle + 1, len(fanned)))
     assert [{k: v for k, v in c.items() if k != "tokenfan"} for c in tail] == \
         [{k: v for k, v in c.items() if k != "tokenfan"} for c in fanned[middle + 1:]]
-    return None
 
 
 def test_the_gateway_hot_path_is_untouched_for_plain_requests(servers: dict[str, str]) -> None:

@@ -62,8 +62,8 @@ image: image-deps
 # CI (.ci/run) runs exactly `make test`: the lint first, so a finding fails the build before the suite runs.
 # Two pytest-xdist workers with this suite's grouping (tests/conftest.py), about 13 min of pytest on 2 cores;
 # `make test PYTEST_WORKERS=` runs one process (about 18 min). docs/tests.md has the measurements.
-# `image` first: tests/e2e/test_image.py starts the built image (about 6 min to build on 2 cores, nothing
-# when it is up to date).
+# `image` first: tests/e2e/test_image.py starts the built image (3 min 45 s to 5 min 24 s to build on 2 cores,
+# docs/deploy.md's table; nothing when it is up to date).
 PYTEST_WORKERS ?= -n 2 --dist loadgroup --no-loadscope-reorder
 test: setup test-deps lint image
 	$(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)

@@ -1,0 +1,106 @@
+"""Figures that one doc quotes from another (a run's date and length, a size, a log line) agree with their source.
+
+Each figure has one source: the A/B report's header (its date and how long it ran) and tables (the browser's
+delivery and handshake), docs/deploy.md's measured table (the image's size and build time), and the code (the
+logger and text of a log line that docs/troubleshooting.md quotes). A doc that quotes a figure its source does
+not say fails here, where the quote can be found by its shape."""
+
+from __future__ import annotations
+
+import re
+
+from tests.procs import ROOT
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+REPORT = (ROOT / "docs" / "ab-report.md").read_text()
+DEPLOY = (ROOT / "docs" / "deploy.md").read_text()
+
+
+def _report_run() -> tuple[str, int]:
+    m = re.search(r"`tokenfan bench report` at (\d{4}-\d\d-\d\d)T[\d:]+Z in (\d+) s", REPORT)
+    assert m, "docs/ab-report.md's header names its date and length"
+    return m.group(1), int(m.group(2))
+
+
+def _seconds(text: str) -> int | None:
+    """``1,119 s``, ``844 s`` or ``18 min 39 s`` as seconds; None when ``text`` holds neither."""
+    m = re.search(r"(\d+) min (\d+) s|(\d[\d,]*) s\b", text)
+    if not m:
+        return None
+    return int(m.group(1)) * 60 + int(m.group(2)) if m.group(1) else int(m.group(3).replace(",", ""))
+
+
+def test_quotes_of_the_ab_report_name_its_date_and_length() -> None:
+    date, seconds = _report_run()
+    quotes = 0
+    for page in DOCS:
+        if page.name == "ab-report.md":
+            continue
+        for m in re.finditer(r"ab-report\.md\)\**,? \(?([^)\n]{0,60})", page.read_text()):
+            after = m.group(1)
+            found = re.search(r"\d{4}-\d\d-\d\d", after)
+            if found is None:
+                continue
+            quotes += 1
+            assert found.group(0) == date, f"{page.name}: the A/B report is of {date}, not {found.group(0)}"
+            quoted = _seconds(after)
+            assert quoted in (None, seconds), f"{page.name}: the A/B report ran {seconds} s, not {quoted} s"
+        for m in re.finditer(r"`?tokenfan bench report`?[^\n]*?about (\d+) min|about (\d+) minutes on 2 cores; "
+                             r"tests/e2e/test_bench_report", page.read_text()):
+            minutes = int(m.group(1) or m.group(2))
+            assert abs(minutes - seconds / 60) <= 1, f"{page.name}: the A/B report takes {seconds} s, not {minutes} min"
+    assert quotes >= 2  # README.md and docs/benchmarks.md
+
+
+def _browser_delivery() -> list[tuple[str, float, float, float]]:
+    """The report's browser delivery per profile: (profile, median, low, high) in ms."""
+    rows = re.findall(r"^\| ([\w-]+) \|.*\| (-?\d+\.\d+) \[(-?\d+\.\d+), (-?\d+\.\d+)\] \(WebSocket lower\)", REPORT,
+                      re.MULTILINE)
+    assert len(rows) == 5, rows
+    return [(name, float(a), float(b), float(c)) for name, a, b, c in rows]
+
+
+def test_the_browser_figures_quoted_are_the_reports() -> None:
+    rows = _browser_delivery()
+    lan = next(r for r in rows if r[0] == "lan")
+    spread = f"{min(abs(r[1]) for r in rows):.1f}–{max(abs(r[1]) for r in rows):.1f} ms"
+    handshake = re.search(r"^\| D \| browser-ws \|.*\| \+(\d+\.\d)\d \[", REPORT, re.MULTILINE)
+    assert handshake, "the report's browser WebSocket row"
+    for page in (ROOT / "README.md", ROOT / "docs" / "browser.md"):
+        text = page.read_text().replace("\n  ", " ").replace("\n", " ")
+        for m in re.finditer(r"lan −(\d\.\d\d) ms \[−(\d\.\d\d), −(\d\.\d\d)\]", text):
+            assert tuple(float(x) for x in m.groups()) == (-lan[1], -lan[2], -lan[3]), f"{page.name}: {m.group(0)}"
+        for m in re.finditer(r"(\d\.\d–\d\.\d ms) (?:through the report's proxy|before (?:`?EventSource))", text):
+            assert m.group(1) == spread, f"{page.name}: the report's browser delivery spans {spread}, not {m.group(1)}"
+        for m in re.finditer(r"\+(\d+\.\d) ms (?:on lan )?up to \+\d", text):
+            assert m.group(1) == handshake.group(1), f"{page.name}: the browser's WebSocket handshake costs " \
+                                                     f"+{handshake.group(1)} ms on lan, not +{m.group(1)}"
+
+
+def test_the_image_size_and_build_time_quoted_are_the_measured_ones() -> None:
+    row = re.search(r"^\| `make image` with empty storage[^|]*\| ([^|]+) \| ([\d.]+ GB) \|", DEPLOY, re.MULTILINE)
+    assert row, "docs/deploy.md's table measures `make image`"
+    size = row.group(2)
+    for m in re.finditer(r"builds an? ([\d.]+ GB) image", DEPLOY):
+        assert m.group(1) == size, f"docs/deploy.md: the image is {size}, not {m.group(1)}"
+    times = {_seconds(t) for t in re.findall(r"\d+ min \d+ s", DEPLOY)}
+    makefile = (ROOT / "Makefile").read_text()
+    quoted = re.search(r"\((\d+ min \d+ s) to (\d+ min \d+ s) to build", makefile)
+    assert quoted, "the Makefile says how long the image takes to build"
+    for t in quoted.groups():
+        assert _seconds(t) in times, f"Makefile: {t} to build is not a time docs/deploy.md measured"
+
+
+def test_log_lines_quoted_are_logged_by_the_logger_they_name() -> None:
+    """A log line in the docs (``LEVEL logger: message``) names a logger of this code, and the module that
+    logger belongs to (a package: any of its modules) holds the message's words."""
+    lines = [(page, m) for page in DOCS for m in re.finditer(
+        r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) ([a-z_][\w.]*): ([^:'%]{12,}?)(?=[:'(]|$)", page.read_text(),
+        re.MULTILINE)]
+    assert lines, "docs/troubleshooting.md quotes log lines"
+    for page, m in lines:
+        name, words = m.group(1), m.group(2).strip()
+        path = ROOT / name.replace(".", "/")
+        sources = sorted(path.glob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+        assert all(s.is_file() for s in sources) and sources, f"{page.name}: no module {name} logs {words!r}"
+        assert any(words in s.read_text() for s in sources), f"{page.name}: {name} does not log {words!r}"

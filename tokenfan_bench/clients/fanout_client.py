@@ -223,11 +223,14 @@ class FanoutClient:
             s.finish()
 
 
-def serve(conn: Connection) -> None:
-    """The process's body: run the plan the coordinator sends, answer on ``conn``."""
+def serve(conn: Connection, nice: int = 0) -> None:
+    """The process's body: run the plan the coordinator sends, answer on ``conn`` (at niceness ``nice``)."""
     import resource
 
     import uvloop
+
+    if nice:
+        os.nice(nice)
 
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):

@@ -6,6 +6,7 @@
 #   deploy/image.sh gpu-dry             build Dockerfile.gpu FROM a stand-in for the vLLM image (see below)
 #   deploy/image.sh tool                print the builder that would be used: docker, buildah, or none
 #   deploy/image.sh hash [cpu|gpu]      the hash of the build's inputs (the image's tokenfan.source-hash label)
+#   deploy/image.sh sources [cpu|gpu]   what the Dockerfile copies from the checkout (what the hash reads)
 #   deploy/image.sh store               print the buildah storage directory
 #   deploy/image.sh buildah-args        print buildah's storage options (--root … --storage-driver …)
 #   deploy/image.sh clean               remove the build storage (buildah) and the build cache
@@ -109,11 +110,26 @@ except urllib.error.HTTPError:
     pass  # an HTTP answer (401 from a registry) is an answer
 " "$1" >/dev/null 2>&1; }
 
-# sha256 of the Dockerfile, its .dockerignore and every file the build copies (the .dockerignore's list)
+# The sources of a Dockerfile's COPY instructions from the build context (the repository root), one a line:
+# read from the Dockerfile itself, so what is hashed is what is copied (a COPY --from= copies from another
+# image, not the context). The JSON form and line continuations are refused, not misread.
+copied_sources() {
+    awk 'toupper($1) == "COPY" {
+           if ($0 ~ /\[/ || $0 ~ /\\$/) { print "unsupported COPY: " $0 > "/dev/stderr"; bad = 1; next }
+           from = 0; n = 0
+           for (i = 2; i < NF; i++) { if ($i ~ /^--from=/) from = 1; else if ($i !~ /^--/) src[n++] = $i }
+           if (!from) for (j = 0; j < n; j++) print src[j] }
+         END { exit bad }' "$1"
+}
+
+# sha256 of the Dockerfile, its .dockerignore and every file its COPY instructions take from the context
+# (less what the .dockerignore drops from them: __pycache__ and *.pyc)
 source_hash() {
-    local variant="$1"
-    (cd "$ROOT" && find "deploy/docker/Dockerfile.$variant" "deploy/docker/Dockerfile.$variant.dockerignore" \
-        pyproject.toml README.md tokenfan engine_worker gateway tokenfan_bench web \
+    local dockerfile="deploy/docker/Dockerfile.$1" sources
+    sources=$(cd "$ROOT" && copied_sources "$dockerfile") || die "cannot read the COPY sources of $dockerfile"
+    [ -n "$sources" ] || die "$dockerfile copies nothing from the build context"
+    # shellcheck disable=SC2086  # the sources are paths without spaces, one per COPY argument
+    (cd "$ROOT" && find "$dockerfile" "$dockerfile.dockerignore" $sources \
         -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum) \
         | sha256sum | cut -c1-16
 }
@@ -223,6 +239,7 @@ build() {
     hash=$(source_hash "$variant")
     if [ -z "${TOKENFAN_IMAGE_REBUILD:-}" ] && [ "$(built_hash "$t" "$tag")" = "$hash" ]; then
         log "$tag is up to date (source hash $hash); TOKENFAN_IMAGE_REBUILD=1 builds it again"
+        where_is "$t" "$tag"
         return 0
     fi
     args+=(--label "tokenfan.source-hash=$hash")
@@ -283,6 +300,21 @@ build() {
         log "size: $(image_size "localhost/$tag") (uncompressed, as buildah lists it)"
     fi
     log "built $tag in $((SECONDS - started)) s"
+    where_is "$t" "$tag"
+}
+
+# Where the image is, and how to reach it: with buildah it is in this checkout's own store, which a bare
+# `buildah images` (the default store) does not list. docs/deploy.md's "After make image" has the rest.
+where_is() {
+    local t="$1" tag="$2"
+    if [ "$t" = docker ]; then
+        log "$tag is in Docker's image store: docker images tokenfan; docker run --rm -p 8000:8000 $tag"
+        return
+    fi
+    log "localhost/$tag is in this checkout's buildah store, $STORE (a bare \`buildah images\` does not list it):"
+    log "  list:   buildah \$(deploy/image.sh buildah-args) images"
+    log "  export: buildah \$(deploy/image.sh buildah-args) push localhost/$tag oci-archive:tokenfan-${tag#tokenfan:}.tar"
+    log "  run it (chroot isolation, no container runtime needed), push it: docs/deploy.md, \"After make image\""
 }
 
 built_hash() {
@@ -347,9 +379,10 @@ case "${1:-build}" in
     gpu-dry) gpu_dry ;;
     tool) tool ;;
     hash) source_hash "${2:-cpu}" ;;
+    sources) (cd "$ROOT" && copied_sources "deploy/docker/Dockerfile.${2:-cpu}") ;;
     store) echo "$STORE" ;;
     buildah-args) mark_used; buildah_args ;;
     prune) prune_stores ;;
     clean) clean ;;
-    *) die "usage: $0 [build [cpu|gpu]|base|gpu-dry|tool|hash|store|buildah-args|clean|prune]" ;;
+    *) die "usage: $0 [build [cpu|gpu]|base|gpu-dry|tool|hash|sources|store|buildah-args|clean|prune]" ;;
 esac

@@ -37,6 +37,7 @@ FOREIGN_FLAGS = {
     "iptables": {"--mode", "--probability"},  # the loss rules of tokenfan_bench/network/lossy.py
     "curl": {"--http3"},
     "docker": {"--build", "--build-arg", "--rm"},
+    "buildah run": {"--isolation", "--network", "--pull", "--user"},  # the built image run in chroot (deploy.md)
     "pip": {"--no-deps"},
     "kubectl": {"--raw"},
     "py-spy record": {"--gil", "--format"},  # the front end's profile in vs-vllm.md

@@ -17,7 +17,7 @@ from gateway.api.chat_render import ChatRenderer, ChunkTemplate
 from gateway.api.chat_request import ChunkBuilder
 from gateway.api.openai.framing import OPENAI_SSE, MuxWs
 from gateway.core.backpressure import SlowConsumerPolicy
-from gateway.core.conn import HttpConn, Step, WsConn
+from gateway.core.conn import HttpConn, WsConn
 from gateway.core.delivery import Reader, ReaderMeter
 from gateway.core.engine_client import EngineClient
 from gateway.core.engine_link import EngineLink
@@ -33,6 +33,7 @@ from gateway.core.metrics import (
 )
 from gateway.core.request import RequestHandle
 from gateway.core.sse import decode
+from gateway.core.step import Step
 from gateway.core.streams import ChunkEvent, Event, Stream
 from gateway.errors import APIError
 from tests.test_engine_client import FakeEngine, run, submit, until

@@ -7,11 +7,11 @@ request (a recording sink)."""
 from __future__ import annotations
 
 from engine_worker import protocol as p
-from gateway.core.conn import Step
 from gateway.core.engine_link import ContinuationRefused, Continued, EngineLink, Lost
 from gateway.core.engine_pool import MigrationPolicy, Migrator
 from gateway.core.metrics import Migrations
 from gateway.core.request import RequestHandle
+from gateway.core.step import Step
 from gateway.errors import APIError, EngineError
 
 TIMEOUT = 1.0

@@ -26,9 +26,9 @@ from gateway.api.responses.events import ResponseEvents, response_from_events
 from gateway.api.responses.render import ResponseRenderer
 from gateway.api.responses.stream import RESPONSES_MERGE, RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesWs
 from gateway.api.responses.templates import TextDeltaTemplate
-from gateway.core.conn import Step
 from gateway.core.framing import Framing
 from gateway.core.merge import coalesce
+from gateway.core.step import Step
 from gateway.core.streams import ChunkEvent, Event, Stream
 
 FRAMINGS: list[Framing] = [RESPONSES_SSE, RESPONSES_SSE_TIMING, ResponsesWs(), ResponsesWs("lane-1"),

@@ -30,11 +30,9 @@ def _logging(level: str) -> None:
 
 def cmd_serve(values: dict[str, Any], gconf: GatewayConfig) -> int:
     from engine_worker.config import engine_argv, engine_config
-    from engine_worker.ipc import sweep_stale
     from tokenfan.supervisor import engine_supervisor, run_workers
 
     econf = engine_config(values)
-    sweep_stale(default_runtime_dir())  # what killed serves left there
     log.info("tokenfan serve: engine=%s on %s, gateway on http://%s:%d", econf.backend, econf.engine_address,
              gconf.host, gconf.port)
     if gconf.workers > 1:

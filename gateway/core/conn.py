@@ -5,7 +5,7 @@ which the :class:`gateway.core.follow.Watchdog` turns into a cut), ``write_now``
 take a frame without awaiting while the transport is writable, else refuse it and let the reader's loop
 send it) and ``cut`` (end the connection with a final frame *without waiting on the stalled peer*).
 
-``write_now`` inside an engine step only collects the frame: the :class:`Step` flushes every connection
+``write_now`` inside an engine step only collects the frame: the :class:`gateway.core.step.Step` flushes every connection
 it touched once, at the end of the step, so a connection that carries several generations (``/v1/ws``,
 Responses WebSocket lanes) or several events of one step gets one transport write per step.
 
@@ -26,6 +26,8 @@ import logging
 import struct
 from collections.abc import Callable, MutableMapping
 from typing import Any
+
+from gateway.core.step import Step
 
 log = logging.getLogger(__name__)
 
@@ -81,29 +83,6 @@ class LastFrame:
 
 _http_chunk = LastFrame(chunked)
 _ws_text = LastFrame(lambda payload: ws_head(0x1, len(payload)) + payload)
-
-
-class Step:
-    """One engine step's pass through the delivery core: its clock, read once (``now``: monotonic
-    seconds for gaps and timeouts; ``wall_ns``: epoch ns for delivery latency), and the connections that
-    took frames during the pass, flushed once each at its end."""
-
-    __slots__ = ("_held", "now", "wall_ns")
-
-    def __init__(self, now: float, wall_ns: int) -> None:
-        self.now = now
-        self.wall_ns = wall_ns
-        self._held: list[HttpConn | WsConn] = []
-
-    def hold(self, conn: HttpConn | WsConn) -> None:
-        """``conn`` has frames to write at the end of this step."""
-        self._held.append(conn)
-
-    def flush(self) -> None:
-        """One transport write per connection for everything the pass gave it."""
-        held, self._held = self._held, []
-        for conn in held:
-            conn.flush()
 
 
 def _server_side(send: Any) -> Any:

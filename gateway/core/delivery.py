@@ -42,10 +42,10 @@ from gateway.core.streams import Event, Stream, StreamHub
 from gateway.errors import bad_resume_point, error_class
 
 if TYPE_CHECKING:
-    from gateway.core.conn import Step
     from gateway.core.metrics import HotHistogram, Metrics, TransportMetrics
     from gateway.core.ports import Publisher, RemoteStreams
     from gateway.core.request import RequestHandle
+    from gateway.core.step import Step
 
 log = logging.getLogger(__name__)
 

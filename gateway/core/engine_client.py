@@ -30,9 +30,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from engine_worker import protocol as p
 from engine_worker.curve import connect_curve
-from gateway.core.conn import Step
 from gateway.core.engine_link import ContinuationRefused, Continued, EngineLink, Lost
 from gateway.core.request import Failure, RequestHandle
+from gateway.core.step import Step
 from gateway.errors import EngineError
 
 log = logging.getLogger(__name__)

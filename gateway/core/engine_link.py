@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import msgspec
 
 from engine_worker import protocol as p
-from gateway.core.conn import Step
 from gateway.core.request import Failure, Owner, RequestHandle
+from gateway.core.step import Step
 from gateway.errors import EngineError, delivery_failed
 
 log = logging.getLogger(__name__)

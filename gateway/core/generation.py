@@ -18,10 +18,10 @@ from gateway.core.streams import ChunkEvent
 from gateway.errors import APIError
 
 if TYPE_CHECKING:
-    from gateway.core.conn import Step
     from gateway.core.metrics import HotCounter
     from gateway.core.ports import Publisher
     from gateway.core.request import RequestHandle
+    from gateway.core.step import Step
     from gateway.core.streams import Stream
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from engine_worker import protocol as p
 from gateway.errors import APIError, EngineError, TokenfanError, to_api_error
 
 if TYPE_CHECKING:
-    from gateway.core.conn import Step
+    from gateway.core.step import Step
     from gateway.core.tracing import GenerationTrace
 
 # What a request can fail with: an EngineError from the engine link, or whatever the gateway passes to

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import orjson
 
 from engine_worker import protocol as p
-from gateway.core.conn import Step
+from gateway.core.step import Step
 from gateway.errors import APIError, stream_expired, stream_lost, stream_not_found, too_many_streams
 
 if TYPE_CHECKING:

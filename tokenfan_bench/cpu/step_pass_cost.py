@@ -36,12 +36,13 @@ from gateway.api.responses.events import ResponseEvents
 from gateway.api.responses.render import ResponseRenderer
 from gateway.api.responses.stream import RESPONSES_SSE
 from gateway.core.backpressure import SlowConsumerPolicy
-from gateway.core.conn import HttpConn, Step, WsConn
+from gateway.core.conn import HttpConn, WsConn
 from gateway.core.delivery import Reader, ReaderMeter
 from gateway.core.follow import Watchdog, follow
 from gateway.core.framing import Framing
 from gateway.core.generation import Generation, Renderer
 from gateway.core.metrics import HotCounter, TransportMetrics
+from gateway.core.step import Step
 from gateway.core.streams import Event, Stream
 from tokenfan_bench.report import run_outputs
 from tokenfan_bench.stats.metrics import summary_plain

@@ -12,8 +12,9 @@ from typing import Any
 
 from engine_worker.backends.base import Backend
 from engine_worker.config import EngineConfig, add_engine_arguments, engine_config
+from engine_worker.ipc import sweep_stale
 from engine_worker.tracing import EngineTracer
-from tokenfan_settings import SettingError, resolve
+from tokenfan_settings import SettingError, default_runtime_dir, resolve
 
 log = logging.getLogger("engine_worker")
 
@@ -31,6 +32,11 @@ def build_backend(config: EngineConfig) -> Backend:
 async def run_engine(config: EngineConfig) -> None:
     """Start the backend, serve until SIGINT/SIGTERM, then shut down."""
     from engine_worker.server import EngineServer
+
+    # The one sweep of the runtime directory, before anything of this process is in it: what killed engines,
+    # gateways and serves left there (their sockets, adoption claims, vLLM socket directories). `tokenfan
+    # serve` and `tokenfan engine` both run it here, in their engine worker.
+    sweep_stale(default_runtime_dir())
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

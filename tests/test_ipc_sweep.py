@@ -62,3 +62,35 @@ def test_the_vllm_socket_directories_of_dead_processes_go_and_the_living_ones_st
     other.mkdir()
     assert sweep_stale(tmp_path) == 1
     assert not dead.exists() and alive.is_dir() and other.is_dir()
+
+
+def test_an_engine_worker_sweeps_the_runtime_directory_once_at_its_start(tmp_path: Path) -> None:
+    """``tokenfan engine`` (and ``tokenfan serve``, through its engine worker) removes a dead engine's vLLM socket
+    directory and a socket nobody listens on at its start; its own socket and a live directory stay."""
+    runtime = tmp_path / "tokenfan"
+    runtime.mkdir(mode=0o700)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead = runtime / f"vllm-{child.pid}"
+    dead.mkdir()
+    alive = runtime / f"vllm-{os.getpid()}"
+    alive.mkdir()
+    left = runtime / "gateway-1-w0.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(left))  # bound, never listening: what a killed process leaves
+    old = time.time() - 3600
+    os.utime(left, (old, old))
+    address = f"ipc://{runtime / 'engine.sock'}"
+    proc = subprocess.Popen([sys.executable, "-m", "engine_worker", "--engine", "synthetic", "--engine-address",
+                             address], env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (runtime / "engine.sock").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)
+        assert not dead.exists() and not left.exists()
+        assert alive.is_dir()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

@@ -50,11 +50,10 @@ from typing import TYPE_CHECKING, Any, cast
 import msgspec
 
 from engine_worker import tracing
-from engine_worker.backends import vllm_openai
+from engine_worker.backends import vllm_grammar, vllm_openai
 from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, StepSink, feed
 from engine_worker.backends.vllm_resume import RESUME_KEY
 from engine_worker.config import EngineConfig
-from engine_worker.ipc import sweep_stale
 from engine_worker.models import DEFAULT_MODEL_DIRNAME, SERVING_HINTS, resolve_model
 from engine_worker.protocol import FinishReason, Sampling, Submit
 from engine_worker.tracing import trace_headers
@@ -176,6 +175,7 @@ class VllmBackend:
 
     async def start(self) -> None:
         """Resolve (or prepare) the model and start vLLM. Blocks the event loop while the model loads."""
+        vllm_grammar.check_version()  # an unsupported vLLM: refused here, with what to do (UnsupportedVllm)
         vllm_openai.check_parser_flags(self._config)
         model_dir = resolve_model(self._config)
         self._placement = configure_runtime_env(self._config, weight_bytes(model_dir))
@@ -512,10 +512,9 @@ def configure_runtime_env(config: EngineConfig, model_bytes: int = 0) -> CpuPlac
 
 def private_rpc_dir(runtime: Path) -> Path:
     """A directory only this user can enter for vLLM's own ZeroMQ sockets (this process to its engine core),
-    which vLLM otherwise leaves in ``/tmp`` under random names: ``<runtime>/vllm-<pid>``, mode 0700. What
-    killed processes left there (such directories among it) is removed first (:func:`engine_worker.ipc.sweep_stale`)."""
+    which vLLM otherwise leaves in ``/tmp`` under random names: ``<runtime>/vllm-<pid>``, mode 0700. Those of
+    killed engines go in the engine worker's one sweep at its start (:func:`engine_worker.ipc.sweep_stale`)."""
     runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
-    sweep_stale(runtime)
     path = runtime / f"vllm-{os.getpid()}"
     path.mkdir(mode=0o700, exist_ok=True)
     os.chmod(path, 0o700)

@@ -3,7 +3,8 @@
 vLLM loads general plugins in every process (front end, engine core, workers). This one:
 
 * lets a continued request's grammar start where the lost engine's was
-  (:func:`engine_worker.backends.vllm_resume.install_grammar_resume`, in the engine core);
+  (:func:`engine_worker.backends.vllm_grammar.install`, in the engine core; on a vLLM it was not written
+  for it logs why and patches nothing);
 * asks the kernel for AMX (below).
 
 On Linux a process must ask the kernel for permission to use the AMX tile registers
@@ -25,9 +26,9 @@ def register() -> None:
     """Install the grammar's resume hook; request AMX permission for this process when the CPU has AMX."""
     import torch
 
-    from engine_worker.backends.vllm_resume import install_grammar_resume
+    from engine_worker.backends import vllm_grammar
 
-    install_grammar_resume()
+    vllm_grammar.install()
 
     supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
     init = getattr(torch.cpu, "_init_amx", None)

@@ -14,8 +14,8 @@ a fresh serving path whose ``generate`` is :func:`resumed`:
 2. **Live.** Each unfinished choice continues as its own engine request (``n`` = 1) whose prompt is the
    original prompt plus that choice's delivered ids, with the rest of the token budget and ``min_tokens``,
    and :data:`RESUME_KEY` in ``SamplingParams.extra_args``. In the engine core, the grammar of a structured
-   output accepts those ids before it masks a token (:func:`advance_grammar`, installed by the project's
-   vLLM plugin) and presence/frequency penalties count them as output (:class:`engine_worker.backends.vllm_penalties.ResumePenalties`); the
+   output accepts those ids before it masks a token (:mod:`engine_worker.backends.vllm_grammar`, the shim
+   the project's vLLM plugin installs) and presence/frequency penalties count them as output (:class:`engine_worker.backends.vllm_penalties.ResumePenalties`); the
    repetition penalty already counts them (it reads prompt and output). Its text is decoded again by
    :class:`Retext` over the original prompt and *all* output ids, so stop strings that span the join, held
    back text and characters split across tokens come out as in the uninterrupted run.
@@ -181,41 +181,3 @@ def resume_ids(params: Any) -> list[int]:
     extra = getattr(params, "extra_args", None) or {}
     ids = extra.get(RESUME_KEY)
     return list(ids) if isinstance(ids, list) else []
-
-
-def advance_grammar(manager: Any, request: Any, grammar: Any) -> None:
-    """Advance a continuation's freshly compiled grammar over the output it continues from (the ids after
-    the reasoning end, when a reasoning parser holds the grammar back while the model thinks)."""
-    ids = resume_ids(request.sampling_params)
-    if not ids:
-        return
-    original = list(request.prompt_token_ids or ())[:-len(ids)]
-    start = 0
-    # vLLM's own per-request reasoner, as the manager itself asks it (no public accessor)
-    reasoner = None if manager.enable_in_reasoning else manager._get_reasoner(request)  # noqa: SLF001
-    if reasoner is not None and not reasoner.is_reasoning_end(original):
-        start = next((j for j in range(1, len(ids) + 1) if reasoner.is_reasoning_end(original + ids[:j])),
-                     len(ids) + 1)
-    if start <= len(ids) and not grammar.accept_tokens(request.request_id, ids[start:]):
-        raise ReplayError(f"request {request.request_id}: its grammar rejects the output it continues from")
-    log.debug("request %s: grammar advanced over %d of %d resumed tokens", request.request_id,
-              max(0, len(ids) - start), len(ids))
-
-
-def install_grammar_resume() -> None:
-    """Wrap vLLM's ``StructuredOutputManager._create_grammar`` (engine core) so a continuation's grammar
-    starts where the lost engine's was. vLLM has no hook for this: a plugin-installed wrapper, checked by
-    ``tests/e2e/test_vllm_resume.py`` against the vLLM version the project pins."""
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    create = StructuredOutputManager._create_grammar  # noqa: SLF001  (vLLM's; no public hook)
-    if getattr(create, "tokenfan_resume", False):
-        return
-
-    def _create_grammar(self: Any, request: Any) -> Any:
-        grammar = create(self, request)
-        advance_grammar(self, request, grammar)
-        return grammar
-
-    _create_grammar.tokenfan_resume = True  # type: ignore[attr-defined]
-    StructuredOutputManager._create_grammar = _create_grammar  # type: ignore[method-assign]  # noqa: SLF001

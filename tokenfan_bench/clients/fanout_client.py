@@ -90,6 +90,13 @@ class Subscriber(asyncio.Protocol):
             self.out.end, self.out.detail = "error", f"unreadable: {exc!r}"[:200]
             self.finish()
 
+    def stop_reading(self) -> None:
+        """A slow subscriber, subscribed: from here on it reads nothing until the end (it counts as ready)."""
+        assert self.transport is not None
+        self.transport.pause_reading()
+        if not self.first.done():
+            self.first.set_result(None)
+
     def got(self, seq: int, t: int) -> None:
         self.out.got(seq)
         if self.tally is not None:
@@ -112,7 +119,7 @@ class Subscriber(asyncio.Protocol):
             self.ended_with("failed", f"HTTP {head.status}: {self.http.leftover[:120]!r}")
             return
         if self.out.slow and head is not None and not self.client.ending and self.transport is not None:
-            self.transport.pause_reading()  # from its head on, it reads nothing more until the end
+            self.stop_reading()
         for ev in self.sse.feed(body) if body else ():
             if ev.event == "message":
                 if ev.data == b"[DONE]":
@@ -136,7 +143,7 @@ class Subscriber(asyncio.Protocol):
                 return
             data, self.ws = self.head[end + 4:], WsDecoder()
             if self.out.slow and self.transport is not None and not self.client.ending:
-                self.transport.pause_reading()
+                self.stop_reading()
         for frame in self.ws.feed(data):
             if frame.opcode == OP_TEXT:
                 msg = orjson.loads(frame.payload)

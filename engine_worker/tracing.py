@@ -54,7 +54,7 @@ def prepare_environment(endpoint: str) -> None:
 class EngineTracer:
     """The engine worker's own spans (its own provider, beside the global one vLLM sets up)."""
 
-    def __init__(self, exporter: Any, attributes: dict[str, str]) -> None:
+    def __init__(self, exporter: Any, attributes: dict[str, Any]) -> None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -75,7 +75,8 @@ class EngineTracer:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         return cls(OTLPSpanExporter(endpoint=endpoint), {"tokenfan.engine.address": config.engine_address,
-                                                          "tokenfan.engine.backend": config.backend})
+                                                          "tokenfan.engine.backend": config.backend,
+                                                          "process.pid": os.getpid()})  # vLLM's: vllm.process_id
 
     def accepted(self, submit: p.Submit, received_ns: int, prompt_tokens: int, engine_id: str) -> None:
         """One ``engine.accept`` span: ``submit`` arrived at ``received_ns`` and was accepted now."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +70,8 @@ class OtelTracer:
     def __init__(self, exporter: SpanExporter, *, service_name: str = SERVICE_NAME,
                  attributes: Mapping[str, str] | None = None) -> None:
         named = os.environ.get("OTEL_SERVICE_NAME") or "service.name" in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
-        resource = Resource.create({**({} if named else {"service.name": service_name}), **(attributes or {})})
+        resource = Resource.create({**({} if named else {"service.name": service_name}),
+                                    "service.instance.id": uuid.uuid4().hex, **(attributes or {})})
         self.provider = TracerProvider(resource=resource)
         self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("tokenfan.gateway")
@@ -96,13 +98,15 @@ class OtelTracer:
         return GenerationSpan(self, span, request_id)
 
     def joined(self, carrier: dict[str, str], *, stream_id: str, endpoint: str, model: str,
-               adopted_from: str | None = None) -> GenerationTrace:
+               adopted_from: str | None = None, adopted_by: str = "", events: int = 0) -> GenerationTrace:
         parent = _PROPAGATOR.extract(carrier)
         if adopted_from is None:
             return RemoteGeneration(self, parent, stream_id)
         span = self.tracer.start_span("stream.adopt", context=parent, kind=SpanKind.INTERNAL, attributes={
             "gen_ai.request.model": model, "gen_ai.response.id": stream_id, "tokenfan.stream.id": stream_id,
             "tokenfan.stream.listed": True, "tokenfan.endpoint": endpoint, "tokenfan.adoption.old_owner": adopted_from})
+        span.add_event("adoption", {"tokenfan.adoption.old_owner": adopted_from, "tokenfan.adoption.new_owner": adopted_by,
+                                    "tokenfan.adoption.events": events})
         return GenerationSpan(self, span, stream_id)
 
     def reader_span(self, generation: trace.SpanContext, transport: str, after: int, stream_id: str,
@@ -174,11 +178,6 @@ class GenerationSpan:
                                           "tokenfan.migration.gap_s": gap, "tokenfan.migration.tokens": tokens,
                                           "tokenfan.migration.number": self.migrations})
         self.span.set_attribute("tokenfan.engine.address", engine)
-
-    def adopted(self, old_owner: str, new_owner: str, gap: float) -> None:
-        """This gateway adopted the stream (``stream.adopt`` span)."""
-        self.span.add_event("adoption", {"tokenfan.adoption.old_owner": old_owner,
-                                         "tokenfan.adoption.new_owner": new_owner, "tokenfan.adoption.gap_s": gap})
 
     def cancelled(self) -> None:
         self.span.add_event("cancel")

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from tests.otlp import Receiver
 from tests.procs import PARSER_FLAGS, npm_ci, spawn, start_engine, start_gateway
 from tokenfan_bench.servers.processes import Proc, free_port, stop_all, wait_healthy
 
@@ -90,13 +91,40 @@ LEAN_VLLM = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLL
 STRUCTURED = ("--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
 
 
+# The session's OTLP/HTTP receiver (tests/otlp.py), started by the first vLLM engine that exports to it: the plain
+# engine and the traced spare export vLLM's request spans and their own there (test_vllm_tracing; the batch every
+# 200 ms, not vLLM's default 5 s, so a test waits for spans, not for the batch).
+_TRACES: list[Receiver] = []
+
+
+def session_traces() -> Receiver:
+    if not _TRACES:
+        _TRACES.append(Receiver().__enter__())
+    return _TRACES[0]
+
+
+def _traced() -> tuple[list[str], dict[str, str]]:
+    return ["--otlp-traces-endpoint", session_traces().endpoint], {"OTEL_BSP_SCHEDULE_DELAY": "200"}
+
+
 def _start_vllm_engine(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, str]:
     address = f"ipc://{ipc_dir / 'vllm.sock'}"
+    traced, env = _traced()
     # float32 and the name "tiny", as the differential pair: test_vllm_parity_plain compares this engine's
     # plain chat path with vllm serve (dtype auto would be bfloat16 on an AMX CPU)
     return start_engine(address, "--engine", "vllm", "--model", str(model), "--max-model-len", "512",
-                        "--dtype", "float32", "--served-model-name", "tiny", *STRUCTURED, name="engine-vllm",
-                        nice=nice), address
+                        "--dtype", "float32", "--served-model-name", "tiny", *STRUCTURED, *traced, name="engine-vllm",
+                        nice=nice, env=env), address
+
+
+def _start_traced_engine(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, str]:
+    """A second plain engine beside :func:`_start_vllm_engine` (same model, dtype and name: a continuation on
+    either decodes the same) that test_vllm_tracing kills mid-stream; lean (LEAN_VLLM), traced."""
+    address = f"ipc://{ipc_dir / 'vllm-traced.sock'}"
+    traced, env = _traced()
+    return start_engine(address, "--engine", "vllm", "--model", str(model), "--max-model-len", "512", "--dtype",
+                        "float32", "--served-model-name", "tiny", "--kv-cache-gib", "1", *traced,
+                        name="engine-vllm-traced", nice=nice, env={**LEAN_VLLM, **env}), address
 
 
 def _start_parser_gateway(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, str]:
@@ -131,7 +159,7 @@ def _start_spare_engine(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, st
 
 VLLM_STARTS: dict[str, Callable[[Path, Path, int], tuple[Proc, str]]] = {
     "vllm_engine": _start_vllm_engine, "parser_gateway": _start_parser_gateway, "vllm_serve": _start_vllm_serve,
-    "vllm_spare_engine": _start_spare_engine}
+    "vllm_spare_engine": _start_spare_engine, "vllm_traced_engine": _start_traced_engine}
 
 
 def needs_vllm(item: pytest.Item) -> bool:
@@ -329,6 +357,18 @@ def vllm_engine(vllm_boot: VllmBoot) -> tuple[str, Proc]:
 def vllm_spare_engine(vllm_boot: VllmBoot) -> tuple[str, Proc]:
     proc, address = vllm_boot.get("vllm_spare_engine")
     return address, proc
+
+
+@pytest.fixture(scope="session")
+def vllm_traced_engine(vllm_boot: VllmBoot) -> tuple[str, Proc]:
+    proc, address = vllm_boot.get("vllm_traced_engine")
+    return address, proc
+
+
+@pytest.fixture(scope="session")
+def vllm_traces() -> Receiver:
+    """The OTLP/HTTP receiver the session's traced vLLM engines export to (:func:`session_traces`)."""
+    return session_traces()
 
 
 @pytest.fixture(scope="session")

@@ -4,12 +4,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Self
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -139,3 +142,9 @@ def named(spans: list[Span], name: str) -> Iterator[Span]:
 
 def traceparent(trace_id: str, span_id: str) -> str:
     return f"00-{trace_id}-{span_id}-01"
+
+
+def dump(spans: list[Span], path: Path) -> None:
+    """``spans`` as JSON (what tools/trace_picture.py draws)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([dataclasses.asdict(s) for s in spans], indent=1))

@@ -115,6 +115,12 @@ class Adopter:
             return "elsewhere"
         self._n += 1
         chars = sum(len(e.text) for e in stream.events)
+        trace = None
+        if gw.tracer is not None and submit.trace_headers:  # the rest joins the owner's trace (stream.adopt span)
+            trace = gw.tracer.joined(dict(submit.trace_headers), stream_id=stream.id, endpoint=stream.endpoint,
+                                     model=stream.model, adopted_from=header.owner,
+                                     adopted_by=str(getattr(self.claims, "gateway_id", "")), events=len(stream.events))
+            submit = msgspec.structs.replace(submit, trace_headers=trace.carrier())
         try:
             if openai:
                 handle = gw.engine.submit(msgspec.structs.replace(
@@ -124,14 +130,19 @@ class Adopter:
                 handle = gw.engine.submit(msgspec.structs.replace(
                     submit, request_id=f"{stream.id}.a{self._n}", resume=ids, resume_chars=chars))
                 handle.output_ids, handle.output_chars = list(ids), chars
+            handle.trace = trace
             await handle.wait_accepted(gw.config.accept_timeout)
         except TokenfanError as exc:
+            if trace is not None:
+                trace.failed(exc)
+                trace.end()
             gw.metrics.adoptions.labels("failed").inc()
             log.error("stream %s lost its owner %s: adoption failed (%s)", stream.id, header.owner, exc)
             return "no"
         renderer = make(stream, options)
         stream.mirrored = False
         stream.request, stream.options = header.request, header.options or {}
+        stream.trace = trace or stream.trace
         self.claims.adopted(stream)
         generation = Generation(stream, handle, renderer, gw.metrics.hot.tokens, gw.publisher)
         handle.attach(generation)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from engine_worker import protocol as p
 from gateway.api.chat_render import chat_renderer
 from gateway.api.chat_request import ChunkBuilder, ParsedRequest, new_id
 from gateway.core import delivery
@@ -111,4 +112,13 @@ async def find_stream(gw: Gateway, stream_id: str) -> Stream:
     except APIError:
         if gw.remote is None:
             raise
-        return await gw.remote.mirror(stream_id)
+        stream = await gw.remote.mirror(stream_id)
+    if gw.tracer is not None and stream.trace is None and stream.request:
+        # a mirror's readers join the owner's trace: its engine request carries the generation's context
+        try:
+            carrier = msgspec.msgpack.decode(stream.request, type=p.Submit).trace_headers
+        except msgspec.MsgspecError:  # not a request this release can read: its readers are not traced
+            carrier = {}
+        if carrier:
+            stream.trace = gw.tracer.joined(carrier, stream_id=stream.id, endpoint=stream.endpoint, model=stream.model)
+    return stream

@@ -88,10 +88,11 @@ class Tracer(Protocol):
         """A generation's span, a child of the ``traceparent`` in ``headers`` (a request's) if there is one."""
 
     def joined(self, carrier: dict[str, str], *, stream_id: str, endpoint: str, model: str,
-               adopted_from: str | None = None) -> GenerationTrace:
-        """The generation another gateway started (its ``carrier`` from the stream's header): a mirror's readers
-        join its trace; ``adopted_from``: this gateway adopted it from that owner, and its own generation span
-        (a child of the owner's) traces the rest."""
+               adopted_from: str | None = None, adopted_by: str = "", events: int = 0) -> GenerationTrace:
+        """The generation another gateway started (its ``carrier``: the ``trace_headers`` of the engine request in
+        the stream's header): a mirror's readers join its trace. ``adopted_from``: this gateway (``adopted_by``)
+        adopted it from that lost owner after ``events`` events, and its own span (a child of the owner's
+        generation, with an ``adoption`` event) traces the rest."""
 
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")

@@ -284,6 +284,7 @@ class MirrorSet:
         h = opened.header
         stream = self.hub.create(h.endpoint, h.model, stream_id=stream_id)
         stream.mirrored, stream.detached = True, h.detached
+        stream.request = h.request  # the engine request: its trace context joins this mirror's readers to the owner's trace
         idle = Idle(self.idle_timeout, self.recheck, time.monotonic(), self.lease_check, self.presence_check)
         m = Mirror(stream, opened, self.link, idle, adopt=self.adopt)
         self._mirrors[stream_id] = m

@@ -10,6 +10,8 @@ import json
 import os
 import secrets
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +20,11 @@ import pytest
 import websockets.sync.client
 
 from tests.e2e.helpers import sse_events, wait_until
+from tests.e2e.test_adoption import LEASE
+from tests.e2e.test_broker import RedisServer
 from tests.otlp import Receiver, Span, named, traceparent
 from tests.procs import NO_CLIENT_LIMITS, Proc, start_engine, start_gateway, stop_all
+from tests.system import require
 
 # the batch processors export every 100 ms (default 5 s): the test waits for spans, not for the batch
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
@@ -198,3 +203,83 @@ def test_a_killed_engine_is_an_engine_lost_and_a_migration_event_with_both_engin
     second = next(s for s in named(spans, "engine.accept") if s.span_id != first.span_id)
     assert second.resource["tokenfan.engine.address"] == addresses[1 - victim]
     assert second.parent_id == first.parent_id == gen.span_id and second.attributes["tokenfan.resume.tokens"] > 0
+
+
+@pytest.fixture
+def replicas(receiver: Receiver, ipc_dir: Path, tmp_path: Path) -> Iterator[tuple[str, Proc, str]]:
+    """Two traced gateways on one synthetic engine and a Redis broker: the owner's URL and process, the replica's."""
+    require("redis-server")
+    redis = RedisServer(tmp_path)
+    redis.start()
+    address = f"ipc://{ipc_dir / 'traced-replicas.sock'}"
+    engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "20", "--synthetic-ttft-ms", "5",
+                          "--otlp-traces-endpoint", receiver.endpoint, name="engine-traced-replicas", env=FAST_EXPORT)
+    procs = [engine]
+    try:
+        urls = []
+        for k in "ab":
+            proc, url = start_gateway(address, "--broker", redis.url, *LEASE, *NO_CLIENT_LIMITS, "--otlp-traces-endpoint",
+                                      receiver.endpoint, name=f"gateway-traced-{k}", env=FAST_EXPORT)
+            procs.append(proc)
+            urls.append(url)
+        yield urls[0], procs[1], urls[1]
+    finally:
+        stop_all(procs)
+        redis.kill()
+
+
+def read_to_the_end(urls: list[str], sid: str, out: list[str]) -> None:
+    """An EventSource: read; when the connection drops without an end, resume on the next URL with Last-Event-ID."""
+    last: str | None = None
+    for url in urls:
+        r = httpx.get(f"{url}/v1/streams/{sid}/events", headers={"Last-Event-ID": last} if last else {}, timeout=60)
+        out.append(r.text)
+        ids = [e["id"] for e in sse_events(r.text) if "id" in e]
+        last = ids[-1] if ids else last
+        if "data: [DONE]" in r.text:
+            return
+
+
+def test_a_listed_stream_handed_to_a_replica_is_one_trace_of_owner_adopter_and_readers(
+        replicas: tuple[str, Proc, str], receiver: Receiver) -> None:
+    owner, owner_proc, replica = replicas
+    trace_id, parent = new_parent()
+    sid = httpx.post(owner + "/v1/streams", json=chat(60), headers={"traceparent": traceparent(trace_id, parent)},
+                     timeout=30).json()["id"]
+    on_owner: list[str] = []
+    on_replica: list[str] = []
+    readers = [threading.Thread(target=read_to_the_end, args=([owner, replica], sid, on_owner)),
+               threading.Thread(target=read_to_the_end, args=([replica], sid, on_replica))]
+    for t in readers:
+        t.start()
+    time.sleep(1.0)
+    owner_proc.popen.send_signal(signal.SIGTERM)  # --handover: the replica adopts the stream from its log
+    for t in readers:
+        t.join(60)
+    assert "data: [DONE]" in on_owner[-1] and "data: [DONE]" in on_replica[-1] and len(on_owner) == 2
+    assert owner_proc.popen.wait(30) == 0  # its spans were exported at its shutdown
+
+    def complete(ss: list[Span]) -> bool:
+        return len(list(named(ss, "stream.read"))) == 3 and any(s.name == "stream.adopt" for s in ss) and \
+            len(list(named(ss, "engine.accept"))) == 2 and any(s.name.startswith("chat ") for s in ss)
+
+    spans = receiver.wait(complete, 30, "owner, adopter, readers and engine spans", trace_id)
+    (gen,) = [s for s in spans if s.name.startswith("chat ")]
+    (adopt,) = named(spans, "stream.adopt")
+    assert gen.parent_id == parent and adopt.parent_id == gen.span_id
+    assert gen.resource["service.instance.id"] != adopt.resource["service.instance.id"]  # two gateways
+    moved = adopt.event("adoption").attributes
+    assert moved["tokenfan.adoption.old_owner"] and moved["tokenfan.adoption.events"] > 0
+    assert moved["tokenfan.adoption.old_owner"] != moved["tokenfan.adoption.new_owner"]
+    accepts = {s.parent_id: s for s in named(spans, "engine.accept")}
+    assert set(accepts) == {gen.span_id, adopt.span_id} and accepts[adopt.span_id].attributes["tokenfan.resume.tokens"] > 0
+    reads = list(named(spans, "stream.read"))
+    assert all((trace_id, gen.span_id) in r.links or (trace_id, adopt.span_id) in r.links for r in reads)
+    by_gateway = {(r.resource["service.instance.id"], r.parent_id) for r in reads}
+    assert (gen.resource["service.instance.id"], gen.span_id) in by_gateway  # the owner's own reader
+    assert (adopt.resource["service.instance.id"], gen.span_id) in by_gateway  # the replica's mirror reader
+    (resumed,) = [r for r in reads if any(e.name == "resume" for e in r.events)]
+    # it came back to the replica with Last-Event-ID: under the adopter's span, or the owner's if it came back
+    # while the replica still mirrored the stream
+    assert resumed.parent_id in (adopt.span_id, gen.span_id)
+    assert resumed.resource["service.instance.id"] == adopt.resource["service.instance.id"]

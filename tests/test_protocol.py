@@ -53,3 +53,30 @@ def test_a_pickle_is_never_executed() -> None:
 def test_frame_count_is_checked() -> None:
     with pytest.raises(p.WireError, match="expected 2 frames"):
         p.decode([p.MAGIC])
+
+
+class SubmitBefore(msgspec.Struct, tag="submit", array_like=True, frozen=True):
+    """``Submit`` as ``tokenfan/4`` had it before ``trace_headers`` was added at its end (2026-11-29)."""
+
+    request_id: str
+    endpoint: str
+    sampling: p.Sampling
+    prompt: str | None = None
+    messages: list[p.ChatMessage] | None = None
+    trace_id: str = ""
+    body: bytes = b""
+    stream: bool = True
+    resume: list[int] = []
+    resume_chars: int = 0
+    resume_steps: list[list[list[int]]] = []
+
+
+def test_submit_trace_headers_are_a_trailing_field_both_sides_of_tokenfan_4_read() -> None:
+    """A gateway from before sends no trace context (the engine reads none); an engine from before reads a
+    traced gateway's Submit and ignores the context."""
+    traced = p.Submit("r", "chat.completions", p.Sampling(), messages=[p.ChatMessage("user", "hi")],
+                      resume=[1, 2], trace_headers={"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"})
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(traced), type=SubmitBefore)
+    assert (old.request_id, old.resume, old.messages) == ("r", [1, 2], traced.messages)
+    new = p.decode([p.MAGIC, msgspec.msgpack.encode(SubmitBefore("r", "completions", p.Sampling(), prompt="x"))])
+    assert isinstance(new, p.Submit) and new.trace_headers == {} and new.prompt == "x"

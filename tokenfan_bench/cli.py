@@ -314,6 +314,14 @@ def main(argv: list[str] | None = None) -> int:
         from tokenfan_bench.failover import main as failover_main
 
         return failover_main(argv[1:])
+    if argv[:1] == ["durable"]:  # the latency cost of durable delivery of listed streams (durable.py)
+        from tokenfan_bench.durable import main as durable_main
+
+        return durable_main(argv[1:])
+    if argv[:1] == ["partitions"]:  # real network partitions against sampled listed streams (partitions.py)
+        from tokenfan_bench.partitions import main as partitions_main
+
+        return partitions_main(argv[1:])
     if argv[:1] == ["vs-vllm"]:  # tokenfan serve against vllm serve (tokenfan_bench/vs_vllm.py)
         from tokenfan_bench.vs_vllm import main as vs_vllm_main
 

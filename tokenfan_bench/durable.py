@@ -1,0 +1,124 @@
+"""``tokenfan bench durable``: what durable delivery costs a listed stream's readers (docs/failures.md).
+
+With ``--broker`` an event of a listed stream reaches its readers only once Redis holds it (a reader never
+reads what an adopter would not). Three arms on one synthetic engine, run in turn (A B C C B A, so a drift of
+the machine falls on every arm alike): a gateway without a broker (``memory``), one with Redis on loopback
+(``redis``), and one whose Redis is behind a 1 ms round trip (``redis-1ms``, the bench's shaping proxy:
+:mod:`tokenfan_bench.network.shaping_proxy`). Each arm: ``--streams`` fan-out streams at ``--tokens-per-s``,
+one SSE reader each; the delivery latency of every event is its arrival (the wall clock) minus the engine's
+emit time in its ``tokenfan`` object. Reported per arm: p50, p90, p99 and p99.9, and each arm's median over
+``memory``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from tokenfan_bench.network.shaping_proxy import Shaper, parse_profile
+from tokenfan_bench.servers.processes import free_port, spawn, stop_all, wait_healthy
+
+ARMS = ("memory", "redis", "redis-1ms")
+
+
+async def _arm(url: str, streams: int, tokens: int) -> list[float]:
+    """Latencies (ms) of every content event of ``streams`` fan-out streams read over SSE at ``url``."""
+    out: list[float] = []
+
+    async def one(c: httpx.AsyncClient, i: int) -> None:
+        r = await c.post(url + "/v1/streams", json={"messages": [{"role": "user", "content": f"river {i}"}],
+                                                    "max_tokens": tokens, "stream": True})
+        r.raise_for_status()
+        async with c.stream("GET", f"{url}/v1/streams/{r.json()['id']}/events") as resp:
+            async for line in resp.aiter_lines():
+                if line == "data: [DONE]":
+                    return
+                if line.startswith("data: {"):
+                    now = time.time_ns()
+                    emit = (json.loads(line[6:]).get("tokenfan") or {}).get("emit_ns")
+                    if emit:
+                        out.append((now - emit) / 1e6)
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=2 * streams + 4)) as c:
+        await asyncio.gather(*(one(c, i) for i in range(streams)))
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tokenfan bench durable", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=100, help="max_tokens of each stream")
+    ap.add_argument("--tokens-per-s", type=float, default=20.0)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of A B C C B A")
+    ap.add_argument("--out", type=Path, default=Path("bench-results/durable"))
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    logs = args.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    lat: dict[str, list[float]] = {a: [] for a in ARMS}
+    with tempfile.TemporaryDirectory(prefix="tokenfan-durable-") as d:
+        tmp = Path(d)
+        rport = free_port()
+        redis = subprocess.Popen(["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
+                                  "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+        shaper = Shaper(parse_profile("rtt=1ms"), [f"redis://127.0.0.1:{rport}"])
+        address = f"ipc://{tmp / 'engine.sock'}"
+        procs = [spawn(["-m", "engine_worker", "--engine-address", address, "--engine", "synthetic",
+                        "--synthetic-tokens-per-s", str(args.tokens_per_s), "--log-level", "warning"],
+                       logs / "engine.log")]
+        urls = {}
+        try:
+            brokers = {"memory": [], "redis": ["--broker", f"redis://127.0.0.1:{rport}/0"],
+                       "redis-1ms": ["--broker", f"redis://127.0.0.1:{shaper.ports[0]}/0"]}
+            for arm in ARMS:
+                port = free_port()
+                procs.append(spawn(["-m", "tokenfan.cli", "gateway", "--engine-address", address, "--port", str(port),
+                                    *brokers[arm], "--max-generations-per-client", "0",
+                                    "--max-subscriptions-per-client", "0", "--log-level", "warning"],
+                                   logs / f"gateway-{arm}.log"))
+                urls[arm] = f"http://127.0.0.1:{port}"
+                wait_healthy(urls[arm], [procs[-1], procs[0]], 120)
+            probe = shaper.probe()
+            for _ in range(args.rounds):
+                for arm in (*ARMS, *reversed(ARMS)):
+                    lat[arm] += asyncio.run(_arm(urls[arm], args.streams, args.tokens))
+        finally:
+            stop_all(procs)
+            shaper.close()
+            redis.terminate()
+            redis.wait(10)
+    command = "tokenfan bench durable " + " ".join(argv)
+    results: dict[str, Any] = {"command": command, "redis_path_probe": probe, "arms": {}}
+    base = float(np.median(lat["memory"])) if lat["memory"] else 0.0
+    lines = ["# tokenfan bench durable", "", f"`{command}`", "",
+             (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; the 1 ms path measured "
+              f"{probe['rtt_ms']:.2f} ms RTT (median of its pings)"), "",
+             "| arm | events | p50 | p90 | p99 | p99.9 | median over memory |", "|---|---|---|---|---|---|---|"]
+    for arm in ARMS:
+        v = np.array(lat[arm])
+        q = {p: float(np.percentile(v, p)) for p in (50, 90, 99, 99.9)} if len(v) else {}
+        results["arms"][arm] = {"events": len(v), "ms": q}
+        if q:
+            lines.append(f"| {arm} | {len(v)} | {q[50]:.2f} ms | {q[90]:.2f} ms | {q[99]:.2f} ms | {q[99.9]:.2f} ms | "
+                         f"{q[50] - base:+.2f} ms |")
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    summary = "\n".join(lines) + "\n"
+    (args.out / "summary.md").write_text(summary)
+    print(summary)
+    return 0 if all(results["arms"][a]["events"] for a in ARMS) else 1

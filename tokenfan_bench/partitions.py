@@ -1,0 +1,468 @@
+"""``tokenfan bench partitions``: real network partitions (:mod:`tokenfan_bench.network.partition`) against
+sampled listed streams, and a checker that reads every reader's history (the suite runs the same scenarios:
+tests/e2e/test_partitions.py).
+
+Scenarios (each with its own processes; the engine is shared):
+
+- ``redis-cut``: gateways A (in an island) and B on one engine and one ``redis-server``; N fan-out streams
+  created on A, sampled (temperature 1, no seed: two continuations differ), each read by one reader starting
+  on A and one starting on B. A's link to Redis is cut for ``--cut`` × the lease TTL (A keeps its engine and
+  its readers), then healed.
+- ``redis-restart``: the same without the island; Redis is killed and started again, empty, on its port, after
+  ``--cut`` × the lease TTL.
+- ``engine-cut``: gateway A (in an island) on two engines: one over ``tcp://`` with CURVE, whose link is cut for
+  longer than ``--heartbeat-timeout`` (A migrates its requests to the other) and than the engine's
+  ``--gateway-grace`` (the engine aborts them), then healed. Synthetic engines: their text is a function of
+  the position, so a delta of the old run that reached a client shows as text that is not the control's.
+
+Each reader resumes with ``Last-Event-ID`` at its next gateway whenever its response ends without ``[DONE]``
+or fails, as behind a load balancer. The checker (:func:`check`): every reader reads each event once and in
+order, ends with ``[DONE]`` or an explicit error event, within the deadline (nothing hangs); every two readers
+of a stream read one answer (one history a prefix of the other; equal when both ended); the engines end with
+nothing running. Reported: each scenario's recovery time (the fault's end to the moment every reader had an
+event after it) and the largest gap any reader saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenfan_bench.network.partition import Island, available
+from tokenfan_bench.servers.processes import Proc, free_port, spawn, stop_all, wait_healthy
+
+SCENARIOS = ("redis-cut", "redis-restart", "engine-cut")
+LEASE = ["--broker-lease-interval", "0.2", "--broker-lease-ttl", "0.8"]
+OPEN = ["--max-generations-per-client", "0", "--max-subscriptions-per-client", "0", "--max-connections-per-client",
+        "0", "--log-level", "warning"]
+
+
+@dataclass
+class History:
+    """What one reader of one stream saw: each event's ``seq``, text and arrival; how each connection ended."""
+
+    urls: list[str]
+    seqs: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    ends: list[str] = field(default_factory=list)  # done | eof | error:<code> | http <status> | net <error>
+    outcome: str = "hung"  # done | error:<code> | hung
+
+    def largest_gap(self) -> float:
+        return max((b - a for a, b in zip(self.arrivals, self.arrivals[1:])), default=0.0)
+
+
+def chunk_text(chunk: dict[str, Any]) -> str:
+    out = []
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        out.append(str(delta.get("content") or "") + str(delta.get("reasoning") or "") + str(choice.get("text") or ""))
+    return "".join(out)
+
+
+async def read(client: httpx.AsyncClient, sid: str, h: History, stop: asyncio.Event) -> None:
+    """Follow one stream, resuming with ``Last-Event-ID`` at the next URL whenever a response ends without an end."""
+    k = 0
+    while not stop.is_set():
+        url = f"{h.urls[k % len(h.urls)]}/v1/streams/{sid}/events"
+        headers = {"Last-Event-ID": str(h.seqs[-1])} if h.seqs else {}
+        ended = "eof"
+        try:
+            async with client.stream("GET", url, headers=headers) as r:
+                if r.status_code == 204:  # nothing after Last-Event-ID, and the stream is done
+                    h.ends.append("done")
+                    h.outcome = "done"
+                    return
+                if r.status_code != 200:
+                    ended = f"http {r.status_code}"
+                else:
+                    seq, event = None, "message"
+                    async for line in r.aiter_lines():
+                        if line.startswith("id: "):
+                            seq = int(line[4:])
+                        elif line.startswith("event: "):
+                            event = line[7:]
+                        elif line == "data: [DONE]":
+                            h.ends.append("done")
+                            h.outcome = "done"
+                            return
+                        elif line.startswith("data: ") and event == "error":
+                            code = json.loads(line[6:]).get("error", {}).get("code")
+                            h.ends.append(f"error:{code}")
+                            h.outcome = f"error:{code}"
+                            return
+                        elif line.startswith("data: {") and seq is not None:
+                            h.seqs.append(seq)
+                            h.texts.append(chunk_text(json.loads(line[6:])))
+                            h.arrivals.append(time.monotonic())
+                        elif not line:
+                            seq, event = None, "message"
+        except httpx.HTTPError as exc:
+            ended = f"net {type(exc).__name__}"
+        h.ends.append(ended)
+        k += 1
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.1 if ended == "eof" else 0.3):
+                await stop.wait()
+
+
+def check(streams: dict[str, list[History]]) -> list[str]:
+    """Every problem the histories show (none: one answer per stream, each event once, every reader ended)."""
+    problems = []
+    for sid, readers in streams.items():
+        for n, h in enumerate(readers):
+            if h.seqs != list(range(len(h.seqs))):
+                problems.append(f"{sid} reader {n}: events out of order, repeated or missing: {h.seqs[:50]}")
+            if h.outcome == "hung":
+                problems.append(f"{sid} reader {n}: never ended (ends {h.ends})")
+        for a in range(len(readers)):
+            for b in range(a + 1, len(readers)):
+                x, y = readers[a].texts, readers[b].texts
+                short, long_ = (x, y) if len(x) <= len(y) else (y, x)
+                if long_[:len(short)] != short:
+                    at = next(i for i, (p, q) in enumerate(zip(short, long_, strict=False)) if p != q)
+                    problems.append(f"{sid}: readers {a} and {b} read two answers, parting at event {at} "
+                                    f"({len(''.join(short[:at]))} characters in)")
+                elif readers[a].outcome == readers[b].outcome == "done" and len(x) != len(y):
+                    problems.append(f"{sid}: readers {a} and {b} both got [DONE] after {len(x)} and {len(y)} events")
+    return problems
+
+
+def body(i: int, tokens: int) -> dict[str, Any]:
+    """A sampled chat stream: temperature 1 and no seed, so two continuations of it differ."""
+    return {"messages": [{"role": "user", "content": f"Tell a long story about river {i}."}], "max_tokens": tokens,
+            "temperature": 1.0, "stream": True}
+
+
+@dataclass
+class Run:
+    """One scenario's outcome: the histories, the problems, and the times the checker reports."""
+
+    scenario: str
+    streams: dict[str, list[History]]
+    problems: list[str]
+    fault_s: float  # how long the fault lasted
+    recovery_s: float | None  # the fault's end to the first event after it (None: none came)
+    engine_idle: bool
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        gaps = sorted(h.largest_gap() for rs in self.streams.values() for h in rs)
+        ends: dict[str, int] = {}
+        for rs in self.streams.values():
+            for h in rs:
+                ends[h.outcome] = ends.get(h.outcome, 0) + 1
+        return {"scenario": self.scenario, "streams": len(self.streams),
+                "readers": sum(len(r) for r in self.streams.values()), "outcomes": ends, "problems": self.problems,
+                "fault_s": round(self.fault_s, 3),
+                "recovery_s": None if self.recovery_s is None else round(self.recovery_s, 3),
+                "largest_gap_s": round(gaps[-1], 3) if gaps else None, "engine_idle": self.engine_idle,
+                "resumes": sum(len(h.ends) - 1 for rs in self.streams.values() for h in rs), **self.notes}
+
+
+class RedisProc:
+    """A ``redis-server`` without persistence on ``port``, on loopback and the given extra addresses."""
+
+    def __init__(self, workdir: Path, binds: list[str]) -> None:
+        self.port, self.workdir, self.binds = free_port(), workdir, binds
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        # (protected mode off: the extra address is an island's private veth, see tokenfan_bench.network.partition)
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", *self.binds,
+                                      "--protected-mode", "no" if self.binds else "yes", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.workdir)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while subprocess.run(["redis-cli", "-p", str(self.port), "ping"], check=False,
+                             capture_output=True).stdout.strip() != b"PONG":
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def engine_running(url: str) -> int:
+    """Requests running and waiting on the engines a gateway sees (their heartbeats)."""
+    return sum(int(e.get("running") or 0) + int(e.get("waiting") or 0)
+               for e in httpx.get(url + "/health", timeout=5).json().get("engines", []))
+
+
+async def _drive(create: str, urls: list[list[str]], n: int, tokens: int, warm: int, fault: Any,
+                 deadline_s: float) -> tuple[dict[str, list[History]], float, float]:
+    """Create ``n`` streams on ``create``, one reader per URL list each; once every reader has ``warm`` events,
+    ``await fault()`` (returns when the fault ends); then wait for the readers. The streams, the fault's
+    start and end (monotonic)."""
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=5), limits=httpx.Limits(max_connections=4 * n + 8)) \
+            as c:
+        ids = []
+        for i in range(n):
+            r = await c.post(create + "/v1/streams", json=body(i, tokens))
+            r.raise_for_status()
+            ids.append(r.json()["id"])
+        streams = {sid: [History(list(u)) for u in urls] for sid in ids}
+        jobs = [asyncio.create_task(read(c, sid, h, stop)) for sid in ids for h in streams[sid]]
+        t_warm = time.monotonic() + 120
+        while any(len(h.seqs) < warm and h.outcome == "hung" for rs in streams.values() for h in rs):
+            if time.monotonic() > t_warm:
+                raise RuntimeError("the readers did not get their first events")
+            await asyncio.sleep(0.02)
+        t0 = time.monotonic()
+        await fault()
+        t1 = time.monotonic()
+        _, pending = await asyncio.wait(jobs, timeout=deadline_s)
+        stop.set()
+        if pending:
+            await asyncio.wait(pending, timeout=10)
+    return streams, t0, t1
+
+
+def _recovery(streams: dict[str, list[History]], t1: float) -> float | None:
+    """The fault's end to the moment every reader still reading then had an event after it (None: one never did)."""
+    firsts = []
+    for rs in streams.values():
+        for h in rs:
+            after = [t for t in h.arrivals if t > t1]
+            if after:
+                firsts.append(after[0])
+            elif h.outcome == "done" and h.arrivals and h.arrivals[-1] <= t1:
+                continue  # it had everything before the fault ended
+            else:
+                return None
+    return max(firsts) - t1 if firsts else None
+
+
+def _sample(url: str, name: str, **labels: str) -> float:
+    """One sample of a gateway's ``/metrics`` (0 if absent), read with ``prometheus_client``'s parser."""
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
+
+
+def _wait_idle(url: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if engine_running(url) == 0:
+                return True
+        time.sleep(0.2)
+    return False
+
+
+@contextlib.contextmanager
+def _procs() -> Iterator[list[Proc]]:
+    procs: list[Proc] = []
+    try:
+        yield procs
+    finally:
+        stop_all(procs)
+
+
+def redis_scenario(kind: str, engine: str, tmp: Path, logs: Path, *, streams: int, tokens: int, cut: float,
+                   lease: list[str], env: dict[str, str] | None = None) -> Run:
+    """``redis-cut`` or ``redis-restart`` on the engine at ``engine`` (see the module docstring)."""
+    ttl = float(lease[lease.index("--broker-lease-ttl") + 1])
+    island = Island(0) if kind == "redis-cut" else None
+    with contextlib.ExitStack() as stack:
+        if island is not None:
+            stack.enter_context(island)
+        redis = RedisProc(tmp, [island.host_ip] if island else [])
+        redis.start()
+        stack.callback(redis.stop)
+        procs = stack.enter_context(_procs())
+        port_a, port_b = free_port(), free_port()
+        host_a = island.ip if island else "127.0.0.1"
+        broker_a = f"redis://{island.host_ip if island else '127.0.0.1'}:{redis.port}/0"
+        args = ["-m", "tokenfan.cli", "gateway", "--engine-address", engine, *lease, *OPEN]
+        with island.inside() if island else contextlib.nullcontext():
+            procs.append(spawn([*args, "--broker", broker_a, "--host", "0.0.0.0", "--port", str(port_a)],
+                               logs / f"{kind}-gateway-a.log", env=env))
+        procs.append(spawn([*args, "--broker", f"redis://127.0.0.1:{redis.port}/0", "--host", "127.0.0.1", "--port",
+                            str(port_b)], logs / f"{kind}-gateway-b.log", env=env))
+        url_a, url_b = f"http://{host_a}:{port_a}", f"http://127.0.0.1:{port_b}"
+        wait_healthy(url_a, procs[:1], 120)
+        wait_healthy(url_b, procs[1:], 120)
+        notes: dict[str, Any] = {}
+
+        async def fault() -> None:
+            if island is not None:
+                island.cut(redis.port)
+                await asyncio.sleep(ttl)
+                async with httpx.AsyncClient() as c:  # the cut gateway says it is not ready
+                    notes["health_during_cut"] = (await c.get(url_a + "/health", timeout=5)).status_code
+                await asyncio.sleep(cut * ttl - ttl)
+                island.heal(redis.port)
+            else:
+                redis.stop()
+                await asyncio.sleep(cut * ttl)
+                redis.start()
+
+        histories, t0, t1 = asyncio.run(_drive(url_a, [[url_a, url_b], [url_b, url_a]], streams, tokens, 10, fault,
+                                               120))
+        idle = _wait_idle(url_b, 30)
+        notes["fenced_a"] = _sample(url_a, "tokenfan_streams_fenced_total", reason="fenced")
+        notes["paused_a"] = _sample(url_a, "tokenfan_streams_fenced_total", reason="lease")
+        notes["adopted_b"] = _sample(url_b, "tokenfan_adoptions_total", outcome="adopted")
+    return Run(kind, histories, check(histories), t1 - t0, _recovery(histories, t1), idle, notes)
+
+
+def engine_scenario(tmp: Path, logs: Path, *, streams: int, tokens: int, cut: float, env: dict[str, str] | None = None
+                    ) -> Run:
+    """``engine-cut`` (see the module docstring): synthetic engines, one over tcp:// with CURVE."""
+    keys = tmp / "keys"
+    subprocess.run([sys.executable, "-m", "tokenfan.cli", "keys", str(keys)], check=True, capture_output=True)
+    hb_timeout, grace = 1.0, 2.0
+    with Island(1) as island, _procs() as procs:
+        tcp = f"tcp://{island.host_ip}:{free_port()}"
+        ipc = f"ipc://{tmp / 'engine-b.sock'}"
+        synth = ["--engine", "synthetic", "--synthetic-tokens-per-s", "40", "--gateway-grace", str(grace),
+                 "--log-level", "warning"]
+        procs.append(spawn(["-m", "engine_worker", "--engine-address", tcp, "--curve-dir", str(keys),
+                            "--allow-remote-engine", *synth], logs / "engine-cut-engine-tcp.log", env=env))
+        # (the gateway's --curve-dir applies to each of its links: this one too)
+        procs.append(spawn(["-m", "engine_worker", "--engine-address", ipc, "--curve-dir", str(keys), *synth],
+                           logs / "engine-cut-engine-ipc.log", env=env))
+        port = free_port()
+        with island.inside():
+            procs.append(spawn(["-m", "tokenfan.cli", "gateway", "--engine-address", f"{tcp},{ipc}", "--curve-dir",
+                                str(keys), "--heartbeat-timeout", str(hb_timeout), "--host", "0.0.0.0", "--port",
+                                str(port), *OPEN], logs / "engine-cut-gateway.log", env=env))
+        url = f"http://{island.ip}:{port}"
+        wait_healthy(url, procs, 120)
+        deadline = time.monotonic() + 60
+        while not all(e["healthy"] for e in httpx.get(url + "/health").json()["engines"]):
+            if time.monotonic() > deadline:
+                raise RuntimeError("both engines never became healthy")
+            time.sleep(0.1)
+        tcp_port = int(tcp.rsplit(":", 1)[1])
+
+        notes: dict[str, Any] = {}
+
+        async def fault() -> None:
+            island.cut(tcp_port)
+            await asyncio.sleep(cut * max(hb_timeout, grace))
+            island.heal(tcp_port)
+            # healed, while the streams still run (on the other engine): the engine that was cut off runs nothing
+            # of this gateway's (it aborted them after --gateway-grace), as its first heartbeats say
+            async with httpx.AsyncClient() as c:
+                for _ in range(100):
+                    e = next(e for e in (await c.get(url + "/health", timeout=5)).json()["engines"]
+                             if e["address"] == tcp)
+                    if e["healthy"]:
+                        notes["tcp_engine_after_heal"] = {"running": e["running"], "waiting": e["waiting"]}
+                        break
+                    await asyncio.sleep(0.05)
+
+        histories, t0, t1 = asyncio.run(_drive(url, [[url], [url]], streams, tokens, 10, fault, 120))
+        # the control: the same requests where nothing was cut (the synthetic text is a function of the position)
+        controls = {}
+        for i, sid in enumerate(histories):
+            r = httpx.post(url + "/v1/chat/completions", json={**body(i, tokens), "stream": False}, timeout=120)
+            controls[sid] = r.json()["choices"][0]["message"]["content"]
+        problems = check(histories)
+        after = notes.get("tcp_engine_after_heal")
+        if after is None or after["running"] or after["waiting"]:
+            problems.append(f"the engine that was cut off, healed: {after or 'never healthy again'} (want nothing "
+                            "running)")
+        for sid, readers in histories.items():
+            for n, h in enumerate(readers):
+                if h.outcome == "done" and "".join(h.texts) != controls[sid]:
+                    problems.append(f"{sid} reader {n}: its text is not the control's (a delta of the old run?)")
+        idle = _wait_idle(url, grace + 10)
+        notes["migrated"] = _sample(url, "tokenfan_migrations_total", outcome="continued")
+        if not notes["migrated"]:
+            problems.append("no request was migrated off the engine that was cut off")
+    return Run("engine-cut", histories, problems, t1 - t0, _recovery(histories, t1), idle, notes)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tokenfan bench partitions", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", choices=(*SCENARIOS, "all"), default="all")
+    ap.add_argument("--streams", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=600, help="max_tokens of each stream")
+    ap.add_argument("--cut", type=float, default=3.0, help="the fault lasts this many lease TTLs (engine: "
+                    "heartbeat timeouts or gateway graces, the longer)")
+    ap.add_argument("--lease-ttl", type=float, default=0.8, help="--broker-lease-ttl of the gateways "
+                    "(--broker-lease-interval is a quarter of it)")
+    ap.add_argument("--model", type=Path, default=None, help="the engine's model for the Redis scenarios "
+                    "(default: the tiny random-weight Llama, built locally)")
+    ap.add_argument("--out", type=Path, default=Path("bench-results/partitions"))
+    return ap
+
+
+def _vllm_engine(args: argparse.Namespace, tmp: Path, logs: Path) -> tuple[Proc, str]:
+    from engine_worker.models import build_tiny_llama
+
+    model = args.model or build_tiny_llama(tmp / "tiny-llama")
+    address = f"ipc://{tmp / 'engine.sock'}"
+    proc = spawn(["-m", "engine_worker", "--engine-address", address, "--engine", "vllm", "--model", str(model),
+                  "--max-model-len", "1024", "--log-level", "warning"], logs / "engine-vllm.log")
+    return proc, address
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    why = available()
+    if why:
+        print(f"tokenfan bench partitions: {why}", file=sys.stderr)
+        return 2
+    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    logs = args.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    lease = ["--broker-lease-interval", f"{args.lease_ttl / 4:g}", "--broker-lease-ttl", f"{args.lease_ttl:g}"]
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="tokenfan-partitions-") as d:
+        tmp = Path(d)
+        engine: Proc | None = None
+        try:
+            for s in scenarios:
+                if s.startswith("redis"):
+                    if engine is None:
+                        engine, address = _vllm_engine(args, tmp, logs)
+                    runs.append(redis_scenario(s, address, tmp, logs, streams=args.streams, tokens=args.tokens,
+                                               cut=args.cut, lease=lease))
+                else:
+                    runs.append(engine_scenario(tmp, logs, streams=args.streams, tokens=args.tokens, cut=args.cut))
+        finally:
+            if engine is not None:
+                stop_all([engine])
+    command = "tokenfan bench partitions " + " ".join(argv)
+    results = [r.summary() for r in runs]
+    (args.out / "results.json").write_text(json.dumps({"command": command, "results": results}, indent=1))
+    lines = ["# tokenfan bench partitions", "", f"`{command}`", "",
+             (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"), "",
+             ("| scenario | streams | readers | outcomes | one answer each | fault | recovery | largest gap | "
+              "engine idle after |"), "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        rec = "-" if r["recovery_s"] is None else f"{r['recovery_s'] * 1000:.0f} ms"
+        gap = "-" if r["largest_gap_s"] is None else f"{r['largest_gap_s'] * 1000:.0f} ms"
+        lines.append(f"| {r['scenario']} | {r['streams']} | {r['readers']} | {r['outcomes']} | "
+                     f"{'yes' if not r['problems'] else 'NO: ' + '; '.join(r['problems'][:3])} | {r['fault_s']:.1f} s | "
+                     f"{rec} | {gap} | {'yes' if r['engine_idle'] else 'no'} |")
+    summary = "\n".join(lines) + "\n"
+    (args.out / "summary.md").write_text(summary)
+    print(summary)
+    return 0 if all(not r["problems"] and r["engine_idle"] for r in results) else 1

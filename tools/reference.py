@@ -166,6 +166,9 @@ ERRORS: dict[str, tuple[str, str, str]] = {
     "slow_consumer": ("503", "a write to this reader was blocked longer than `--send-timeout`",
                       "read faster; resume with `Last-Event-ID` / `?after=`"),
     "broker_unavailable": ("503", "`--broker`: Redis is unreachable", "retry after `Retry-After`"),
+    "owner_fenced": ("503", ("`--broker`: a stored response's gateway lost touch with Redis before its end was "
+                     "durable (it fenced itself: docs/failures.md)"),
+                     "GET `/v1/responses/{id}` on another replica, or here shortly"),
     "mirror_closed": ("503", "this replica stopped mirroring the stream", ("resume on another replica "
                       "(`Last-Event-ID`, `?after=`)")),
 }

@@ -255,3 +255,21 @@ def test_a_lease_certainly_gone_is_owner_lost_at_the_first_check() -> None:
     idle = Idle(timeout=10.0, recheck=0.5, now=0.0)
     lost = idle.check(10.0, Lease("missing", certain=True), "s")
     assert lost is not None and lost.code == "owner_lost"
+
+
+def test_a_held_lease_whose_owner_connection_closed_twice_is_owner_lost_at_once() -> None:
+    idle = Idle(timeout=10.0, recheck=0.5, now=0.0, lease_check=2.0, presence_check=0.15)
+    assert not idle.due(0.14) and idle.due(0.15)  # quiet for the presence check, not the lease's TTL
+    assert idle.check(0.15, Lease("held", 1.5, present=True), "s") is None and idle.deadline == 0.15 + 0.15
+    assert idle.check(0.3, Lease("held", 1.4, present=False), "s") is None and idle.absent == 1
+    lost = idle.check(0.4, Lease("held", 1.3, present=False), "s")
+    assert lost is not None and lost.code == "owner_lost"
+
+
+def test_a_closed_owner_connection_that_comes_back_is_not_owner_lost() -> None:
+    idle = Idle(timeout=10.0, recheck=0.5, now=0.0, lease_check=2.0, presence_check=0.15)
+    assert idle.check(0.15, Lease("held", 1.5, present=False), "s") is None
+    assert idle.check(0.25, Lease("held", 1.5, present=True), "s") is None and idle.absent == 0
+    assert idle.check(0.4, Lease("held", 1.4, present=False), "s") is None  # one miss again, not two in a row
+    # an owner that does not say it keeps a presence subscription (present None): only its lease counts
+    assert idle.check(0.5, Lease("held", 1.4), "s") is None and idle.deadline == 0.5 + 1.4 + 0.05

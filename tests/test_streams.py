@@ -275,3 +275,57 @@ def test_frames_are_kept_only_when_several_readers_share_them() -> None:
     got, events = asyncio.run(main())
     assert [FANOUT_SSE.name in e.frames for e in events] == [False, False, True, True]
     assert got["first"] == got["late"] == [FANOUT_SSE.build(e) for e in events]
+
+
+def test_a_gated_stream_shows_readers_only_what_is_committed_and_its_end_once_sealed() -> None:
+    async def main() -> None:
+        hub = StreamHub(Retention())
+        s = hub.create("chat.completions", "m")
+        s.gated = True
+        got: list[Event] = []
+
+        async def w(batch: list[Event]) -> None:
+            got.extend(batch)
+
+        reader = asyncio.create_task(follow(s, "sse", -1, w, SlowConsumerPolicy(coalesce_after=100)))
+        publish_text(s, ["a", "b", "c"])
+        assert s.next_seq == 3 and s.events == [] and [e.seq for e in s.pending] == [0, 1, 2]
+        await asyncio.sleep(0.01)
+        assert got == []  # nothing durable yet
+        s.commit(2)
+        await asyncio.sleep(0.01)
+        assert texts(got) == "ab" and [e.seq for e in s.pending] == [2]
+        s.finish("done")
+        s.commit(3)  # the last event, not the end
+        await asyncio.sleep(0.01)
+        assert texts(got) == "abc" and not reader.done() and not s.over
+        s.commit(3, sealed=True)
+        assert await asyncio.wait_for(reader, 1) == 2 and s.over
+
+    asyncio.run(main())
+
+
+def test_a_paused_stream_sends_its_readers_away_and_a_relinquished_one_drops_what_was_not_durable() -> None:
+    async def main() -> None:
+        hub = StreamHub(Retention())
+        s = hub.create("chat.completions", "m")
+        s.gated = True
+        got: list[Event] = []
+
+        async def w(batch: list[Event]) -> None:
+            got.extend(batch)
+
+        policy = SlowConsumerPolicy(coalesce_after=100)
+        first = asyncio.create_task(follow(s, "sse", -1, w, policy))
+        publish_text(s, ["a", "b"])
+        s.commit(1)
+        await asyncio.sleep(0.01)
+        s.pause(True)  # the owner fenced itself: its readers end (to resume elsewhere), the log stays
+        assert await asyncio.wait_for(first, 1) == 0 and s.state == "running" and len(s.pending) == 1
+        late = await asyncio.wait_for(follow(s, "ws", -1, w, policy), 1)  # a reader arriving now: the same
+        assert late == 0 and texts(got) == "aa"
+        s.pause(False)
+        s.relinquish()  # another gateway owns it: the uncommitted "b" is never shown
+        assert s.state == "moved" and s.pending == [] and texts(s.events) == "a" and s.over
+
+    asyncio.run(main())

@@ -156,6 +156,40 @@ def test_a_mirror_survives_quiet_gaps_longer_than_its_block_socket_and_idle_time
     run(main())
 
 
+def test_a_stale_owners_writes_are_refused_by_their_epoch_and_it_gives_the_stream_up(
+        redis_server: RedisServer) -> None:
+    """Fencing: B takes the stream over from A's epoch (as an adoption does); exactly one claim of that epoch
+    succeeds; A's next write is refused by Redis, never interleaved: A drops what Redis did not take (its
+    readers never saw it) and forgets the stream."""
+    async def main() -> None:
+        a, b, c = Replica(redis_server.url), Replica(redis_server.url), Replica(redis_server.url)
+        for r in (a, b, c):
+            await r.broker.start()
+        s = await a.own()
+        s.gated = True
+        a.emit(s, "x0", "x1")
+        while len(s.events) < 2:  # committed: Redis holds them
+            await asyncio.sleep(0.01)
+        first = redis_server.client().xrange(codec.stream_key(s.id), count=1)[0][1]
+        header = codec.decode(first)
+        assert isinstance(header, codec.Header) and header.epoch == 1 and header.owner == a.broker.gateway_id
+        taken, lost = Stream(s.id, "completions", "m"), Stream(s.id, "completions", "m")
+        assert await b.broker.claim(taken, header) and taken.epoch == 2
+        assert not await c.broker.claim(lost, header)  # one claim per epoch
+        a.emit(s, "late")
+        deadline = time.monotonic() + 5
+        while s.id in a.hub.streams:
+            assert time.monotonic() < deadline, "A never gave the stream up"
+            await asyncio.sleep(0.01)
+        assert s.state == "moved" and texts(s) == ["x0", "x1"] and s.pending == []
+        records = [codec.decode(f) for _, f in redis_server.client().xrange(codec.stream_key(s.id))]
+        assert [e.text for e in records if isinstance(e, codec.EventEntry)] == ["x0", "x1"]
+        for r in (a, b, c):
+            await r.broker.close()
+
+    run(main())
+
+
 def test_a_redis_restart_without_persistence_loses_nothing_and_new_work_gets_503_meanwhile(
         redis_server: RedisServer) -> None:
     async def main() -> None:

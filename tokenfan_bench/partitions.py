@@ -5,8 +5,8 @@ tests/e2e/test_partitions.py).
 Scenarios (each with its own processes; the engine is shared):
 
 - ``redis-cut``: gateways A (in an island) and B on one engine and one ``redis-server``; N fan-out streams
-  created on A, sampled (temperature 1, no seed: two continuations differ), each read by one reader starting
-  on A and one starting on B. A's link to Redis is cut for ``--cut`` × the lease TTL (A keeps its engine and
+  and a background response (Responses API) created on A, sampled (temperature 1, no seed: two
+  continuations differ), each read by one reader starting on A and one starting on B. A's link to Redis is cut for ``--cut`` × the lease TTL (A keeps its engine and
   its readers), then healed.
 - ``redis-restart``: the same without the island; Redis is killed and started again, empty, on its port, after
   ``--cut`` × the lease TTL.
@@ -121,6 +121,44 @@ async def read(client: httpx.AsyncClient, sid: str, h: History, stop: asyncio.Ev
                 await stop.wait()
 
 
+async def read_response(client: httpx.AsyncClient, rid: str, h: History, stop: asyncio.Event) -> None:
+    """Follow a background response (``GET /v1/responses/{id}?stream=true``), resuming with ``starting_after``
+    at the next URL whenever a response ends before its terminal event; its events are the log's, numbered by
+    ``sequence_number`` (text: an output text delta's)."""
+    k = 0
+    while not stop.is_set():
+        after = f"&starting_after={h.seqs[-1]}" if h.seqs else ""
+        ended = "eof"
+        try:
+            async with client.stream("GET", f"{h.urls[k % len(h.urls)]}/v1/responses/{rid}?stream=true{after}") as r:
+                if r.status_code != 200:
+                    ended = f"http {r.status_code}"
+                else:
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        ev = json.loads(line[6:])
+                        kind = ev.get("type", "")
+                        if kind == "error":
+                            h.outcome = f"error:{(ev.get('error') or ev).get('code')}"
+                            h.ends.append(h.outcome)
+                            return
+                        h.seqs.append(int(ev["sequence_number"]))
+                        h.texts.append(str(ev.get("delta") or "") if kind == "response.output_text.delta" else "")
+                        h.arrivals.append(time.monotonic())
+                        if kind in ("response.completed", "response.incomplete", "response.failed"):
+                            h.outcome = "done" if kind != "response.failed" else "error:failed"
+                            h.ends.append(h.outcome)
+                            return
+        except httpx.HTTPError as exc:
+            ended = f"net {type(exc).__name__}"
+        h.ends.append(ended)
+        k += 1
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.1 if ended == "eof" else 0.3):
+                await stop.wait()
+
+
 def check(streams: dict[str, list[History]]) -> list[str]:
     """Every problem the histories show (none: one answer per stream, each event once, every reader ended)."""
     problems = []
@@ -208,20 +246,27 @@ def engine_running(url: str) -> int:
 
 
 async def _drive(create: str, urls: list[list[str]], n: int, tokens: int, warm: int, fault: Any,
-                 deadline_s: float) -> tuple[dict[str, list[History]], float, float]:
-    """Create ``n`` streams on ``create``, one reader per URL list each; once every reader has ``warm`` events,
-    ``await fault()`` (returns when the fault ends); then wait for the readers. The streams, the fault's
-    start and end (monotonic)."""
+                 deadline_s: float, responses: int = 0) -> tuple[dict[str, list[History]], float, float]:
+    """Create ``n`` fan-out streams (and ``responses`` background responses) on ``create``, one reader per URL
+    list each; once every reader has ``warm`` events, ``await fault()`` (returns when the fault ends); then wait
+    for the readers. The streams, the fault's start and end (monotonic)."""
     stop = asyncio.Event()
     async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=5), limits=httpx.Limits(max_connections=4 * n + 8)) \
             as c:
-        ids = []
+        ids, rids = [], []
         for i in range(n):
             r = await c.post(create + "/v1/streams", json=body(i, tokens))
             r.raise_for_status()
             ids.append(r.json()["id"])
-        streams = {sid: [History(list(u)) for u in urls] for sid in ids}
+        for i in range(responses):
+            r = await c.post(create + "/v1/responses", json={
+                "input": f"Tell a long story about lake {i}.", "background": True, "temperature": 1.0,
+                "max_output_tokens": tokens})
+            r.raise_for_status()
+            rids.append(r.json()["id"])
+        streams = {sid: [History(list(u)) for u in urls] for sid in [*ids, *rids]}
         jobs = [asyncio.create_task(read(c, sid, h, stop)) for sid in ids for h in streams[sid]]
+        jobs += [asyncio.create_task(read_response(c, rid, h, stop)) for rid in rids for h in streams[rid]]
         t_warm = time.monotonic() + 120
         while any(len(h.seqs) < warm and h.outcome == "hung" for rs in streams.values() for h in rs):
             if time.monotonic() > t_warm:
@@ -281,8 +326,9 @@ def _procs() -> Iterator[list[Proc]]:
 
 
 def redis_scenario(kind: str, engine: str, tmp: Path, logs: Path, *, streams: int, tokens: int, cut: float,
-                   lease: list[str], env: dict[str, str] | None = None) -> Run:
-    """``redis-cut`` or ``redis-restart`` on the engine at ``engine`` (see the module docstring)."""
+                   lease: list[str], responses: int = 1, env: dict[str, str] | None = None) -> Run:
+    """``redis-cut`` or ``redis-restart`` on the engine at ``engine`` (see the module docstring), with
+    ``streams`` fan-out streams and ``responses`` background responses (Responses API, sampled too)."""
     ttl = float(lease[lease.index("--broker-lease-ttl") + 1])
     island = Island(0) if kind == "redis-cut" else None
     with contextlib.ExitStack() as stack:
@@ -320,7 +366,7 @@ def redis_scenario(kind: str, engine: str, tmp: Path, logs: Path, *, streams: in
                 redis.start()
 
         histories, t0, t1 = asyncio.run(_drive(url_a, [[url_a, url_b], [url_b, url_a]], streams, tokens, 10, fault,
-                                               120))
+                                               120, responses))
         idle = _wait_idle(url_b, 30)
         notes["fenced_a"] = _sample(url_a, "tokenfan_streams_fenced_total", reason="fenced")
         notes["paused_a"] = _sample(url_a, "tokenfan_streams_fenced_total", reason="lease")

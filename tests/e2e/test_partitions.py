@@ -38,8 +38,9 @@ def _report(run: Run) -> None:
 def test_a_gateway_cut_from_redis_for_three_leases_delivers_nothing_another_reader_does_not_read(
         vllm_gateway_url: str, vllm_engine: tuple[str, Proc], tmp_path: Path) -> None:
     """Gateway A keeps its engine and its readers while its link to Redis holds every packet for 3 x the lease:
-    it fences itself (its readers resume on B, its /health says 503), B adopts each stream once A's lease
-    expired, and once healed A's writes are refused by their epoch: it gives the streams up."""
+    it fences itself (its readers resume on B, its /health says 503), B adopts each stream (6 fan-out streams
+    and a background response) once A's lease expired, and once healed A's writes are refused by their epoch:
+    it gives the streams up."""
     _needs_islands()
     run = redis_scenario("redis-cut", vllm_engine[0], tmp_path, ARTIFACTS, streams=6, tokens=400, cut=3.0,
                          lease=LEASE)

@@ -6,6 +6,7 @@ access log names the trace and span. The vLLM variant (vLLM's own request spans)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -19,12 +20,16 @@ import httpx
 import pytest
 import websockets.sync.client
 
+from gateway.http.certs import generate
+from gateway.http3.wire import RequestHead
 from tests.e2e.helpers import sse_events, wait_until
 from tests.e2e.test_adoption import LEASE
 from tests.e2e.test_broker import RedisServer
 from tests.otlp import Receiver, Span, named, traceparent
 from tests.procs import NO_CLIENT_LIMITS, Proc, start_engine, start_gateway, stop_all
 from tests.system import require
+from tokenfan_bench.clients.quic import QuicOrigin
+from tokenfan_bench.servers.processes import free_port
 
 # the batch processors export every 100 ms (default 5 s): the test waits for spans, not for the batch
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
@@ -283,3 +288,47 @@ def test_a_listed_stream_handed_to_a_replica_is_one_trace_of_owner_adopter_and_r
     # while the replica still mirrored the stream
     assert resumed.parent_id in (adopt.span_id, gen.span_id)
     assert resumed.resource["service.instance.id"] == adopt.resource["service.instance.id"]
+
+
+@pytest.fixture
+def h3_traced(receiver: Receiver, ipc_dir: Path, tmp_path: Path) -> Iterator[int]:
+    """A traced gateway serving HTTP/3 and WebTransport: its UDP port."""
+    cert, key = generate(tmp_path / "certs", days=13)
+    address = f"ipc://{ipc_dir / 'traced-h3.sock'}"
+    engine = start_engine(address, *ENGINE_ARGS, name="engine-traced-h3")
+    port = free_port()
+    try:
+        gateway, _ = start_gateway(address, "--http3-port", str(port), "--http3-certfile", str(cert),
+                                   "--http3-keyfile", str(key), "--otlp-traces-endpoint", receiver.endpoint,
+                                   name="gateway-traced-h3", env=FAST_EXPORT)
+    except BaseException:
+        engine.stop()
+        raise
+    yield port
+    stop_all([gateway, engine])
+
+
+def test_http3_and_webtransport_requests_join_their_traceparent(h3_traced: int, receiver: Receiver) -> None:
+    parents = {wt: new_parent() for wt in (False, True)}
+    body = json.dumps(chat(4)).encode()
+
+    async def main() -> None:
+        origin = QuicOrigin("127.0.0.1", h3_traced, None)
+        try:
+            client = await origin.client()
+            for wt, (trace_id, parent) in parents.items():
+                head = {"content-type": "application/json", "traceparent": traceparent(trace_id, parent)}
+                if wt:
+                    await client.open_session(origin.authority)
+                    _, resp = client.wt_request(RequestHead("POST", "/v1/chat/completions", head), body)
+                else:
+                    _, resp = client.request("POST", origin.authority, "/v1/chat/completions", head, body)
+                await resp.done
+                assert b"data: [DONE]" in b"".join(resp.chunks)
+        finally:
+            await origin.close()
+
+    asyncio.run(main())
+    for trace_id, parent in parents.values():
+        gen = generation(receiver, trace_id, "the HTTP/3 or WebTransport request's span")
+        assert gen.parent_id == parent and gen.attributes["gen_ai.usage.output_tokens"] == 4

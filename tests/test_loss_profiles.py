@@ -166,3 +166,14 @@ def test_loss_section_tables_have_as_many_cells_as_columns() -> None:
     widths = {ln.count(" | ") for ln in tables if not ln.startswith("| ---")}
     assert len({ln.count("|") for ln in tables[:10]}) == 1 and len({ln.count("|") for ln in tables[10:]}) == 1, widths
     assert "✓ recovered" in tables[-1]
+
+
+def test_the_quic_calibration_wakes_as_many_readers_after_each_sleep() -> None:
+    """The QUIC calibration's delayed and placebo sides have as many arms: readers whose sleeps end together
+    write and are read one after the other through pure-Python QUIC, so a side with more arms queues longer
+    after its sleep than the gateway's timed sleeps show (three arms read 1.6 ms for 1.9 applied, four 1.83 and
+    1.90: docs/benchmarks.md)."""
+    from tokenfan_bench.report.loss import QUIC_CAL
+
+    assert QUIC_CAL[:3] == ("sse-h3", "sse-h3", "wt")  # A, the A/A B, C: the report reads B − A and C − A
+    assert QUIC_CAL.count("sse-h3") == QUIC_CAL.count("wt")

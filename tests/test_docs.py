@@ -38,7 +38,7 @@ FOREIGN_FLAGS = {
     "curl": {"--http3"},
     "docker": {"--build", "--build-arg", "--rm"},
     "buildah run": {"--isolation", "--network", "--pull", "--user"},  # the built image run in chroot (deploy.md)
-    "pip": {"--no-deps"},
+    "pip": {"--no-deps", "--index-url"},
     "kubectl": {"--raw"},
     "py-spy record": {"--gil", "--format"},  # the front end's profile in vs-vllm.md
 }

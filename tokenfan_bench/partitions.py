@@ -114,11 +114,16 @@ async def read(client: httpx.AsyncClient, sid: str, h: History, stop: asyncio.Ev
                             seq, event = None, "message"
         except httpx.HTTPError as exc:
             ended = f"net {type(exc).__name__}"
-        h.ends.append(ended)
-        k += 1
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(0.1 if ended == "eof" else 0.3):
-                await stop.wait()
+        k = await _again(h, ended, k, stop)
+
+
+async def _again(h: History, ended: str, k: int, stop: asyncio.Event) -> int:
+    """A connection ended without the stream's end: note how, wait a moment, and go on at the next URL."""
+    h.ends.append(ended)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(0.1 if ended == "eof" else 0.3):
+            await stop.wait()
+    return k + 1
 
 
 async def read_response(client: httpx.AsyncClient, rid: str, h: History, stop: asyncio.Event) -> None:
@@ -152,11 +157,7 @@ async def read_response(client: httpx.AsyncClient, rid: str, h: History, stop: a
                             return
         except httpx.HTTPError as exc:
             ended = f"net {type(exc).__name__}"
-        h.ends.append(ended)
-        k += 1
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(0.1 if ended == "eof" else 0.3):
-                await stop.wait()
+        k = await _again(h, ended, k, stop)
 
 
 def check(streams: dict[str, list[History]]) -> list[str]:

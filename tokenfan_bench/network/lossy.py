@@ -20,7 +20,6 @@ started meanwhile inherit it). Needs root, ``ip`` and ``iptables``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -31,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Self
 
-from tokenfan_bench.network.wire import CLIENT_IP, CLONE_NEWNET, DEVICE, GATEWAY_IP, setns
+from tokenfan_bench.network.wire import CLIENT_IP, DEVICE, GATEWAY_IP, in_namespace
 
 SNMP_FIELDS = {("Tcp", "RetransSegs"), ("Tcp", "OutSegs"), ("Tcp", "InSegs"), ("Udp", "InDatagrams"),
                ("Udp", "OutDatagrams"), ("TcpExt", "TCPLossProbes"), ("TcpExt", "TCPTimeouts"),
@@ -190,13 +189,8 @@ class LossyNet:
     def inside(self, side: str) -> Iterator[None]:
         """Run the calling thread (and the processes it starts meanwhile) in the ``client`` or ``gateway``
         namespace."""
-        home = os.open("/proc/self/ns/net", os.O_RDONLY)
-        try:
-            setns(f"/run/netns/{self.client_ns if side == 'client' else self.gateway_ns}")
+        with in_namespace(self.client_ns if side == "client" else self.gateway_ns):
             yield
-        finally:
-            ctypes.CDLL(None, use_errno=True).setns(home, CLONE_NEWNET)
-            os.close(home)
 
     def close(self) -> None:
         if self.wire is not None:

@@ -11,14 +11,12 @@ Needs root, ``ip`` (iproute2) and ``iptables``; :func:`available` says why not o
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from typing import Self
 
-from tokenfan_bench.network.wire import CLONE_NEWNET, setns
+from tokenfan_bench.network.wire import in_namespace
 
 
 def available() -> str | None:
@@ -79,16 +77,9 @@ class Island:
         with contextlib.suppress(subprocess.CalledProcessError):
             _run("ip", "link", "del", self.host_dev)
 
-    @contextlib.contextmanager
-    def inside(self) -> Iterator[None]:
+    def inside(self) -> contextlib.AbstractContextManager[None]:
         """Run the calling thread (and the processes it starts meanwhile) inside the island."""
-        home = os.open("/proc/self/ns/net", os.O_RDONLY)
-        try:
-            setns(f"/run/netns/{self.ns}")
-            yield
-        finally:
-            ctypes.CDLL(None, use_errno=True).setns(home, CLONE_NEWNET)
-            os.close(home)
+        return in_namespace(self.ns)
 
     def _rules(self, port: int) -> list[list[str]]:
         comment = ["-m", "comment", "--comment", f"tokenfan-cut-{port}"]

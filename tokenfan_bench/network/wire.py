@@ -25,6 +25,7 @@ Run as ``python -m tokenfan_bench.network.wire CLIENT_NS GATEWAY_NS --profile SP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import fcntl
 import heapq
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +68,18 @@ def setns(path: str) -> None:
             raise OSError(err, f"setns {path}: {os.strerror(err)}")
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def in_namespace(name: str) -> Iterator[None]:
+    """Run the calling thread (and the processes it starts meanwhile) in the network namespace ``name``."""
+    home = os.open("/proc/self/ns/net", os.O_RDONLY)
+    try:
+        setns(f"/run/netns/{name}")
+        yield
+    finally:
+        ctypes.CDLL(None, use_errno=True).setns(home, CLONE_NEWNET)
+        os.close(home)
 
 
 def open_tun(name: str = DEVICE) -> int:

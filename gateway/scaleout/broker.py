@@ -41,6 +41,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError
 
 from gateway.config import BrokerTimings
 from gateway.core.delivery import hand_over
@@ -135,6 +136,7 @@ class Broker(RemoteStreamsByMirror):
         (fan-out work answers 503 until it is back; everything else is unaffected)."""
         try:
             await self._redis.ping()
+            await self.fence.load(self._redis)
             log.info("broker: Redis Streams at %s (gateway id %s)", redact(self.url), self.gateway_id)
         except REDIS_ERRORS as exc:
             self._up = False
@@ -308,10 +310,11 @@ class Broker(RemoteStreamsByMirror):
     async def _send(self, outs: list[_Out]) -> set[str]:
         """One pipeline: each stream's records in one fenced append; then each stream's events (and end) that
         Redis took reach its readers. The ids of streams whose key (or epoch) was gone: they are repaired."""
-        pipe = self._redis.pipeline(transaction=False)
-        for out in outs:
-            self.fence.append(pipe, out.stream.id, out.stream.epoch, out.records, expire_s=out.expire_s)
-        replies = await pipe.execute()
+        def queue(pipe: Any) -> None:
+            for out in outs:
+                self.fence.append(pipe, out.stream.id, out.stream.epoch, out.records, expire_s=out.expire_s)
+
+        replies = await self._fenced(queue)
         missing: set[str] = set()
         for out, reply in zip(outs, replies, strict=True):
             st, current = fence.status(reply)
@@ -339,10 +342,13 @@ class Broker(RemoteStreamsByMirror):
                 for s in part:
                     pipe.xrevrange(codec.stream_key(s.id), count=1)
                 lasts = await pipe.execute()
-                pipe = self._redis.pipeline(transaction=False)
-                for s, last in zip(part, lasts, strict=True):
-                    self._repair_one(pipe, s, last[0][1] if last else None)
-                replies = await pipe.execute() if part else []
+                wanted = [(s, last[0][1] if last else None) for s, last in zip(part, lasts, strict=True)]
+
+                def queue(pipe: Any, wanted: list[tuple[Stream, codec.Fields | None]] = wanted) -> None:
+                    for s, fields in wanted:
+                        self._repair_one(pipe, s, fields)
+
+                replies = await self._fenced(queue) if part else []
                 for s, reply in zip(part, replies, strict=True):
                     st, current = fence.status(reply)
                     if st == fence.OK:
@@ -355,6 +361,20 @@ class Broker(RemoteStreamsByMirror):
         except BaseException:
             self._dirty.update(ids)
             raise
+
+    async def _fenced(self, queue: Callable[[Any], None]) -> list[Any]:
+        """Run a pipeline of fenced appends (``queue(pipe)`` queues them); once more after loading the scripts
+        if Redis has none (NOSCRIPT: it restarted; nothing of the pipeline ran)."""
+        for attempt in (0, 1):
+            pipe = self._redis.pipeline(transaction=False)
+            queue(pipe)
+            try:
+                return list(await pipe.execute())
+            except NoScriptError:
+                if attempt:
+                    raise
+                await self.fence.load(self._redis)
+        raise AssertionError("unreachable")
 
     def _own(self, stream_id: str) -> Stream | None:
         """The local stream this gateway publishes under ``stream_id``, if it still does."""

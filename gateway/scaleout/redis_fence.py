@@ -95,10 +95,15 @@ class Fence:
             args.append(len(fields))
             for k, v in fields.items():
                 args += (k, v)
-        # queued like any pipelined command (the script's own __call__ awaits; a pipeline loads it at execute)
-        pipe.scripts.add(self._append)
+        # queued like any pipelined command, by its SHA: not registered on the pipeline, which would ask Redis
+        # SCRIPT EXISTS before every execute (a round trip per flush); :meth:`load` after NOSCRIPT
         pipe.evalsha(self._append.sha, 3, codec.stream_key(stream_id), epoch_key(stream_id),
                      codec.known_key(stream_id), *args)
+
+    async def load(self, redis: Any) -> None:
+        """Load the scripts into Redis (at start, and after a NOSCRIPT: a restarted Redis has none)."""
+        for script in (self._append, self._take, self._set_if):
+            script.sha = await redis.script_load(script.script)
 
     async def take(self, redis: Any, stream_id: str, epoch: int) -> int | None:
         """Take the stream over from the owner of ``epoch``: the new epoch, or None if another did first."""

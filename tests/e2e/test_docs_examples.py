@@ -483,6 +483,7 @@ PROMISES: dict[tuple[str, str], Callable[[Output], None]] = {
     ("models.md", "prepare-model tiny"): tiny_model_made,
     ("models.md", "--synthetic-script script.json"): serves_the_script,
     ("tls.md", "tokenfan certs ./tls"): serves_a_generation,
+    ("observability.md", "--otlp-traces-endpoint"): serves_a_generation,  # (no receiver here: serving goes on)
 }
 
 

@@ -59,6 +59,7 @@ from gateway.scaleout.redis_support import (
     Backoff,
     broker_unavailable,
     cancel_requested,
+    connection_class,
     redact,
 )
 from gateway.scaleout.redis_transcripts import RedisTranscripts
@@ -101,8 +102,9 @@ class Broker(RemoteStreamsByMirror):
         # stale and fails once. Beyond that we retry ourselves, with backoff, where it is safe.
         once = Retry(NoBackoff(), 1)
         self._redis: Any = Redis.from_url(url, socket_timeout=t.op_timeout, socket_connect_timeout=t.op_timeout,
-                                          retry=once)
-        self._blocking: Any = Redis.from_url(url, socket_connect_timeout=t.op_timeout, retry=once)
+                                          retry=once, **connection_class(url))
+        self._blocking: Any = Redis.from_url(url, socket_connect_timeout=t.op_timeout, retry=once,
+                                             **connection_class(url))
         # set after parsing, so a socket_timeout in the URL cannot undercut the block time
         self._blocking.connection_pool.connection_kwargs["socket_timeout"] = t.block + t.op_timeout
         self.fence = fence.Fence(self._redis)

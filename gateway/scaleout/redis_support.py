@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from redis.asyncio.connection import Connection, SSLConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.errors import APIError, StreamError
@@ -22,6 +25,40 @@ ACK_TTL_S = 30
 
 
 REDIS_ERRORS = (RedisError, OSError, TimeoutError)  # redis-py's errors; sockets; asyncio timeouts
+
+
+class _ClosedIsLost:
+    """redis-py on uvloop raises ``RuntimeError("unable to perform operation on <TCPTransport closed=True …>")``
+    when a connection closes while a command is sent on it (Redis killed while a client reconnects): raised
+    as redis-py's ``ConnectionError`` here, it is an outage like any other (seen in tests/e2e/test_partitions.py:
+    a mirror ended ``stream_lost`` on it)."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        try:
+            await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        except RuntimeError as exc:
+            if "closed=True" not in str(exc):
+                raise
+            raise RedisConnectionError(f"the connection to Redis closed while in use ({exc})") from exc
+
+
+class SafeConnection(_ClosedIsLost, Connection):
+    pass
+
+
+class SafeSSLConnection(_ClosedIsLost, SSLConnection):
+    pass
+
+
+def connection_class(url: str) -> dict[str, Any]:
+    """``Redis.from_url`` keyword arguments: the connection class of ``url``'s scheme that raises a closed
+    transport as ``ConnectionError`` (a ``unix://`` URL keeps redis-py's own)."""
+    scheme = urlsplit(url).scheme
+    if scheme == "redis":
+        return {"connection_class": SafeConnection}
+    if scheme == "rediss":
+        return {"connection_class": SafeSSLConnection}
+    return {}
 
 
 def broker_unavailable(exc: BaseException) -> APIError:

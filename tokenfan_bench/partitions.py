@@ -369,9 +369,15 @@ def redis_scenario(kind: str, engine: str, tmp: Path, logs: Path, *, streams: in
         histories, t0, t1 = asyncio.run(_drive(url_a, [[url_a, url_b], [url_b, url_a]], streams, tokens, 10, fault,
                                                120, responses))
         idle = _wait_idle(url_b, 30)
-        notes["fenced_a"] = _sample(url_a, "tokenfan_streams_fenced_total", reason="fenced")
-        notes["paused_a"] = _sample(url_a, "tokenfan_streams_fenced_total", reason="lease")
         notes["adopted_b"] = _sample(url_b, "tokenfan_adoptions_total", outcome="adopted")
+        # A finds out at its first write after the heal (its publisher reconnects with backoff, and a connect
+        # that was cut waits for TCP's retransmission): wait for it, at most 20 s
+        deadline = time.monotonic() + 20
+        while (fenced := _sample(url_a, "tokenfan_streams_fenced_total", reason="fenced")) < notes["adopted_b"] \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        notes["fenced_a"] = fenced
+        notes["paused_a"] = _sample(url_a, "tokenfan_streams_fenced_total", reason="lease")
     return Run(kind, histories, check(histories), t1 - t0, _recovery(histories, t1), idle, notes)
 
 

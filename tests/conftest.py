@@ -91,9 +91,9 @@ LEAN_VLLM = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLL
 STRUCTURED = ("--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
 
 
-# The session's OTLP/HTTP receiver (tests/otlp.py), started by the first vLLM engine that exports to it: the plain
-# engine and the traced spare export vLLM's request spans and their own there (test_vllm_tracing; the batch every
-# 200 ms, not vLLM's default 5 s, so a test waits for spans, not for the batch).
+# The session's OTLP/HTTP receiver (tests/otlp.py), started by the first vLLM engine that exports to it: the two
+# traced engines export vLLM's request spans and their own there (test_vllm_tracing; the batch every 200 ms, not
+# vLLM's default 5 s, so a test waits for spans, not for the batch).
 _TRACES: list[Receiver] = []
 
 
@@ -109,22 +109,23 @@ def _traced() -> tuple[list[str], dict[str, str]]:
 
 def _start_vllm_engine(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, str]:
     address = f"ipc://{ipc_dir / 'vllm.sock'}"
-    traced, env = _traced()
     # float32 and the name "tiny", as the differential pair: test_vllm_parity_plain compares this engine's
     # plain chat path with vllm serve (dtype auto would be bfloat16 on an AMX CPU)
     return start_engine(address, "--engine", "vllm", "--model", str(model), "--max-model-len", "512",
-                        "--dtype", "float32", "--served-model-name", "tiny", *STRUCTURED, *traced, name="engine-vllm",
-                        nice=nice, env=env), address
+                        "--dtype", "float32", "--served-model-name", "tiny", *STRUCTURED, name="engine-vllm",
+                        nice=nice), address
 
 
-def _start_traced_engine(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, str]:
-    """A second plain engine beside :func:`_start_vllm_engine` (same model, dtype and name: a continuation on
-    either decodes the same) that test_vllm_tracing kills mid-stream; lean (LEAN_VLLM), traced."""
-    address = f"ipc://{ipc_dir / 'vllm-traced.sock'}"
-    traced, env = _traced()
-    return start_engine(address, "--engine", "vllm", "--model", str(model), "--max-model-len", "512", "--dtype",
-                        "float32", "--served-model-name", "tiny", "--kv-cache-gib", "1", *traced,
-                        name="engine-vllm-traced", nice=nice, env={**LEAN_VLLM, **env}), address
+def _traced_engine(k: int) -> Callable[[Path, Path, int], tuple[Proc, str]]:
+    def start(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, str]:
+        """A plain engine of test_vllm_tracing, which kills one of the two mid-stream (same model, dtype and name:
+        a continuation on either decodes the same); lean (LEAN_VLLM), traced."""
+        address = f"ipc://{ipc_dir / f'vllm-traced-{k}.sock'}"
+        traced, env = _traced()
+        return start_engine(address, "--engine", "vllm", "--model", str(model), "--max-model-len", "512", "--dtype",
+                            "float32", "--served-model-name", "tiny", "--kv-cache-gib", "1", *traced,
+                            name=f"engine-vllm-traced-{k}", nice=nice, env={**LEAN_VLLM, **env}), address
+    return start
 
 
 def _start_parser_gateway(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, str]:
@@ -159,7 +160,8 @@ def _start_spare_engine(model: Path, ipc_dir: Path, nice: int) -> tuple[Proc, st
 
 VLLM_STARTS: dict[str, Callable[[Path, Path, int], tuple[Proc, str]]] = {
     "vllm_engine": _start_vllm_engine, "parser_gateway": _start_parser_gateway, "vllm_serve": _start_vllm_serve,
-    "vllm_spare_engine": _start_spare_engine, "vllm_traced_engine": _start_traced_engine}
+    "vllm_spare_engine": _start_spare_engine, "vllm_traced_engine": _traced_engine(0),
+    "vllm_traced_engine_b": _traced_engine(1)}
 
 
 def needs_vllm(item: pytest.Item) -> bool:
@@ -362,6 +364,12 @@ def vllm_spare_engine(vllm_boot: VllmBoot) -> tuple[str, Proc]:
 @pytest.fixture(scope="session")
 def vllm_traced_engine(vllm_boot: VllmBoot) -> tuple[str, Proc]:
     proc, address = vllm_boot.get("vllm_traced_engine")
+    return address, proc
+
+
+@pytest.fixture(scope="session")
+def vllm_traced_engine_b(vllm_boot: VllmBoot) -> tuple[str, Proc]:
+    proc, address = vllm_boot.get("vllm_traced_engine_b")
     return address, proc
 
 

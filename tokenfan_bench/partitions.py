@@ -247,10 +247,13 @@ def engine_running(url: str) -> int:
 
 
 async def _drive(create: str, urls: list[list[str]], n: int, tokens: int, warm: int, fault: Any,
-                 deadline_s: float, responses: int = 0) -> tuple[dict[str, list[History]], float, float]:
+                 deadline_s: float, responses: int = 0, at_fault: list[int] | None = None
+                 ) -> tuple[dict[str, list[History]], float, float]:
     """Create ``n`` fan-out streams (and ``responses`` background responses) on ``create``, one reader per URL
     list each; once every reader has ``warm`` events, ``await fault()`` (returns when the fault ends); then wait
-    for the readers. The streams, the fault's start and end (monotonic)."""
+    for the readers. The streams, the fault's start and end (monotonic); ``at_fault`` gets how many of the
+    generations still ran when the fault began."""
+    at_fault = [] if at_fault is None else at_fault
     stop = asyncio.Event()
     async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=5), limits=httpx.Limits(max_connections=4 * n + 8)) \
             as c:
@@ -273,6 +276,13 @@ async def _drive(create: str, urls: list[list[str]], n: int, tokens: int, warm: 
             if time.monotonic() > t_warm:
                 raise RuntimeError("the readers did not get their first events")
             await asyncio.sleep(0.02)
+        # the fault must strike generations that still run (else a scenario proves nothing): counted here
+        running = 0
+        for sid in ids:
+            running += (await c.get(f"{create}/v1/streams/{sid}")).json().get("state") == "running"
+        for rid in rids:
+            running += (await c.get(f"{create}/v1/responses/{rid}")).json().get("status") == "in_progress"
+        at_fault.append(running)
         t0 = time.monotonic()
         await fault()
         t1 = time.monotonic()
@@ -366,8 +376,10 @@ def redis_scenario(kind: str, engine: str, tmp: Path, logs: Path, *, streams: in
                 await asyncio.sleep(cut * ttl)
                 redis.start()
 
-        histories, t0, t1 = asyncio.run(_drive(url_a, [[url_a, url_b], [url_b, url_a]], streams, tokens, 10, fault,
-                                               120, responses))
+        at_fault: list[int] = []
+        histories, t0, t1 = asyncio.run(_drive(url_a, [[url_a, url_b], [url_b, url_a]], streams, tokens, 3, fault,
+                                               120, responses, at_fault))
+        notes["running_at_fault"] = at_fault[0]
         idle = _wait_idle(url_b, 30)
         notes["adopted_b"] = _sample(url_b, "tokenfan_adoptions_total", outcome="adopted")
         # A finds out at its first write after the heal (its publisher reconnects with backoff, and a connect
@@ -378,7 +390,11 @@ def redis_scenario(kind: str, engine: str, tmp: Path, logs: Path, *, streams: in
             time.sleep(0.2)
         notes["fenced_a"] = fenced
         notes["paused_a"] = _sample(url_a, "tokenfan_streams_fenced_total", reason="lease")
-    return Run(kind, histories, check(histories), t1 - t0, _recovery(histories, t1), idle, notes)
+    problems = check(histories)
+    if notes["running_at_fault"] < len(histories):
+        problems.append(f"only {notes['running_at_fault']} of {len(histories)} generations still ran when the fault "
+                        "began (more --tokens)")
+    return Run(kind, histories, problems, t1 - t0, _recovery(histories, t1), idle, notes)
 
 
 def engine_scenario(tmp: Path, logs: Path, *, streams: int, tokens: int, cut: float, env: dict[str, str] | None = None
@@ -428,13 +444,18 @@ def engine_scenario(tmp: Path, logs: Path, *, streams: int, tokens: int, cut: fl
                         break
                     await asyncio.sleep(0.05)
 
-        histories, t0, t1 = asyncio.run(_drive(url, [[url], [url]], streams, tokens, 10, fault, 120))
+        at_fault: list[int] = []
+        histories, t0, t1 = asyncio.run(_drive(url, [[url], [url]], streams, tokens, 3, fault, 120, 0, at_fault))
+        notes["running_at_fault"] = at_fault[0]
         # the control: the same requests where nothing was cut (the synthetic text is a function of the position)
         controls = {}
         for i, sid in enumerate(histories):
             r = httpx.post(url + "/v1/chat/completions", json={**body(i, tokens), "stream": False}, timeout=120)
             controls[sid] = r.json()["choices"][0]["message"]["content"]
         problems = check(histories)
+        if notes["running_at_fault"] < len(histories):
+            problems.append(f"only {notes['running_at_fault']} of {len(histories)} generations still ran when the "
+                            "link was cut (more --tokens)")
         after = notes.get("tcp_engine_after_heal")
         if after is None or after["running"] or after["waiting"]:
             problems.append(f"the engine that was cut off, healed: {after or 'never healthy again'} (want nothing "

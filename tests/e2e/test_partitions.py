@@ -32,6 +32,7 @@ def _report(run: Run) -> None:
     assert not run.problems, "\n".join(run.problems)
     assert s["outcomes"] == {"done": s["readers"]}, s
     assert run.engine_idle, "the engine still runs requests after every stream ended"
+    assert run.notes["running_at_fault"] == s["streams"], "the fault struck generations that had ended"
 
 
 @pytest.mark.vllm
@@ -42,7 +43,7 @@ def test_a_gateway_cut_from_redis_for_three_leases_delivers_nothing_another_read
     and a background response) once A's lease expired, and once healed A's writes are refused by their epoch:
     it gives the streams up."""
     _needs_islands()
-    run = redis_scenario("redis-cut", vllm_engine[0], tmp_path, ARTIFACTS, streams=6, tokens=400, cut=3.0,
+    run = redis_scenario("redis-cut", vllm_engine[0], tmp_path, ARTIFACTS, streams=6, tokens=480, cut=3.0,
                          lease=LEASE)
     _report(run)
     assert run.notes["health_during_cut"] == 503
@@ -55,7 +56,7 @@ def test_a_redis_restart_mid_stream_keeps_one_answer_per_stream(
     """Redis is killed for 3 x the lease and started again empty: the owner writes its streams anew (its epoch
     with them) and they go on; every reader on either gateway reads the same answer to ``[DONE]``."""
     _needs_islands()
-    _report(redis_scenario("redis-restart", vllm_engine[0], tmp_path, ARTIFACTS, streams=6, tokens=400, cut=3.0,
+    _report(redis_scenario("redis-restart", vllm_engine[0], tmp_path, ARTIFACTS, streams=6, tokens=480, cut=3.0,
                            lease=LEASE))
 
 

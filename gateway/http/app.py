@@ -86,8 +86,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
 
             redis = Broker(config.broker_url, gw.hub, idle_timeout=config.broker_idle_timeout,
                            local_cancel=gw.cancel_local_stream, timings=config.broker,
-                           on_fenced=lambda _, why: gw.metrics.given_up.labels(
-                               "lease" if "lease" in why else "fenced").inc())
+                           on_fenced=lambda _, reason: gw.metrics.given_up.labels(reason).inc())
             await redis.start()
             gw.remote = gw.publisher = redis
             redis.mirrors.adopt = Adopter(gw, redis)

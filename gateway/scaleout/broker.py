@@ -87,7 +87,8 @@ class Broker(RemoteStreamsByMirror):
     mirrors, cancels and transcripts of other replicas' (:class:`gateway.core.ports.RemoteStreams`).
 
     ``local_cancel(stream_id)`` cancels a generation this gateway runs and says whether it did.
-    ``on_fenced(stream)`` (metrics): this gateway gave up a listed stream (its epoch was refused, or it fenced
+    ``on_fenced(stream, reason)`` (metrics): this gateway gave up a listed stream (``fenced``: its epoch was
+    refused) or sent its readers away (``lease``: it fenced
     itself)."""
 
     durable = True
@@ -424,7 +425,7 @@ class Broker(RemoteStreamsByMirror):
             return
         log.warning("broker: gave up stream %s (%s)", stream.id, why)
         if self.on_fenced is not None:
-            self.on_fenced(stream, why)
+            self.on_fenced(stream, "fenced")
         self._dirty.discard(stream.id)
         out = self._pending.pop(stream.id, None)
         if out is not None:
@@ -452,6 +453,6 @@ class Broker(RemoteStreamsByMirror):
                     and not (stream.finished and stream.sealed) and stream.paused != fenced:
                 stream.pause(fenced)
                 if fenced and self.on_fenced is not None:
-                    self.on_fenced(stream, "its lease went unconfirmed: readers sent to a replica")
+                    self.on_fenced(stream, "lease")
         if not fenced:
             self._repair_all()  # every stream written (or refused) at once, not at its next event

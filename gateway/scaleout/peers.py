@@ -219,12 +219,12 @@ class PeerLink:
             async with asyncio.timeout(self.poll * 4):
                 resp = await request(path, "GET", "/internal/ready")
                 body = orjson.loads(await resp.body()) if resp.status == 200 else {}
+        except TimeoutError:  # (before OSError, of which it is a subclass)
+            return Lease("unknown")  # alive but busy: asked again
         except OSError:
             return Lease("missing", certain=True)  # nobody listens on its socket: that process is gone
         except ValueError:
             return Lease("missing")
-        except TimeoutError:
-            return Lease("unknown")  # alive but busy: asked again
         if pid is None or body.get("pid") == pid:
             return Lease("held")
         return Lease("missing", certain=True)  # another process (restarted) serves that index

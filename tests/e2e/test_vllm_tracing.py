@@ -42,6 +42,9 @@ def traced_gateway(vllm_traced_engine: tuple[str, Proc], vllm_traced_engine_b: t
         stop_all([proc])
 
 
+LONG = 400  # the killed stream's tokens
+
+
 def body(max_tokens: int) -> dict[str, object]:
     return {"model": "tiny", "messages": [{"role": "user", "content": "Write about rivers."}],
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -77,7 +80,10 @@ def test_a_stream_migrated_off_a_killed_vllm_engine_is_one_trace_with_both_engin
     assert {pids[str(v.resource["vllm.process_id"])] for v in named(first, "llm_request")} == set(engines)
 
     # 2. a stream whose engine is killed mid-stream: it continues on the other one
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body(120), headers=headers, timeout=300) as s:
+    # 400 tokens (the engines take 512): the stream must still be running when its engine.accept span has been
+    # exported and read back (200 ms batches); 120 tokens of the tiny model once ended first on a busy machine
+    # (CI: no migration, and the killed engine took its llm_request span along)
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body(LONG), headers=headers, timeout=300) as s:
         lines = s.iter_lines()
         seen = 0
         for line in lines:
@@ -89,6 +95,8 @@ def test_a_stream_migrated_off_a_killed_vllm_engine_is_one_trace_with_both_engin
         (on,) = [a for a in named(accepted, "engine.accept") if a.parent_id not in gens]
         victim = str(on.resource["tokenfan.engine.address"])
         (survivor,) = set(engines) - {victim}
+        done = vllm_traces.spans(trace_id)
+        assert len(list(named(done, "chat tiny"))) == 2, "the stream ended before its engine could be killed"
         os.killpg(engines[victim].popen.pid, signal.SIGKILL)
         rest = "\n".join(lines)
     assert rest.strip().endswith("data: [DONE]") and "event: error" not in rest
@@ -103,7 +111,7 @@ def test_a_stream_migrated_off_a_killed_vllm_engine_is_one_trace_with_both_engin
     assert lost.attributes["tokenfan.engine.address"] == victim
     assert (moved.attributes["tokenfan.migration.from"], moved.attributes["tokenfan.migration.to"]) == (victim, survivor)
     assert moved.attributes["tokenfan.migration.gap_s"] > 0 and moved.attributes["tokenfan.migration.tokens"] >= 3
-    assert gen.attributes["gen_ai.request.model"] == "tiny" and gen.attributes["gen_ai.usage.output_tokens"] == 120
+    assert gen.attributes["gen_ai.request.model"] == "tiny" and gen.attributes["gen_ai.usage.output_tokens"] == LONG
     assert gen.attributes["gen_ai.response.finish_reasons"] == ["length"] and gen.attributes["tokenfan.migrations"] == 1
     # under it: the killed engine's engine.accept; the survivor's engine.accept and vLLM's llm_request
     accepts = {str(a.resource["tokenfan.engine.address"]): a for a in named(spans, "engine.accept")

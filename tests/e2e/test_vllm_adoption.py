@@ -28,16 +28,18 @@ import asyncio
 import os
 import signal
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.conftest import VllmBoot
 from tests.e2e.helpers import engine_core, metric, step_stopped
 from tests.e2e.scaleout import scaleout
-from tests.e2e.test_adoption import RESPONSE_END, responses_reader, sse_reader
+from tests.e2e.test_adoption import RESPONSE_END, Reader, responses_reader, sse_reader
 from tests.e2e.test_broker import RedisServer, redis_server  # noqa: F401  (the fixture)
 from tests.e2e.test_migration import Answer
 from tests.e2e.test_resume_parsers import PartsReader, fold_parts
@@ -49,6 +51,7 @@ from tests.e2e.test_vllm_migration import (
     responses_json,
     streamed_controls,
 )
+from tests.procs import ARTIFACTS
 
 pytestmark = pytest.mark.vllm
 
@@ -77,6 +80,19 @@ def near_tie(got: Answer, want: Answer) -> str | None:
             return None
         ties.append(f"choice {k} step {step}: {chosen!r} {lp:.6f} / {token!r} {tops[step][token]:.6f}")
     return "; ".join(ties) or None
+
+
+@dataclass
+class RawPartsReader(PartsReader):
+    """A :class:`PartsReader` that keeps every chunk it read (dumped to test-artifacts/ on a miss)."""
+
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+
+
+def fold_raw(reader: Reader, seq: int, chunk: dict[str, Any]) -> None:
+    assert isinstance(reader, RawPartsReader)
+    reader.chunks.append(chunk)
+    fold_parts(reader, seq, chunk)
 
 
 def compare_once(name: str, got: Answer, want: Answer) -> str | None:
@@ -116,13 +132,13 @@ def adopt_once(parser_gateway: str, core: int, ipc_dir: Path, redis_server: Redi
         events: list[dict[str, Any]] = []
         ended: list[str] = []  # the streams whose answer had ended at the kill
 
-        async def scenario() -> dict[str, PartsReader]:
+        async def scenario() -> dict[str, RawPartsReader]:
             # vLLM's EngineCore stopped (SIGSTOP) and let run 10 ms at a time until every reader has its first
             # events, then A is killed with the engine still stopped: every stream is certainly in flight at
             # the kill, however fast the tiny model writes (created one after the other and read as they ran,
             # streams of 400 tokens ended before the kill on a busy machine). The engine worker and its
             # heartbeats go on meanwhile.
-            readers: dict[str, PartsReader] = {}
+            readers: dict[str, RawPartsReader] = {}
             os.kill(core, signal.SIGSTOP)
             try:
                 async with httpx.AsyncClient(timeout=120) as c, \
@@ -134,9 +150,9 @@ def adopt_once(parser_gateway: str, core: int, ipc_dir: Path, redis_server: Redi
                                    json={**background, "background": True, "store": True}))
                     for name, made_one in zip(bodies, made):
                         assert made_one.status_code == 201, made_one.text
-                        reader = readers[name] = PartsReader()
+                        reader = readers[name] = RawPartsReader()
                         started.append(asyncio.Event())
-                        jobs.append(sse_reader(c, where.urls, made_one.json()["id"], reader, started[-1], fold_parts))
+                        jobs.append(sse_reader(c, where.urls, made_one.json()["id"], reader, started[-1], fold_raw))
                     assert r.status_code == 200, r.text
                     started.append(asyncio.Event())
                     jobs.append(responses_reader(c, where.urls, r.json()["id"], events, started[-1]))
@@ -163,6 +179,10 @@ def adopt_once(parser_gateway: str, core: int, ipc_dir: Path, redis_server: Redi
                 assert reader.reconnects >= 1, name  # it was read on A, then on B
         expected = asyncio.run(streamed_controls(parser_gateway, {name: (CHAT, body) for name, body in bodies.items()}))
         misses = [miss for name, r in readers.items() if (miss := compare_once(name, r.answer, expected[name]))]
+        if misses:  # the evidence: every chunk each reader read, and the controls as folded
+            dump = {name: {"chunks": r.chunks, "seqs": r.seqs, "control": asdict(expected[name])}
+                    for name, r in readers.items()}
+            (ARTIFACTS / f"vllm-adoption-miss-{kind}-{time.time_ns()}.json").write_bytes(orjson.dumps(dump))
         assert all(want.tops for want in expected.values()) and expected["n2"].others[1], expected
         calls = readers["required-tool"].answer.tools.values()
         assert calls and all((t["headers"], t["name"]) == (1, "get_weather") for t in calls), calls

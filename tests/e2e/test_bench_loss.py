@@ -42,5 +42,6 @@ def test_loss_section_runs_every_arm_under_kernel_drops_and_reports_what_was_los
     assert m["tcp"]["gateway"]["Tcp.RetransSegs"] > 0  # the kernel repaired what iptables dropped
     text = out.read_text()
     assert text.startswith("# report\n\nearlier sections\n") and "| 5% |" in text and "<!-- loss:end -->" in text
+    assert "This section: `tokenfan bench report --loss-only --loss 5%" in text  # dated apart from the report's
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert f"tfc{os.getpid()}" not in names and f"tfg{os.getpid()}" not in names  # the namespaces are gone

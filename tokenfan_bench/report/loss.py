@@ -276,12 +276,15 @@ def section(loss: dict[str, Any]) -> list[str]:
 START, END = "<!-- loss:start -->", "<!-- loss:end -->"
 
 
-def write_section(loss: dict[str, Any], out: Path) -> None:
-    """Put the loss section into the report at ``out``: in place of its previous one, else at its end."""
+def write_section(loss: dict[str, Any], out: Path, made: str | None = None) -> None:
+    """Put the loss section into the report at ``out``: in place of its previous one, else at its end;
+    ``made``: a line under its title saying when and how it was made (``--loss-only``)."""
     if "error" in loss:
         body = ["## Under real packet loss (network namespaces)", "", f"Not run here: {loss['error']}.", ""]
     else:
         body = section(loss)
+    if made:
+        body[2:2] = [made, ""]
     block = "\n".join([START, *body, END])
     text = out.read_text() if out.exists() else ""
     head, start, rest = text.partition(START)

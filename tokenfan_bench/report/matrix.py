@@ -416,8 +416,13 @@ def _loss_only(ns: argparse.Namespace, s: Settings, data: Path, meta: dict[str, 
 
     results = {"loss": _run_loss(ns, s), "meta": meta}
     results["meta"]["loss_s"] = time.monotonic() - t0
+    results["meta"]["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     run_outputs.write_json(data / "results-loss.json", results)
-    write_section(results["loss"], ns.out)
+    m = results["meta"]
+    # the section says when it was made: the report's header dates the rest
+    made = (f"This section: `tokenfan {' '.join(m['command'][1:])}` at {m['time']} in {m['loss_s']:.0f} s, load "
+            f"{m['load']} before and {m['load_after']} after (the rest of the report is the run its header names).")
+    write_section(results["loss"], ns.out, made)
     print(f"wrote the loss section into {ns.out}, raw results in {data / 'results-loss.json'} "
           f"({results['meta']['loss_s']:.0f} s)", file=sys.stderr)
     return 0

@@ -132,6 +132,7 @@ class GatewayConfig:
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)  # likewise
     max_loop_lag: float = declared("max_loop_lag")
     direct_write: bool = declared("direct_write")
+    detach_subscribers: bool = declared("detach_subscribers")
     gc_gen0_threshold: int = declared("gc_gen0_threshold")
     responses_ws_max_active: int = declared("responses_ws_max_active")
     responses_ws_max_lanes: int = declared("responses_ws_max_lanes")

@@ -50,7 +50,8 @@ class Gateway:
         if self.config.inject_delay:
             self.metrics.hot.inject(self.config.inject_delay)
         self.delivery = Delivery(self.hub, self.metrics, self.policy, self.watchdog,
-                                 inject_delay=self.config.inject_delay, direct_write=self.config.direct_write)
+                                 inject_delay=self.config.inject_delay, direct_write=self.config.direct_write,
+                                 detach=self.config.detach_subscribers)
         self.admission = Admission(self.config)
 
     @property

@@ -234,6 +234,10 @@ SETTINGS: tuple[Setting, ...] = (
         "this many seconds late on the median tick of the last second (one stall is not overload; 0 = off)"),
     _gw("direct_write", BOOL, True, "the publisher writes each event straight to every caught-up reader "
         "(uvicorn, HTTP/1.1); off = every reader writes from its own task (for A/B measurement)"),
+    _gw("detach_subscribers", BOOL, True, "fan-out subscribers (`/v1/streams/{id}/events` and `/ws`) leave "
+        "their ASGI call once their response started: the gateway holds the socket itself, without the "
+        "server's and the framework's per-request objects (uvicorn, HTTP/1.1: SSE responses then say "
+        "`Connection: close`); off = they stay in it (for A/B measurement)"),
     _gw("gc_gen0_threshold", INT, 700, "the gateway's garbage collector runs a young collection every this many "
         "allocations (Python's default 700; see the GC figures in docs/vs-vllm.md)"),
     _gw("sse_retry_ms", INT, 1000, "SSE retry: hint sent to EventSource"),

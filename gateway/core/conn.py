@@ -81,11 +81,11 @@ class LastFrame:
         return self._wire
 
 
-_http_chunk = LastFrame(chunked)
-_ws_text = LastFrame(lambda payload: ws_head(0x1, len(payload)) + payload)
+http_chunk = LastFrame(chunked)
+ws_text = LastFrame(lambda payload: ws_head(0x1, len(payload)) + payload)
 
 
-def _server_side(send: Any) -> Any:
+def server_side(send: Any) -> Any:
     """uvicorn's per-request cycle (HTTP) or protocol (WS) behind its own ``send``, else None."""
     owner = getattr(send, "__self__", None)
     return owner if owner is not None and hasattr(owner, "transport") else None
@@ -148,7 +148,7 @@ class HttpConn:
     def _writable_cycle(self) -> Any:
         """The response cycle ``write_now`` writes into: uvicorn's, with flow control, chunked (asked for
         only once the response started, when the encoding is known)."""
-        cycle = _server_side(self.send)
+        cycle = server_side(self.send)
         if cycle is None or getattr(cycle, "flow", None) is None:
             return None
         return cycle if getattr(cycle, "chunked_encoding", False) or _h11_chunked(cycle) else None
@@ -157,13 +157,13 @@ class HttpConn:
         """Write what ``write_now`` took as one HTTP chunk (one buffer: one send)."""
         out = self._out
         if out and not self._cycle.transport.is_closing():
-            self._cycle.transport.write(_http_chunk(out[0]) if len(out) == 1 else chunked(b"".join(out)))
+            self._cycle.transport.write(http_chunk(out[0]) if len(out) == 1 else chunked(b"".join(out)))
         out.clear()
 
     async def cut(self, data: bytes | None) -> None:
         """End now: ``data`` goes after whatever the peer has not read yet, then the connection closes."""
         self.closed = True
-        cycle = _server_side(self.send)
+        cycle = server_side(self.send)
         transport = getattr(cycle, "transport", None)
         if transport is None or transport.is_closing():
             await self.end(data)
@@ -186,10 +186,10 @@ class HttpConn:
         _linger_then_abort(transport, self.linger)
 
 
-def _writable_protocol(send: Any) -> Any:
+def writable_protocol(send: Any) -> Any:
     """uvicorn's sans-I/O WebSocket protocol behind ``send`` if frames may be written into its transport
     directly (it has flow control and no compression extension), else None."""
-    proto = _server_side(send)
+    proto = server_side(send)
     if proto is None or getattr(proto, "writable", None) is None or not hasattr(proto, "close_sent") \
             or getattr(getattr(proto, "conn", None), "extensions", None):
         return None
@@ -213,7 +213,7 @@ class WsConn:
         self.headers: list[tuple[bytes, bytes]] = scope.get("headers") or []  # the handshake's (its traceparent)
         self.linger = linger
         self.closed = False
-        self._proto: Any = _writable_protocol(self.send)
+        self._proto: Any = writable_protocol(self.send)
         self._out: list[bytes] = []  # whole frames taken by write_now, written at flush
 
     @classmethod
@@ -243,7 +243,7 @@ class WsConn:
         if proto is None or not proto.writable.is_set() or proto.close_sent or proto.transport.is_closing():
             return False
         out = self._out
-        out.append(_ws_text(data))
+        out.append(ws_text(data))
         if step is None:
             self.flush()
         elif len(out) == 1:
@@ -262,7 +262,7 @@ class WsConn:
         if self.closed:
             return
         self.closed = True
-        proto = _server_side(self.send)
+        proto = server_side(self.send)
         transport = getattr(proto, "transport", None)
         if transport is None or transport.is_closing() or not hasattr(proto, "close_sent"):
             await self.end(text, code, reason)

@@ -34,6 +34,7 @@ import msgspec
 
 from gateway.core import sse
 from gateway.core.backpressure import SlowConsumer, SlowConsumerPolicy
+from gateway.core.bare import BareConn, BareSse, BareWs, detach_http, detachable_http, run_detached
 from gateway.core.conn import HttpConn, WsConn
 from gateway.core.follow import Subscription, Watchdog, follow
 from gateway.core.framing import Ending, Framing
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from gateway.core.step import Step
 
 log = logging.getLogger(__name__)
+Conn = HttpConn | WsConn | BareSse | BareWs  # what a reader writes to
 
 def clock() -> tuple[float, int]:
     """(monotonic seconds, epoch ns): the time of a write outside an engine step."""
@@ -59,7 +61,9 @@ class Delivery:
     """The delivery core's parts, handed to it explicitly (the gateway owns them): the stream hub, metrics,
     the slow-reader policy and its watchdog, and the ports to other gateways (:mod:`gateway.core.ports`):
     ``publisher`` (``--broker``: listed streams written to Redis) and ``remote`` (streams another gateway
-    runs). ``inject_delay`` (bench calibration) and ``direct_write`` (the one-pass write) are settings."""
+    runs). ``inject_delay`` (bench calibration), ``direct_write`` (the one-pass write) and ``detach`` (fan-out
+    subscribers leave their ASGI call: :mod:`gateway.core.bare`) are settings; ``detached`` holds those
+    subscribers' connections (the shutdown ends them)."""
 
     hub: StreamHub
     metrics: Metrics
@@ -69,6 +73,8 @@ class Delivery:
     remote: RemoteStreams | None = None
     inject_delay: dict[str, float] = field(default_factory=dict)
     direct_write: bool = True
+    detach: bool = True
+    detached: set[BareConn] = field(default_factory=set)
 
 
 async def start(delivery: Delivery, handle: RequestHandle, renderer: Renderer, *, endpoint: str, model: str,
@@ -240,7 +246,7 @@ class Reader:
 
     __slots__ = ("clock", "conn", "delay", "framing", "last_write", "meter", "slept")
 
-    def __init__(self, framing: Framing, conn: HttpConn | WsConn, meter: ReaderMeter, *, delay: float = 0.0,
+    def __init__(self, framing: Framing, conn: Conn, meter: ReaderMeter, *, delay: float = 0.0,
                  slept: HotHistogram | None = None, clock: Callable[[], tuple[float, int]] = clock) -> None:
         self.framing = framing
         self.conn = conn
@@ -282,7 +288,7 @@ class Outcome:
     last_seq: int
 
 
-async def read(delivery: Delivery, stream: Stream, framing: Framing, after: int, conn: HttpConn | WsConn,
+async def read(delivery: Delivery, stream: Stream, framing: Framing, after: int, conn: Conn,
                *, t0: float | None = None, idle: Callable[[], Awaitable[None]] | None = None) -> Outcome:
     """Follow ``stream`` past ``after`` and write it to ``conn`` until it ends or the reader is cut.
 
@@ -358,34 +364,55 @@ async def until_disconnect(work: Awaitable[Any], receive: Callable[[], Awaitable
 
 
 class SseResponse:
-    """An ASGI response that is one SSE reader of a stream (POST SSE, fan-out events, Responses SSE)."""
+    """An ASGI response that is one SSE reader of a stream (POST SSE, fan-out events, Responses SSE).
 
-    __slots__ = ("after", "delivery", "framing", "preamble", "stream", "t0")
+    ``detachable`` (fan-out subscribers): under uvicorn the response leaves its ASGI call once its head and
+    preamble are written (:mod:`gateway.core.bare`), its head then saying ``Connection: close``."""
+
+    __slots__ = ("after", "delivery", "detachable", "framing", "preamble", "stream", "t0")
 
     def __init__(self, delivery: Delivery, stream: Stream, framing: Framing, after: int, *, preamble: bytes = b"",
-                 t0: float | None = None) -> None:
+                 t0: float | None = None, detachable: bool = False) -> None:
         self.delivery, self.stream, self.framing, self.after = delivery, stream, framing, after
         self.preamble = preamble
         self.t0 = t0
+        self.detachable = detachable
 
     headers: ClassVar[list[tuple[bytes, bytes]]] = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
+    closing_headers: ClassVar[list[tuple[bytes, bytes]]] = [*headers, (b"connection", b"close")]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        delivery, stream = self.delivery, self.stream
+        delivery = self.delivery
+        detach = self.detachable and delivery.detach and detachable_http(scope, send)
         conn = HttpConn(scope, send, delivery.policy.linger)
-        outcome: Outcome | None = None
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": self.closing_headers if detach else self.headers})
             if self.preamble:
                 await conn.write(self.preamble)
-            keepalive = sse.comment("keep-alive")
+        except BaseException:
+            release(self.stream, cut=False)
+            raise
+        bare = detach_http(scope, send, delivery.policy.linger) if detach else None
+        if bare is not None:
+            run_detached(delivery.detached, bare, scope, lambda: self.follow(bare, None))
+            return
+        await self.follow(conn, receive)
 
-            async def idle() -> None:
-                await conn.write(keepalive)
+    async def follow(self, conn: HttpConn | BareSse, receive: Any) -> None:
+        """Read the stream to its end on ``conn`` and write the ending; ``receive``: the ASGI call's, watched
+        for the client leaving (None: a detached connection, whose task is cancelled when it does)."""
+        delivery, stream = self.delivery, self.stream
+        outcome: Outcome | None = None
+        keepalive = sse.comment("keep-alive")
 
-            outcome = await until_disconnect(read(delivery, stream, self.framing, self.after, conn, t0=self.t0,
-                                                  idle=idle), receive)
+        async def idle() -> None:
+            await conn.write(keepalive)
+
+        try:
+            work = read(delivery, stream, self.framing, self.after, conn, t0=self.t0, idle=idle)
+            outcome = await (work if receive is None else until_disconnect(work, receive))
         finally:
             release(stream, cut=bool(outcome and outcome.cut))
         if outcome is None:

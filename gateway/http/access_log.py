@@ -17,6 +17,7 @@ import uuid
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.core.bare import defer
 from gateway.core.tracing import traceparent_ids
 
 log = logging.getLogger("tokenfan.access")
@@ -59,10 +60,16 @@ class AccessLogMiddleware:
                 state = scope["state"]
                 ids = (state["trace_id"], state["span_id"]) if "trace_id" in state else \
                     traceparent_ids(headers[b"traceparent"].decode("latin-1")) if b"traceparent" in headers else None
-                log.info(orjson.dumps({
-                    "ts": time.time(), "request_id": rid, "type": scope["type"], "method": scope.get("method", "WS"),
-                    "path": scope["path"], "status": status, "duration_ms": round((time.monotonic() - t0) * 1000, 2),
+                line = {
+                    "ts": 0.0, "request_id": rid, "type": scope["type"], "method": scope.get("method", "WS"),
+                    "path": scope["path"], "status": status, "duration_ms": 0.0,
                     "bytes": sent, "client": f"{client[0]}:{client[1]}" if client else None,
                     "generation_id": state.get("generation_id"),
                     "trace_id": ids[0] if ids else None, "span_id": ids[1] if ids else None,
-                }).decode(), extra={"trace": ""})  # its ids are fields of the line already
+                }
+
+                def write() -> None:
+                    line["ts"], line["duration_ms"] = time.time(), round((time.monotonic() - t0) * 1000, 2)
+                    log.info(orjson.dumps(line).decode(), extra={"trace": ""})  # its ids are fields of the line
+
+                defer(scope, write)  # now, or when a detached subscriber's connection ends (gateway.core.bare)

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api.edge import refuse
 from gateway.config import TrustedProxies
+from gateway.core.bare import defer
 from gateway.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ class ClientLimitMiddleware:
         except APIError as err:
             gw.refused(err)
             return await refuse(scope, receive, send, err)
+        clients = gw.clients
         try:
             await self.app(scope, receive, send)
-        finally:
-            gw.clients.release("connections", client)
+        finally:  # now, or when a detached subscriber's connection ends (gateway.core.bare)
+            defer(scope, lambda: clients.release("connections", client))

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.core.bare import close_detached
 from gateway.errors import ClientError
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ async def drain(app: Any, grace: float) -> None:
         await asyncio.sleep(0.05)
     if gw.end_all_streams():
         await asyncio.sleep(0.2)  # let the error events reach the clients
+    await close_detached(gw.delivery.detached, 1.0)  # subscribers out of their ASGI call: uvicorn does not wait
 
 
 async def hand_over(gw: Any) -> None:
@@ -111,7 +113,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         self._arm(self.header_timeout, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self.disarm()
         super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
@@ -120,21 +122,21 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             self._arm(self.header_timeout, self._head_timed_out)
 
     def on_headers_complete(self) -> None:
-        self._disarm()
+        self.disarm()
         super().on_headers_complete()
         if not self.parser.should_upgrade():
             self._arm(self.body_timeout, self._body_timed_out)  # cancelled at once if there is no body
 
     def on_message_complete(self) -> None:
-        self._disarm()
+        self.disarm()
         super().on_message_complete()
 
     def _arm(self, delay: float, callback: Any) -> None:
-        self._disarm()
+        self.disarm()
         if delay > 0:
             self._deadline = self.loop.call_later(delay, callback)
 
-    def _disarm(self) -> None:
+    def disarm(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None

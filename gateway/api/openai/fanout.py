@@ -40,6 +40,7 @@ from gateway.api.edge import gateway_of, read_body, refuse
 from gateway.api.generations import find_stream, start_generation
 from gateway.api.openai.framing import FANOUT_SSE, FANOUT_WS
 from gateway.core import sse
+from gateway.core.bare import defer, detach_ws, run_detached
 from gateway.core.conn import PEER_GONE, WsConn
 from gateway.core.delivery import (
     SseResponse,
@@ -140,12 +141,13 @@ async def _stream_events(request: Request) -> Any:
     if stream.over and after >= len(stream.events) - 1 and stream.state == "done":
         return Response(status_code=204)
     preamble = sse.comment("tokenfan stream " + stream.id) + sse.retry(gw.config.sse_retry_ms)
-    return _Subscriber(SseResponse(gw.delivery, stream, FANOUT_SSE, after, preamble=preamble), gw)
+    return _Subscriber(SseResponse(gw.delivery, stream, FANOUT_SSE, after, preamble=preamble, detachable=True), gw)
 
 
 class _Subscriber:
     """Counts a fan-out SSE subscriber in ``tokenfan_subscribers`` and against its client's
-    ``--max-subscriptions-per-client`` while its response runs (checked here, where it is also released)."""
+    ``--max-subscriptions-per-client`` while its response runs (checked here, where it is also released:
+    when the response ends, in its ASGI call or detached from it)."""
 
     __slots__ = ("gw", "inner")
 
@@ -160,11 +162,16 @@ class _Subscriber:
             return
         gauge = self.gw.metrics.subscribers.labels("sse")
         gauge.inc()
+        clients = self.gw.clients
+
+        def done() -> None:
+            gauge.dec()
+            clients.release("subscriptions", client)
+
         try:
             await self.inner(scope, receive, send)
         finally:
-            gauge.dec()
-            self.gw.clients.release("subscriptions", client)
+            defer(scope, done)
 
 
 async def _stream_ws(ws: WebSocket) -> None:
@@ -179,26 +186,36 @@ async def _stream_ws(ws: WebSocket) -> None:
             await ws.send_text(orjson.dumps({"type": "error", "error": exc.body()["error"]}).decode())
             await ws.close(4000 + exc.status if exc.status < 1000 else 1008, exc.code or "error")
         return
-    conn = WsConn.of(ws, gw.policy.linger)
+    bare = detach_ws(ws.scope, None, gw.policy.linger) if gw.delivery.detach else None
+    conn = bare or WsConn.of(ws, gw.policy.linger)
     gauge = gw.metrics.subscribers.labels("ws")
     gauge.inc()
-    outcome = None
-    try:
-        outcome = await until_disconnect(read(gw.delivery, stream, FANOUT_WS, after, conn), ws.receive)
-    except WebSocketDisconnect:
-        pass
-    finally:
-        gauge.dec()
-        gw.clients.release("subscriptions", client)
-        release(stream, cut=bool(outcome and outcome.cut))
-    if outcome is None:
+    receive = ws.receive if bare is None else None  # a detached reader keeps nothing of the ASGI call
+
+    async def follow() -> None:
+        outcome = None
+        try:
+            work = read(gw.delivery, stream, FANOUT_WS, after, conn)
+            outcome = await (work if receive is None else until_disconnect(work, receive))
+        except WebSocketDisconnect:
+            pass
+        finally:
+            gauge.dec()
+            gw.clients.release("subscriptions", client)
+            release(stream, cut=bool(outcome and outcome.cut))
+        if outcome is None:
+            return
+        end = outcome.ending
+        text = end.frame if isinstance(end.frame, str) else None
+        if outcome.cut:
+            await conn.cut(end.close_code, end.reason, text)
+        else:
+            await conn.end(text, end.close_code, end.reason)
+
+    if bare is not None:  # the socket is the gateway's now: the reader goes on after this call returns
+        run_detached(gw.delivery.detached, bare, ws.scope, follow)
         return
-    end = outcome.ending
-    text = end.frame if isinstance(end.frame, str) else None
-    if outcome.cut:
-        await conn.cut(end.close_code, end.reason, text)
-    else:
-        await conn.end(text, end.close_code, end.reason)
+    await follow()
 
 
 class _Bare:

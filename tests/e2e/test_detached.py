@@ -157,11 +157,10 @@ def _frame(sock: socket.socket, buf: bytearray) -> tuple[int, bytes] | None:
                 n, at = struct.unpack("!H", buf[2:4])[0], 4
             elif n == 127 and len(buf) >= 10:
                 n, at = struct.unpack("!Q", buf[2:10])[0], 10
-            if n < 126 or at > 2:
-                if len(buf) >= at + n:
-                    opcode, payload = buf[0] & 0x0F, bytes(buf[at:at + n])
-                    del buf[:at + n]
-                    return opcode, payload
+            if (n < 126 or at > 2) and len(buf) >= at + n:
+                opcode, payload = buf[0] & 0x0F, bytes(buf[at:at + n])
+                del buf[:at + n]
+                return opcode, payload
         chunk = sock.recv(65536)
         if not chunk:
             return None

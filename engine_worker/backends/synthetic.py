@@ -302,11 +302,19 @@ def _plain_submit(submit: Submit, body: dict[str, Any]) -> Submit:
     sampling = msgspec.structs.replace(
         submit.sampling, seed=seed, stop=[stop] if isinstance(stop, str) else list(stop))
     if submit.endpoint == "chat.completions":
-        messages = [ChatMessage(role=str(m.get("role")), content=_text(m.get("content")))
-                    for m in body.get("messages") or []]
+        raw = body.get("messages") or []
+        if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
+            _invalid("messages", "`messages` must be a list of message objects")  # ({"": null} was a 500 once)
+        messages = [ChatMessage(role=str(m.get("role")), content=_text(m.get("content"))) for m in raw]
         return msgspec.structs.replace(submit, sampling=sampling, messages=messages)
     prompt = body.get("prompt")
-    return msgspec.structs.replace(submit, sampling=sampling, prompt=prompt[0] if isinstance(prompt, list) else prompt)
+    if isinstance(prompt, list):
+        if not prompt or not isinstance(prompt[0], str):
+            _invalid("prompt", "`prompt` must be a string or a non-empty list of strings")
+        prompt = prompt[0]
+    elif not isinstance(prompt, str):
+        _invalid("prompt", "`prompt` must be a string or a non-empty list of strings")
+    return msgspec.structs.replace(submit, sampling=sampling, prompt=prompt)
 
 
 def _text(content: Any) -> str | list[str]:

@@ -64,6 +64,8 @@ def test_http_bodies_never_cause_a_500(fast_gateway: str, path: str) -> None:
     # found by this test: a forwarded body's `seed` reached the synthetic engine's corpus offset unchecked (500)
     @example(body={"model": None, "seed": [], "messages": None, "tools": None})
     @example(body={"stop": [1], "tools": None, "messages": []})
+    @example(body={"messages": {"": None}, "tools": None})  # a forwarded dict of messages: the synthetic engine's 500
+    @example(body={"prompt": [], "tools": None, "messages": []})
     def check(body: object) -> None:
         if isinstance(body, dict) and body.get("stream") is True:
             body["max_tokens"] = 2  # keep accepted streams short

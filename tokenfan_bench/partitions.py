@@ -62,6 +62,7 @@ class History:
     arrivals: list[float] = field(default_factory=list)
     ends: list[str] = field(default_factory=list)  # done | eof | error:<code> | http <status> | net <error>
     outcome: str = "hung"  # done | error:<code> | hung
+    opened: int = 0  # responses that started (200): the reader is attached
 
     def largest_gap(self) -> float:
         return max((b - a for a, b in zip(self.arrivals, self.arrivals[1:])), default=0.0)
@@ -91,6 +92,7 @@ async def read(client: httpx.AsyncClient, sid: str, h: History, stop: asyncio.Ev
                 if r.status_code != 200:
                     ended = f"http {r.status_code}"
                 else:
+                    h.opened += 1
                     seq, event = None, "message"
                     async for line in r.aiter_lines():
                         if line.startswith("id: "):
@@ -139,6 +141,7 @@ async def read_response(client: httpx.AsyncClient, rid: str, h: History, stop: a
                 if r.status_code != 200:
                     ended = f"http {r.status_code}"
                 else:
+                    h.opened += 1
                     async for line in r.aiter_lines():
                         if not line.startswith("data: {"):
                             continue
@@ -183,9 +186,10 @@ def check(streams: dict[str, list[History]]) -> list[str]:
 
 
 def body(i: int, tokens: int) -> dict[str, Any]:
-    """A sampled chat stream: temperature 1 and no seed, so two continuations of it differ."""
+    """A sampled chat stream: temperature 1 and no seed, so two continuations of it differ; ``ignore_eos``, so
+    it runs its ``tokens`` (a sampled end of sequence ended one before the fault now and then)."""
     return {"messages": [{"role": "user", "content": f"Tell a long story about river {i}."}], "max_tokens": tokens,
-            "temperature": 1.0, "stream": True}
+            "temperature": 1.0, "stream": True, "ignore_eos": True}
 
 
 @dataclass
@@ -250,7 +254,8 @@ async def _drive(create: str, urls: list[list[str]], n: int, tokens: int, warm: 
                  deadline_s: float, responses: int = 0, at_fault: list[int] | None = None
                  ) -> tuple[dict[str, list[History]], float, float]:
     """Create ``n`` fan-out streams (and ``responses`` background responses) on ``create``, one reader per URL
-    list each; once every reader has ``warm`` events, ``await fault()`` (returns when the fault ends); then wait
+    list each; once every reader is attached and every stream has ``warm`` events on its owner, ``await fault()``
+    (returns when the fault ends); then wait
     for the readers. The streams, the fault's start and end (monotonic); ``at_fault`` gets how many of the
     generations still ran when the fault began."""
     at_fault = [] if at_fault is None else at_fault
@@ -265,16 +270,19 @@ async def _drive(create: str, urls: list[list[str]], n: int, tokens: int, warm: 
         for i in range(responses):
             r = await c.post(create + "/v1/responses", json={
                 "input": f"Tell a long story about lake {i}.", "background": True, "temperature": 1.0,
-                "max_output_tokens": tokens})
+                "max_output_tokens": tokens, "ignore_eos": True})
             r.raise_for_status()
             rids.append(r.json()["id"])
         streams = {sid: [History(list(u)) for u in urls] for sid in [*ids, *rids]}
         jobs = [asyncio.create_task(read(c, sid, h, stop)) for sid in ids for h in streams[sid]]
         jobs += [asyncio.create_task(read_response(c, rid, h, stop)) for rid in rids for h in streams[rid]]
+        # The fault strikes once every reader is attached and every stream has ``warm`` events on its owner: the
+        # server's count, not the readers' (a client process starved of CPU reads late while the engine goes on).
         t_warm = time.monotonic() + 120
-        while any(len(h.seqs) < warm and h.outcome == "hung" for rs in streams.values() for h in rs):
+        while any(h.opened == 0 and h.outcome == "hung" for rs in streams.values() for h in rs) or \
+                not all([(await c.get(f"{create}/v1/streams/{sid}")).json().get("events", 0) >= warm for sid in ids]):
             if time.monotonic() > t_warm:
-                raise RuntimeError("the readers did not get their first events")
+                raise RuntimeError("the readers did not attach, or the streams did not start")
             await asyncio.sleep(0.02)
         # the fault must strike generations that still run (else a scenario proves nothing): counted here
         running = 0

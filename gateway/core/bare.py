@@ -26,7 +26,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Coroutine, Generator, MutableMapping
-from typing import Any
+from typing import Any, ClassVar
 
 from websockets.exceptions import PayloadTooBig, ProtocolError
 from websockets.frames import Frame, Opcode
@@ -122,6 +122,7 @@ class BareConn(asyncio.Protocol):
     """The socket's protocol and the delivery core's connection in one object (one per subscriber)."""
 
     __slots__ = ("_drain", "_out", "closed", "headers", "label", "linger", "lost", "paused", "task", "transport")
+    ws: ClassVar[bool] = False  # a WebSocket: payloads become text frames as they are taken
     def __init__(self, transport: asyncio.Transport, label: str, headers: list[tuple[bytes, bytes]],
                  linger: float, paused: bool) -> None:
         self.transport = transport
@@ -167,15 +168,18 @@ class BareConn(asyncio.Protocol):
                 self._drain = asyncio.get_running_loop().create_future()
             await self._drain
 
-    def _can_write(self) -> bool:
-        return not (self.paused or self.closed or self.transport.is_closing())
-
-    def _take(self, wire: bytes, step: Step | None) -> None:
-        self._out.append(wire)
+    def write_now(self, data: bytes, step: Step | None = None) -> bool:
+        """Take one event's payload without awaiting while the socket is writable (False otherwise: the reader's
+        own loop sends it); within a ``step`` it is written at the step's end, with the step's other frames."""
+        if self.paused or self.closed or self.transport.is_closing():
+            return False
+        out = self._out
+        out.append(ws_text(data) if self.ws else data)
         if step is None:
             self.flush()
-        elif len(self._out) == 1:
+        elif len(out) == 1:
             step.hold(self)
+        return True
 
     def flush(self) -> None:
         """Write what ``write_now`` took, in one transport write (each subclass frames it)."""
@@ -207,11 +211,6 @@ class BareSse(BareConn):
         self.transport.write(chunked(data))
         await self._drained()
 
-    def write_now(self, data: bytes, step: Step | None = None) -> bool:
-        if not self._can_write():
-            return False
-        self._take(data, step)
-        return True
 
     def flush(self) -> None:
         out = self._out
@@ -233,6 +232,7 @@ class BareWs(BareConn):
     sent every ``ping_interval`` s and the connection failed (1011) without a pong in ``ping_timeout`` s."""
 
     __slots__ = ("_frames", "_parser", "_ping", "_reader", "_timer", "max_size", "ping_interval", "ping_timeout")
+    ws = True
     def __init__(self, transport: asyncio.Transport, headers: list[tuple[bytes, bytes]], linger: float,
                  paused: bool, *, max_size: int | None, ping_interval: float | None,
                  ping_timeout: float | None) -> None:
@@ -344,11 +344,6 @@ class BareWs(BareConn):
         self.transport.write(ws_frame(0x1, text.encode()))
         await self._drained()
 
-    def write_now(self, data: bytes, step: Step | None = None) -> bool:
-        if not self._can_write():
-            return False
-        self._take(ws_text(data), step)
-        return True
 
     def flush(self) -> None:
         out = self._out

@@ -109,9 +109,9 @@ GONE = _Gone()
 def _forget(proto: Any) -> None:
     """uvicorn's protocol lets go of the connection: out of the server's set (its graceful shutdown does not
     wait for it), its timers cancelled, its transport replaced by :data:`GONE`."""
-    server_state = getattr(proto, "server_state", None)
-    if server_state is not None:
-        server_state.connections.discard(proto)
+    connections = getattr(proto, "connections", None)  # uvicorn's server_state.connections, as both protocols hold it
+    if connections is not None:
+        connections.discard(proto)
     disarm = getattr(proto, "disarm", None)  # gateway.http.server.HeaderTimeoutProtocol's deadlines
     if disarm is not None:
         disarm()

@@ -57,13 +57,17 @@ class Detached:
     __slots__ = ("_later",)
 
     def __init__(self) -> None:
-        self._later: list[Callable[[], None]] = []
+        self._later: list[Callable[[], None]] | None = []
 
     def later(self, fn: Callable[[], None]) -> None:
-        self._later.append(fn)
+        """Run ``fn`` when the connection ends (at once if it already has)."""
+        if self._later is None:
+            fn()
+        else:
+            self._later.append(fn)
 
     def done(self) -> None:
-        later, self._later = self._later, []
+        later, self._later = self._later or [], None
         for fn in later:
             try:
                 fn()

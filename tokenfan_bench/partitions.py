@@ -62,7 +62,6 @@ class History:
     arrivals: list[float] = field(default_factory=list)
     ends: list[str] = field(default_factory=list)  # done | eof | error:<code> | http <status> | net <error>
     outcome: str = "hung"  # done | error:<code> | hung
-    opened: int = 0  # responses that started (200): the reader is attached
 
     def largest_gap(self) -> float:
         return max((b - a for a, b in zip(self.arrivals, self.arrivals[1:])), default=0.0)
@@ -92,7 +91,6 @@ async def read(client: httpx.AsyncClient, sid: str, h: History, stop: asyncio.Ev
                 if r.status_code != 200:
                     ended = f"http {r.status_code}"
                 else:
-                    h.opened += 1
                     seq, event = None, "message"
                     async for line in r.aiter_lines():
                         if line.startswith("id: "):
@@ -141,7 +139,6 @@ async def read_response(client: httpx.AsyncClient, rid: str, h: History, stop: a
                 if r.status_code != 200:
                     ended = f"http {r.status_code}"
                 else:
-                    h.opened += 1
                     async for line in r.aiter_lines():
                         if not line.startswith("data: {"):
                             continue
@@ -254,7 +251,7 @@ async def _drive(create: str, urls: list[list[str]], n: int, tokens: int, warm: 
                  deadline_s: float, responses: int = 0, at_fault: list[int] | None = None
                  ) -> tuple[dict[str, list[History]], float, float]:
     """Create ``n`` fan-out streams (and ``responses`` background responses) on ``create``, one reader per URL
-    list each; once every reader is attached and every stream has ``warm`` events on its owner, ``await fault()``
+    list each; once every stream has ``warm`` events on its owner, ``await fault()``
     (returns when the fault ends); then wait
     for the readers. The streams, the fault's start and end (monotonic); ``at_fault`` gets how many of the
     generations still ran when the fault began."""
@@ -276,13 +273,14 @@ async def _drive(create: str, urls: list[list[str]], n: int, tokens: int, warm: 
         streams = {sid: [History(list(u)) for u in urls] for sid in [*ids, *rids]}
         jobs = [asyncio.create_task(read(c, sid, h, stop)) for sid in ids for h in streams[sid]]
         jobs += [asyncio.create_task(read_response(c, rid, h, stop)) for rid in rids for h in streams[rid]]
-        # The fault strikes once every reader is attached and every stream has ``warm`` events on its owner: the
-        # server's count, not the readers' (a client process starved of CPU reads late while the engine goes on).
+        # The fault strikes once every stream has ``warm`` events on its owner: the server's count, not the
+        # readers' (the tiny model writes 480 tokens in about 2 s, and a client process starved of CPU attached its
+        # readers and read their first events later than that: "only 0 of 7 generations still ran"). A reader
+        # that attaches during the fault is checked like any other.
         t_warm = time.monotonic() + 120
-        while any(h.opened == 0 and h.outcome == "hung" for rs in streams.values() for h in rs) or \
-                not all([(await c.get(f"{create}/v1/streams/{sid}")).json().get("events", 0) >= warm for sid in ids]):
+        while not all([(await c.get(f"{create}/v1/streams/{sid}")).json().get("events", 0) >= warm for sid in ids]):
             if time.monotonic() > t_warm:
-                raise RuntimeError("the readers did not attach, or the streams did not start")
+                raise RuntimeError("the streams did not start")
             await asyncio.sleep(0.02)
         # the fault must strike generations that still run (else a scenario proves nothing): counted here
         running = 0

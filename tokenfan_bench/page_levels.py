@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tokenfan_bench.report.run_outputs import meta
+from tokenfan_bench.report.run_outputs import load, meta
 from tokenfan_bench.servers import processes
 from tokenfan_bench.stats import page_levels as pl
 from tokenfan_bench.stats.report_estimates import PLACEBO_MS, RESOLUTION_MS, applied_delay, recovered
@@ -207,7 +206,7 @@ def measure(ns: argparse.Namespace, argv: list[str], logs: Path) -> dict[str, An
         res["calibration"] = calibration(runs["delayed"], runs["placebo"], runs["delayed"]["applied"],
                                          runs["placebo"]["applied"])
     res["runs"] = {name: _public(r) for name, r in runs.items()}
-    res["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    res["load_after"] = load()
     return res
 
 

@@ -190,6 +190,17 @@ def body(i: int, tokens: int) -> dict[str, Any]:
 
 
 @dataclass
+class Driven:
+    """What :func:`_drive` saw: each stream's readers, the fault's start and end (monotonic), and how many of the
+    generations still ran when the fault began."""
+
+    streams: dict[str, list[History]]
+    t0: float
+    t1: float
+    running: int
+
+
+@dataclass
 class Run:
     """One scenario's outcome: the histories, the problems, and the times the checker reports."""
 
@@ -248,14 +259,10 @@ def engine_running(url: str) -> int:
 
 
 async def _drive(create: str, urls: list[list[str]], n: int, tokens: int, warm: int, fault: Any,
-                 deadline_s: float, responses: int = 0, at_fault: list[int] | None = None
-                 ) -> tuple[dict[str, list[History]], float, float]:
+                 deadline_s: float, responses: int = 0) -> Driven:
     """Create ``n`` fan-out streams (and ``responses`` background responses) on ``create``, one reader per URL
-    list each; once every stream has ``warm`` events on its owner, ``await fault()``
-    (returns when the fault ends); then wait
-    for the readers. The streams, the fault's start and end (monotonic); ``at_fault`` gets how many of the
-    generations still ran when the fault began."""
-    at_fault = [] if at_fault is None else at_fault
+    list each; once every stream has ``warm`` events on its owner, ``await fault()`` (returns when the fault
+    ends); then wait for the readers."""
     stop = asyncio.Event()
     async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=5), limits=httpx.Limits(max_connections=4 * n + 8)) \
             as c:
@@ -288,7 +295,6 @@ async def _drive(create: str, urls: list[list[str]], n: int, tokens: int, warm: 
             running += (await c.get(f"{create}/v1/streams/{sid}")).json().get("state") == "running"
         for rid in rids:
             running += (await c.get(f"{create}/v1/responses/{rid}")).json().get("status") == "in_progress"
-        at_fault.append(running)
         t0 = time.monotonic()
         await fault()
         t1 = time.monotonic()
@@ -296,7 +302,14 @@ async def _drive(create: str, urls: list[list[str]], n: int, tokens: int, warm: 
         stop.set()
         if pending:
             await asyncio.wait(pending, timeout=10)
-    return streams, t0, t1
+    return Driven(streams, t0, t1, running)
+
+
+def _still_ran(driven: Driven, when: str) -> list[str]:
+    """The scenario proves nothing about a generation that had ended before its fault: that is a problem too."""
+    n = len(driven.streams)
+    return [] if driven.running >= n else \
+        [f"only {driven.running} of {n} generations still ran when {when} (more --tokens)"]
 
 
 def _recovery(streams: dict[str, list[History]], t1: float) -> float | None:
@@ -382,10 +395,10 @@ def redis_scenario(kind: str, engine: str, tmp: Path, logs: Path, *, streams: in
                 await asyncio.sleep(cut * ttl)
                 redis.start()
 
-        at_fault: list[int] = []
-        histories, t0, t1 = asyncio.run(_drive(url_a, [[url_a, url_b], [url_b, url_a]], streams, tokens, 3, fault,
-                                               120, responses, at_fault))
-        notes["running_at_fault"] = at_fault[0]
+        driven = asyncio.run(_drive(url_a, [[url_a, url_b], [url_b, url_a]], streams, tokens, 3, fault, 120,
+                                    responses))
+        histories, t0, t1 = driven.streams, driven.t0, driven.t1
+        notes["running_at_fault"] = driven.running
         idle = _wait_idle(url_b, 30)
         notes["adopted_b"] = _sample(url_b, "tokenfan_adoptions_total", outcome="adopted")
         # A finds out at its first write after the heal (its publisher reconnects with backoff, and a connect
@@ -396,10 +409,7 @@ def redis_scenario(kind: str, engine: str, tmp: Path, logs: Path, *, streams: in
             time.sleep(0.2)
         notes["fenced_a"] = fenced
         notes["paused_a"] = _sample(url_a, "tokenfan_streams_fenced_total", reason="lease")
-    problems = check(histories)
-    if notes["running_at_fault"] < len(histories):
-        problems.append(f"only {notes['running_at_fault']} of {len(histories)} generations still ran when the fault "
-                        "began (more --tokens)")
+    problems = check(histories) + _still_ran(driven, "the fault began")
     return Run(kind, histories, problems, t1 - t0, _recovery(histories, t1), idle, notes)
 
 
@@ -450,18 +460,15 @@ def engine_scenario(tmp: Path, logs: Path, *, streams: int, tokens: int, cut: fl
                         break
                     await asyncio.sleep(0.05)
 
-        at_fault: list[int] = []
-        histories, t0, t1 = asyncio.run(_drive(url, [[url], [url]], streams, tokens, 3, fault, 120, 0, at_fault))
-        notes["running_at_fault"] = at_fault[0]
+        driven = asyncio.run(_drive(url, [[url], [url]], streams, tokens, 3, fault, 120))
+        histories, t0, t1 = driven.streams, driven.t0, driven.t1
+        notes["running_at_fault"] = driven.running
         # the control: the same requests where nothing was cut (the synthetic text is a function of the position)
         controls = {}
         for i, sid in enumerate(histories):
             r = httpx.post(url + "/v1/chat/completions", json={**body(i, tokens), "stream": False}, timeout=120)
             controls[sid] = r.json()["choices"][0]["message"]["content"]
-        problems = check(histories)
-        if notes["running_at_fault"] < len(histories):
-            problems.append(f"only {notes['running_at_fault']} of {len(histories)} generations still ran when the "
-                            "link was cut (more --tokens)")
+        problems = check(histories) + _still_ran(driven, "the link was cut")
         after = notes.get("tcp_engine_after_heal")
         if after is None or after["running"] or after["waiting"]:
             problems.append(f"the engine that was cut off, healed: {after or 'never healthy again'} (want nothing "

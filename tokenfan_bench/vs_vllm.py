@@ -56,6 +56,7 @@ import httpx
 import psutil
 
 from tokenfan_bench import offered_load
+from tokenfan_bench.report.run_outputs import load
 from tokenfan_bench.servers.processes import free_port
 
 log = logging.getLogger(__name__)
@@ -663,7 +664,7 @@ def run(ns: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "meta": {"command": ["tokenfan", "bench", "vs-vllm", *argv], "model": str(model.path),
                  "served_model_name": model.name, "concurrency": ns.concurrency, "rounds": ns.rounds,
                  "seed": ns.seed,
-                 "machine": _machine(), "load_start": _load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "machine": _machine(), "load_start": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "git": _git_rev(), "versions": _versions()},
         "servers": [{"label": s.label, "kind": s.kind, "args": s.args, "env": s.env} for s in ns.servers],
         "starts": [], "runs": [], "rate_runs": [],
@@ -701,7 +702,7 @@ def run(ns: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                     for srv in offered_load.interleaved(servers, i, rnd):
                         results["rate_runs"].append(measure_rate(srv, model, ns, out, rate, rnd))
                         _write(out, results)
-    results["meta"]["load_end"] = _load()
+    results["meta"]["load_end"] = load()
     _write(out, results)
     return results
 
@@ -736,10 +737,6 @@ def _started(srv: Running, rnd: int, model: Model, ns: argparse.Namespace, out: 
 def _write(out: Path, results: dict[str, Any]) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "summary.md").write_text(summary_md(results))
-
-
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def _machine() -> str:

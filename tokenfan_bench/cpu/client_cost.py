@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from tokenfan_bench.clients.workers import Plan
+from tokenfan_bench.report.run_outputs import load
 from tokenfan_bench.runner import run_clients
 from tokenfan_bench.servers import processes
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         with processes.spawn_raw(ns.tokens_per_s, 20.0, Path("bench-results/clientcost-logs")) as raw:
             for c in ns.clients.split(","):
                 rows += [measure(raw.url, c, t, ns) for t in ns.transports.split(",")]
-    print(f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {ns.streams} streams x 2 subscribers x "
+    print(f"load {load()}, {ns.streams} streams x 2 subscribers x "
           f"{ns.max_tokens} tokens", file=sys.stderr)
     print("| client | transport | events | errors | events/s | client CPU µs/event |\n| --- | --- | --- | --- | --- | --- |")
     for r in rows:

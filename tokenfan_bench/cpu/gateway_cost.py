@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import statistics
 import sys
 import time
@@ -333,7 +332,7 @@ def run(ns: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         with spawned("raw", ns, out) as srv:
             print("capacity, raw floor", file=sys.stderr)
             results["capacity"]["raw"] = runner(capacity(srv, ns))
-    results["meta"]["load_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    results["meta"]["load_end"] = run_outputs.load()
     run_outputs.write_json(out / "results.json", results)
     (out / "summary.md").write_text(summary_md(results))
     return results

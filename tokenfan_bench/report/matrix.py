@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -416,7 +415,7 @@ def _loss_only(ns: argparse.Namespace, s: Settings, data: Path, meta: dict[str, 
 
     results = {"loss": _run_loss(ns, s), "meta": meta}
     results["meta"]["loss_s"] = time.monotonic() - t0
-    results["meta"]["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    results["meta"]["load_after"] = run_outputs.load()
     run_outputs.write_json(data / "results-loss.json", results)
     m = results["meta"]
     # the section says when it was made: the report's header dates the rest
@@ -455,7 +454,7 @@ def main(argv: list[str]) -> int:
     if ns.loss != "none":
         results["loss"] = _run_loss(ns, s)
     results["meta"] = {**meta, "matrix_s": time.monotonic() - t0,
-                       "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+                       "load_after": run_outputs.load()}
     run_outputs.write_json(data / "results.json", results)
     plots = ns.plots or ns.out.with_suffix("")
     write_report(results, matrix.runs, ns.out, plots)

@@ -67,6 +67,11 @@ def baseline_result(gw: dict[str, Any], raw: dict[str, Any], rate: float) -> dic
     return out
 
 
+def load() -> str:
+    """The 1/5/15-minute load averages, as every report writes them (``0.71 1.25 1.71``)."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def meta(argv: list[str], seed: int) -> dict[str, Any]:
     versions: dict[str, str | None] = {"python": sys.version.split()[0]}
     for pkg in ("tokenfan", "httpx", "websockets", "picows", "aiofastnet", "h2", "hpack", "numpy", "uvicorn",
@@ -78,7 +83,7 @@ def meta(argv: list[str], seed: int) -> dict[str, Any]:
     return {"command": ["tokenfan", "bench", *argv], "versions": versions, "seed": seed,
             "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(),
                         "cpu_model": _cpu_model(), "hostname": platform.node()},
-            "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),  # 1/5/15-min load when the run started
+            "load": load(),  # when the run started
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

@@ -182,7 +182,8 @@ def adopt_once(parser_gateway: str, core: int, ipc_dir: Path, redis_server: Redi
         if misses:  # the evidence: every chunk each reader read, and the controls as folded
             dump = {name: {"chunks": r.chunks, "seqs": r.seqs, "control": asdict(expected[name])}
                     for name, r in readers.items()}
-            (ARTIFACTS / f"vllm-adoption-miss-{kind}-{time.time_ns()}.json").write_bytes(orjson.dumps(dump))
+            (ARTIFACTS / f"vllm-adoption-miss-{kind}-{time.time_ns()}.json").write_bytes(
+                orjson.dumps(dump, option=orjson.OPT_NON_STR_KEYS))  # a control's tool calls are keyed by index
         assert all(want.tops for want in expected.values()) and expected["n2"].others[1], expected
         calls = readers["required-tool"].answer.tools.values()
         assert calls and all((t["headers"], t["name"]) == (1, "get_weather") for t in calls), calls

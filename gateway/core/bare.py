@@ -38,6 +38,7 @@ from gateway.core.conn import (
     server_side,
     writable_protocol,
     ws_close_frame,
+    ws_ending,
     ws_frame,
     ws_text,
 )
@@ -361,7 +362,7 @@ class BareWs(BareConn):
         if self.closed:
             return
         self._stop_timer()
-        out = (ws_frame(0x1, text.encode()) if text is not None else b"") + ws_close_frame(code, reason)
+        out = ws_ending(text, code, reason)
         self.closed = True
         transport = self.transport
         if transport.is_closing():
@@ -376,8 +377,7 @@ class BareWs(BareConn):
         if self.closed:
             return
         self._stop_timer()
-        self._finish((ws_frame(0x1, text.encode()) if text is not None else b"") + ws_close_frame(code, reason),
-                     self.linger)
+        self._finish(ws_ending(text, code, reason), self.linger)
 
 
 def _trace_headers(scope: MutableMapping[str, Any]) -> list[tuple[bytes, bytes]]:

@@ -58,6 +58,11 @@ def ws_close_frame(code: int, reason: str) -> bytes:
     return ws_frame(0x8, struct.pack("!H", code) + reason.encode()[:123])
 
 
+def ws_ending(text: str | None, code: int, reason: str) -> bytes:
+    """A WebSocket's last message (if any) and its close frame, as one write."""
+    return (ws_frame(0x1, text.encode()) if text is not None else b"") + ws_close_frame(code, reason)
+
+
 def chunked(data: bytes) -> bytes:
     """One HTTP/1.1 chunk."""
     return b"%x\r\n%b\r\n" % (len(data), data) if data else b""
@@ -267,7 +272,7 @@ class WsConn:
         if transport is None or transport.is_closing() or not hasattr(proto, "close_sent"):
             await self.end(text, code, reason)
             return
-        out = (ws_frame(0x1, text.encode()) if text is not None else b"") + ws_close_frame(code, reason)
+        out = ws_ending(text, code, reason)
         transport.write(out)
         proto.close_sent = True  # uvicorn writes nothing more on this socket
         _linger_then_abort(transport, self.linger)

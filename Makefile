@@ -24,7 +24,7 @@ run: setup
 	$(VENV)/bin/tokenfan serve $(ARGS)
 
 # Debian packages the tests drive: chromium (Playwright's own browser download does not work here),
-# redis-server (the broker of the scale-out test), nginx (tests/e2e/test_nginx.py runs
+# redis-server and redis-sentinel (the broker of the scale-out tests: standalone, replicated, Sentinel, Cluster), nginx (tests/e2e/test_nginx.py runs
 # deploy/nginx/tokenfan.conf; its service is never started) and iptables (the bench's packet-loss rules,
 # inside network namespaces of its own: tests/e2e/test_bench_loss.py) and prometheus (with promtool: the shipped rules
 # and dashboard against a real Prometheus, tests/test_prometheus_rules.py and tests/e2e/test_prometheus.py; its
@@ -33,6 +33,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 test-deps:
 	@missing=""; command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v redis-sentinel >/dev/null 2>&1 || missing="$$missing redis-sentinel"; \
 	test -x /usr/sbin/nginx || missing="$$missing nginx"; \
 	command -v iptables >/dev/null 2>&1 || test -x /usr/sbin/iptables || missing="$$missing iptables"; \
 	command -v prometheus >/dev/null 2>&1 || missing="$$missing prometheus"; \

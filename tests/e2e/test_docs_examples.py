@@ -189,7 +189,7 @@ def run_bash(e: Example, url: str, tmp: Path, check: Callable[[Output], None] = 
     own = f"{'https' if '--ssl-certfile' in code else 'http'}://127.0.0.1:{port}"
     starts_server = re.search(r"^\s*(\.venv/bin/)?tokenfan (serve|gateway)\b", code, re.MULTILINE) is not None
     code = with_url(code, own if starts_server else url).replace(".venv/bin/", "").replace("--port 8000", f"--port {port}")
-    code = code.replace("/run/tokenfan/", f"{tmp}/")
+    code = code.replace("/run/tokenfan/", f"{tmp}/").replace("/tmp/tokenfan-demo/", f"{tmp}/")
     if model_dir is not None:
         code = code.replace("/tmp/tiny", str(model_dir))
     if "script.json" in code:
@@ -463,7 +463,7 @@ def react_tool_round(o: Output) -> None:
 # (page, a line of the block) -> what it promises
 PROMISES: dict[tuple[str, str], Callable[[Output], None]] = {
     ("README.md", "tokenfan serve --engine synthetic   "): serves_synthetic,
-    ("README.md", "tokenfan engine --engine-address ipc:///run/tokenfan/engine.sock &"): serves_a_generation,
+    ("README.md", "tokenfan engine --engine-address ipc:///tmp/tokenfan-demo/engine.sock &"): serves_a_generation,
     ("README.md", "curl -N http://127.0.0.1:8000/v1/chat/completions"): streamed_chat_with_usage,
     ("README.md", 'prompt="Once upon a time", max_tokens=32).choices[0].text)'): printed_words,
     ("README.md", 'new WebSocket("ws://127.0.0.1:8000/v1/ws")'): ws_mux_answer,

@@ -41,6 +41,7 @@ FOREIGN_FLAGS = {
     "pip": {"--no-deps", "--index-url"},
     "kubectl": {"--raw"},
     "py-spy record": {"--gil", "--format"},  # the front end's profile in vs-vllm.md
+    "redis-server": {"--maxmemory", "--maxmemory-policy"},  # the shipped Redis (operations.md)
 }
 
 FENCED = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)

@@ -89,12 +89,14 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     from tokenfan_bench.failover import parser as failover_parser
     from tokenfan_bench.fanout import parser as fanout_parser
     from tokenfan_bench.page_levels import parser as page_levels_parser
+    from tokenfan_bench.sizing import parser as sizing_parser
     from tokenfan_bench.vs_vllm import parser as vs_vllm_parser
 
     return {"tokenfan": top_parser(), "tokenfan engine": engine_parser(), "tokenfan bench": bench_parser(),
             "tokenfan bench vs-vllm": vs_vllm_parser(), "tokenfan bench cpu": cpu_parser(),
             "tokenfan bench pass": pass_parser(), "tokenfan bench failover": failover_parser(),
             "tokenfan bench page-levels": page_levels_parser(), "tokenfan bench fanout": fanout_parser(),
+            "tokenfan bench sizing": sizing_parser(),
             "tokenfan prepare-model": models_parser("tokenfan prepare-model"), "tokenfan certs": certs_parser()}
 
 

@@ -318,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         from tokenfan_bench.durable import main as durable_main
 
         return durable_main(argv[1:])
+    if argv[:1] == ["sizing"]:  # memory per stream, subscriber, response and event, gateway and Redis (sizing.py)
+        from tokenfan_bench.sizing import main as sizing_main
+
+        return sizing_main(argv[1:])
     if argv[:1] == ["partitions"]:  # real network partitions against sampled listed streams (partitions.py)
         from tokenfan_bench.partitions import main as partitions_main
 

@@ -59,7 +59,8 @@ def py_read(urls: list[str], read: Read, *, offset: str = "-1", stop_after: int 
         read.sessions += 1
         client = httpx.Client(timeout=30, event_hooks={"response": [_closed_hook]})
         try:
-            with stream(url, offset=saved, live="long-poll", client=client, headers=headers) as res:
+            hdrs: dict[str, str | Callable[[], str]] = dict(headers or {})
+            with stream(url, offset=saved, live="long-poll", client=client, headers=hdrs) as res:
                 for ev in res.iter_events(mode="json_batches"):
                     read.items.extend(ev.data)
                     read.offsets.append(ev.next_offset)

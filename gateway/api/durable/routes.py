@@ -69,6 +69,7 @@ async def _answer(request: Request) -> Any:
     if live is not None and raw is None:
         raise ClientError(400, f"live={live} needs an `offset` (-1 for the start).", param="offset",
                           code="invalid_value")
+    timeout = _timeout(query.get("timeout")) if live == "long-poll" else LONG_POLL_TIMEOUT
     stream = await _readable(gw, request.path_params["id"])
     if request.method == "HEAD":
         return _head(stream)
@@ -77,13 +78,14 @@ async def _answer(request: Request) -> Any:
     if live == "sse":
         return _subscriber(gw, stream, DurableSseResponse(gw, stream, position, cursor or "", raw == "now"))
     if live == "long-poll" and position >= len(stream.events) and not protocol.closed(stream):
-        timeout = _timeout(query.get("timeout"))
         client = _subscribe(gw, request.scope, stream)
         try:
             await until_disconnect(_wait_past(stream, position, timeout), request.receive)
         finally:
             gw.clients.release("subscriptions", client)
         stream = await _readable(gw, stream.id)  # it may have moved while we waited
+        if raw != "now":
+            protocol.parse_offset(raw, stream)  # it may have closed short of the offset: a 400 then
     return _read(request, stream, position, raw, cursor)
 
 

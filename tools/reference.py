@@ -34,7 +34,7 @@ ROUTES: dict[str, tuple[str, str]] = {
     "GET /v1/models": ("the served model (OpenAI list shape)", "api.md#service-endpoints"),
     "WS /v1/ws": ("several chat/completions generations multiplexed on one WebSocket, cancel by id",
                   "api.md#websocket-v1ws"),
-    "POST /v1/streams": ("starts a fan-out stream; returns its id, `events_url` and `ws_url` (201)",
+    "POST /v1/streams": ("starts a fan-out stream; returns its id, `events_url`, `ws_url` and `durable_url` (201)",
                          "api.md#fan-out-streams-v1streams"),
     "GET /v1/streams/{id}": ("a fan-out stream's status: running or finished, events, subscribers",
                              "api.md#fan-out-streams-v1streams"),
@@ -43,6 +43,9 @@ ROUTES: dict[str, tuple[str, str]] = {
                                      "`Last-Event-ID` or `?after=`"), "api.md#fan-out-streams-v1streams"),
     "WS /v1/streams/{id}/ws": ("a fan-out stream over WebSocket, after `?after=` (or `Last-Event-ID`)",
                                "api.md#fan-out-streams-v1streams"),
+    "GET /v1/streams/{id}/durable": (("any listed stream by the Durable Streams protocol: catch-up from `?offset=`, "
+                                      "`live=long-poll`, `live=sse`; HEAD: its tail offset and closure"),
+                                     "durable-streams.md"),
     "POST /v1/responses": ("OpenAI Responses API: a response, streamed (SSE) or not, or in the background",
                            "api.md#responses-api-v1responses-sse-and-websocket-mode"),
     "GET /v1/responses/{id}": ("a stored response, or its events again with `stream=true&starting_after=N`",
@@ -167,8 +170,9 @@ ERRORS: dict[str, tuple[str, str, str]] = {
                       "read faster; resume with `Last-Event-ID` / `?after=`"),
     "broker_unavailable": ("503", "`--broker`: Redis is unreachable", "retry after `Retry-After`"),
     "owner_fenced": ("503", ("`--broker`: a stored response's gateway lost touch with Redis before its end was "
-                     "durable (it fenced itself: docs/failures.md)"),
-                     "GET `/v1/responses/{id}` on another replica, or here shortly"),
+                     "durable (it fenced itself: docs/failures.md); a Durable Streams read of a stream this gateway "
+                     "fenced itself from or handed over"),
+                     "GET `/v1/responses/{id}` (or the durable URL) on another replica, or here shortly"),
     "mirror_closed": ("503", "this replica stopped mirroring the stream", ("resume on another replica "
                       "(`Last-Event-ID`, `?after=`)")),
 }

@@ -2,8 +2,9 @@
 
 Route modules: :mod:`gateway.api.openai.routes` (chat/completions/models), :mod:`gateway.api.openai.ws_mux`
 (``/v1/ws``), :mod:`gateway.api.openai.fanout` (``/v1/streams``), :mod:`gateway.api.responses` (``/v1/responses``),
-:mod:`gateway.api.ui_chat` (``/api/chat``), :mod:`gateway.http.service` (health, metrics,
-time, pages). Every streamed token goes through :mod:`gateway.core.delivery`.
+:mod:`gateway.api.ui_chat` (``/api/chat``), :mod:`gateway.api.durable` (``/v1/streams/{id}/durable``),
+:mod:`gateway.http.service` (health, metrics, time, pages). Every streamed token goes through
+:mod:`gateway.core.delivery`.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
-from gateway.api import ui_chat
+from gateway.api import durable, ui_chat
 from gateway.api.adoption import Adopter
+from gateway.api.durable.protocol import EXPOSED
 from gateway.api.openai import fanout, ws_mux
 from gateway.api.openai import routes as routes_openai
 from gateway.api.responses import routes as routes_responses
@@ -128,6 +130,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
         Route("/v1/streams/{id}", fanout.delete_stream, methods=["DELETE"]),
         Route("/v1/streams/{id}/events", fanout.stream_events, methods=["GET"]),
         WebSocketRoute("/v1/streams/{id}/ws", fanout.stream_ws),
+        *durable.mount(),  # the Durable Streams protocol's read side of every listed stream
         Route("/v1/responses", routes_responses.create_response, methods=["POST"]),
         Route("/v1/responses/{id}", routes_responses.retrieve_response, methods=["GET"]),
         Route("/v1/responses/{id}", routes_responses.delete_response, methods=["DELETE"]),
@@ -153,8 +156,10 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
                   Middleware(ClientLimitMiddleware, trusted=TrustedProxies(config.trusted_proxies))]
     if config.cors_origins:
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
-                                        allow_methods=["GET", "POST", "DELETE"],
-                                        allow_headers=["Authorization", "Content-Type", "Last-Event-ID"]))
+                                        allow_methods=["GET", "HEAD", "POST", "DELETE"],
+                                        allow_headers=["Authorization", "Content-Type", "Last-Event-ID",
+                                                       "If-None-Match"],
+                                        expose_headers=list(EXPOSED)))
     app = Starlette(
         routes=routes, lifespan=lifespan, middleware=middleware,
         exception_handlers={APIError: api_error_handler, EngineError: api_error_handler,

@@ -4,7 +4,8 @@
   ``Authorization: Bearer <key>``. WebSocket routes also accept ``?api_key=<key>`` (browsers cannot
   set headers on a WebSocket; note that query strings may end up in proxy logs).
 - ``EventSource`` cannot send headers either: ``POST /v1/streams`` returns URLs carrying a short-lived
-  ``token`` (HMAC-SHA256 over stream id and expiry) that opens that one stream's ``events`` and ``ws``.
+  ``token`` (HMAC-SHA256 over stream id and expiry) that opens that one stream's ``events``, ``ws`` and
+  ``durable``.
 - WebSocket handshakes whose ``Origin`` is neither the gateway's own host nor in the allow-list are
   refused (cross-site WebSocket hijacking). Clients that send no Origin (non-browsers) pass.
 """
@@ -26,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.api.edge import error_response
 from gateway.errors import APIError, ClientError
 
-_SUBSCRIBE = re.compile(r"^/v1/streams/([^/]+)/(events|ws)$")
+_SUBSCRIBE = re.compile(r"^/v1/streams/([^/]+)/(events|ws|durable)$")
 PUBLIC = {"/v1/time"}
 
 

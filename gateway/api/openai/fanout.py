@@ -82,6 +82,7 @@ async def create_stream(request: Request) -> Response:
         "id": stream.id, "object": "tokenfan.stream", "model": stream.model, "endpoint": endpoint,
         "events_url": f"{base}/v1/streams/{stream.id}/events{query}",
         "ws_url": f"{ws_base}/v1/streams/{stream.id}/ws{query}",
+        "durable_url": f"{base}/v1/streams/{stream.id}/durable{query}",  # gateway.api.durable
     }, status_code=201, headers={"Location": f"/v1/streams/{stream.id}"})
 
 

@@ -24,7 +24,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -378,3 +377,18 @@ def test_a_full_redis_refuses_new_listed_streams_with_broker_full_and_unlisted_r
     finally:
         stop_all(procs)
         server.stop()
+
+
+def test_the_engine_probe_asks_the_engine_itself(engine: str, ipc_dir: Path) -> None:
+    """``tokenfan probe`` (the engine container's probe): 0 when the engine answers a ping over its socket
+    (no gateway runs here, no Redis), 1 when nothing answers."""
+    import sys
+
+    def probe(address: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tokenfan.cli", "probe", address, "--timeout", "5"],
+                              capture_output=True, text=True, timeout=HANG_GUARD_S, check=False)
+
+    wait_until(lambda: probe(engine).returncode == 0, timeout=60, what="the engine answers the probe")
+    assert "synthetic" in probe(engine).stdout
+    gone = probe(f"ipc://{ipc_dir / 'no-engine.sock'}")
+    assert gone.returncode == 1 and "no answer" in gone.stderr

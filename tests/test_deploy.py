@@ -271,18 +271,52 @@ def test_engine_container_requests_one_gpu() -> None:
     assert "nvidia.com/gpu" not in json.dumps(c["gateway"]["resources"])
 
 
-def test_probes_use_health_and_give_the_model_time_to_load() -> None:
+# The gateway's endpoints whose status depends on Redis (gateway/http/service.py: /health is 503 while the
+# broker is away): no probe that restarts a container or takes a pod out of the Service may ask them, or a
+# Redis outage restarts or unlists every replica at once.
+REDIS_DEPENDENT = {"/health"}
+PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
+
+
+def probe_target(probe: dict[str, Any]) -> str:
+    """An HTTP probe's path, or an exec probe's command line."""
+    return probe["httpGet"]["path"] if "httpGet" in probe else " ".join(probe["exec"]["command"])
+
+
+def test_probes_split_liveness_and_readiness_and_give_the_model_time_to_load() -> None:
     c = containers(base_resources()["Deployment"])
     gw, engine = c["gateway"], c["engine"]
-    assert gw["readinessProbe"]["httpGet"]["path"] == "/health"
-    port = gw["ports"][0]["containerPort"]
+    assert gw["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     for probe in ("startupProbe", "livenessProbe"):
-        assert engine[probe]["httpGet"] == {"path": "/health", "port": port}, probe
+        assert gw[probe]["httpGet"] == {"path": "/livez", "port": "http"}, probe
+        # the engine's own: a ping over its socket, as `tokenfan probe` parses it (no gateway, no Redis)
+        command = engine[probe]["exec"]["command"]
+        assert command[:2] == ["tokenfan", "probe"], probe
+        from engine_worker.probe import parser
+
+        ns = parser().parse_args(command[2:])
+        assert ns.address == flag_value(engine["args"], "--address"), probe
+        assert engine[probe]["timeoutSeconds"] > ns.timeout, f"{probe}: the probe must answer before its timeout"
     startup = engine["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model load needs minutes"
     live = engine["livenessProbe"]
     assert live["periodSeconds"] * live["failureThreshold"] >= 30, "a short hiccup must not reload the model"
-    assert gw["livenessProbe"]["httpGet"]["port"] == "http"
+
+
+@pytest.mark.parametrize("path", sorted(K8S.rglob("*.yaml")), ids=lambda p: str(p.relative_to(K8S)))
+def test_no_probe_restarts_or_unlists_a_pod_for_a_redis_outage(path: Path) -> None:
+    """Liveness, startup and readiness never ask an endpoint whose answer depends on Redis (Kubernetes: a
+    probe must not fail on a dependency every replica shares), nor the engine's probes the gateway at all."""
+    for doc in load_yaml_docs(path):
+        if not isinstance(doc, dict) or doc.get("kind") != "Deployment" or is_broker(doc):
+            continue
+        for name, container in containers(doc).items():
+            for probe in PROBES:
+                if probe in container:
+                    target = probe_target(container[probe])
+                    assert target not in REDIS_DEPENDENT, f"{path.name} {name} {probe} asks {target}"
+                    if name == "engine":
+                        assert "httpGet" not in container[probe], f"the engine's {probe} asks the gateway"
 
 
 def test_service_pdb_and_hpa_target_the_deployment() -> None:
@@ -405,10 +439,17 @@ def test_compose_uid_matches_the_images_and_the_pod() -> None:
     assert str(pod["securityContext"]["runAsUser"]) == uid
 
 
-def test_compose_gateway_healthcheck_asks_health() -> None:
-    gateway = compose()["services"]["gateway"]
+def test_compose_healthchecks_ask_readiness_and_the_engine_itself_not_redis() -> None:
+    services = compose()["services"]
+    gateway, engine = services["gateway"], services["engine"]
     test = " ".join(gateway["healthcheck"]["test"])
-    assert "/health" in test and ":8000" in test
+    assert "/readyz" in test and ":8000" in test
+    assert not any(path in test for path in REDIS_DEPENDENT)
+    command = engine["healthcheck"]["test"]
+    assert command[:3] == ["CMD", "tokenfan", "probe"]
+    from engine_worker.probe import parser
+
+    assert parser().parse_args(command[3:]).address == flag_value(engine["command"], "--address")
     assert gateway["ports"] == ["${TOKENFAN_PORT:-8000}:8000"]
     assert flag_value(gateway["command"], "--port") == "8000"
 

@@ -1,4 +1,4 @@
-"""``tokenfan``: serve (engine + gateway), gateway, engine, bench, prepare-model."""
+"""``tokenfan``: serve (engine + gateway), gateway, engine, probe, bench, prepare-model."""
 
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ def top_parser() -> argparse.ArgumentParser:
     add_arguments(sub.add_parser("serve", help="run an engine worker and the gateway together"), "serve")
     add_arguments(sub.add_parser("gateway", help="run a gateway attached to running engine(s)"), "gateway")
     sub.add_parser("engine", help="run an engine worker (see `tokenfan engine --help`)")
+    sub.add_parser("probe", help="ping an engine worker over its socket: the engine's liveness probe")
     sub.add_parser("bench", help="A/B transport benchmark (see `tokenfan bench --help`)")
     sub.add_parser("prepare-model", help="prepare the default model into the cache")
     sub.add_parser("keys", help="create CURVE keys for tcp:// engine links: tokenfan keys DIR")
@@ -82,6 +83,7 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     """
     from engine_worker.__main__ import parser as engine_parser
     from engine_worker.models import parser as models_parser
+    from engine_worker.probe import parser as probe_parser
     from gateway.http.certs import parser as certs_parser
     from tokenfan_bench.cli import parser as bench_parser
     from tokenfan_bench.cpu.gateway_cost import parser as cpu_parser
@@ -92,7 +94,7 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     from tokenfan_bench.sizing import parser as sizing_parser
     from tokenfan_bench.vs_vllm import parser as vs_vllm_parser
 
-    return {"tokenfan": top_parser(), "tokenfan engine": engine_parser(), "tokenfan bench": bench_parser(),
+    return {"tokenfan": top_parser(), "tokenfan engine": engine_parser(), "tokenfan probe": probe_parser(), "tokenfan bench": bench_parser(),
             "tokenfan bench vs-vllm": vs_vllm_parser(), "tokenfan bench cpu": cpu_parser(),
             "tokenfan bench pass": pass_parser(), "tokenfan bench failover": failover_parser(),
             "tokenfan bench page-levels": page_levels_parser(), "tokenfan bench fanout": fanout_parser(),
@@ -106,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine_worker.__main__ import main as engine_main
 
         return engine_main(argv[1:])
+    if argv[:1] == ["probe"]:
+        from engine_worker.probe import main as probe_main
+
+        return probe_main(argv[1:])
     if argv[:1] == ["bench"]:
         from tokenfan_bench.cli import main as bench_main
 

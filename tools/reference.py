@@ -59,7 +59,12 @@ ROUTES: dict[str, tuple[str, str]] = {
     "GET /api/chat/{id:path}/stream": ("resumes a chat's running answer from its first part (204: none runs)",
                                        "ai-sdk.md#resume-fan-out-stop"),
     "DELETE /api/chat/{id:path}/stream": ("stops a chat's running answer", "ai-sdk.md#resume-fan-out-stop"),
-    "GET /health": ("readiness: 200 while the engine link is up, else 503; engines, workers and `limits`",
+    "GET /livez": ("liveness: 200 while the process and its event loop answer (asks neither engine nor Redis)",
+                   "deploy.md#probes"),
+    "GET /readyz": (("readiness: 200 while the engine link is up and the gateway is not draining (with `--workers`: "
+                     "every listening worker's); Redis is not asked; else 503 with `reason`"), "deploy.md#probes"),
+    "GET /health": (("for people: 200 when everything answers (engine link, workers, `--broker`: Redis writable and "
+                     "the lease held), else 503; engines, workers, `broker` state and `limits`"),
                     "api.md#service-endpoints"),
     "GET /metrics": ("Prometheus metrics (the table below)", "api.md#service-endpoints"),
     "GET /v1/time": ("the gateway's clock (`time_ns`), for the pages' clock-offset estimate", "api.md#service-endpoints"),
@@ -168,7 +173,11 @@ ERRORS: dict[str, tuple[str, str, str]] = {
                         "retry on another instance"),
     "slow_consumer": ("503", "a write to this reader was blocked longer than `--send-timeout`",
                       "read faster; resume with `Last-Event-ID` / `?after=`"),
-    "broker_unavailable": ("503", "`--broker`: Redis is unreachable", "retry after `Retry-After`"),
+    "broker_unavailable": ("503", ("`--broker`: Redis is unreachable or hangs, or this gateway fenced itself: a new "
+                           "listed stream (fan-out, background response, `/api/chat`) is refused at once"),
+                           "retry after `Retry-After`"),
+    "broker_full": ("503", ("`--broker`: Redis refuses writes for lack of memory (`maxmemory`, `noeviction`): a new "
+                    "listed stream is refused"), "retry after `Retry-After`; free or grow Redis's memory"),
     "owner_fenced": ("503", ("`--broker`: a stored response's gateway lost touch with Redis before its end was "
                      "durable (it fenced itself: docs/failures.md); a Durable Streams read of a stream this gateway "
                      "fenced itself from or handed over"),

@@ -87,11 +87,13 @@ async def open_request(gw: Gateway, parsed: ParsedRequest, scope: Any = None, *,
 async def start_generation(
     gw: Gateway, parsed: ParsedRequest, scope: Any, *, listed: bool, detached: bool | None = None,
     source: Source = chat_renderer, stream_id: str | None = None, endpoint: str | None = None,
+    local_fallback: bool = False,
 ) -> Stream:
     """Admit, submit and wait for the engine's accept; then the stream exists and its pump runs.
 
     ``listed``: findable by id and retained after it ends; ``detached`` (default: ``listed``): the
-    generation outlives its readers. Raises :class:`APIError` (admission, validation, broker) or
+    generation outlives its readers; ``local_fallback``: a listed stream the broker cannot take is kept on this gateway only
+    (:func:`gateway.core.delivery.start`). Raises :class:`APIError` (admission, validation, broker) or
     :class:`EngineError`."""
     if listed:
         try:
@@ -101,6 +103,7 @@ async def start_generation(
     handle, builder = await open_request(gw, parsed, scope, listed=listed)
     return await delivery.start(gw.delivery, handle, source(handle, builder), endpoint=endpoint or parsed.endpoint,
                                 model=builder.model, listed=listed, detached=detached, stream_id=stream_id,
+                                local_fallback=local_fallback,
                                 options={"include_usage": builder.include_usage, "created": builder.created,
                                          "openai": handle.openai})
 

@@ -40,7 +40,7 @@ from gateway.core.follow import Subscription, Watchdog, follow
 from gateway.core.framing import Ending, Framing
 from gateway.core.generation import Generation, Renderer
 from gateway.core.streams import Event, Stream, StreamHub
-from gateway.errors import bad_resume_point, error_class
+from gateway.errors import APIError, bad_resume_point, error_class
 
 if TYPE_CHECKING:
     from gateway.core.metrics import HotHistogram, Metrics, TransportMetrics
@@ -79,13 +79,15 @@ class Delivery:
 
 async def start(delivery: Delivery, handle: RequestHandle, renderer: Renderer, *, endpoint: str, model: str,
                 listed: bool, detached: bool | None = None, stream_id: str | None = None,
-                options: dict[str, Any] | None = None) -> Stream:
+                options: dict[str, Any] | None = None, local_fallback: bool = False) -> Stream:
     """The stream of an accepted request, its generation attached and its pump running.
 
     ``renderer``: the API's payloads of this generation. ``listed``: findable by id and retained after it
     ends; ``detached`` (default: ``listed``): the generation outlives its readers. Raises what the
     publisher's announcement raises (the request is then closed). ``options``: what the API needs to render
-    the rest of a listed stream if another gateway adopts it (:mod:`gateway.api.adoption`)."""
+    the rest of a listed stream if another gateway adopts it (:mod:`gateway.api.adoption`). ``local_fallback``: if
+    the publisher refuses the announcement, the stream is kept on this gateway only (listed and retained here,
+    not written where other gateways read it) instead of failing."""
     stream = delivery.hub.create(endpoint, model, stream_id=stream_id or handle.request_id, listed=listed)
     stream.detached = listed if detached is None else detached
     stream.trace = handle.trace
@@ -96,6 +98,13 @@ async def start(delivery: Delivery, handle: RequestHandle, renderer: Renderer, *
         stream.gated = publisher.durable
         try:
             await publisher.created(stream)  # announced before its id is handed out
+        except APIError as exc:
+            if not local_fallback:
+                handle.close()
+                delivery.hub.forget(stream)
+                raise
+            log.warning("stream %s is kept on this gateway only: %s", stream.id, exc.message)
+            stream.gated, stream.epoch, publisher = False, 0, None
         except BaseException:
             handle.close()
             delivery.hub.forget(stream)
@@ -109,8 +118,7 @@ async def start(delivery: Delivery, handle: RequestHandle, renderer: Renderer, *
 async def pump(delivery: Delivery, generation: Generation) -> None:
     """Wait for the generation's end (its deltas arrive in the engine link's pass, not here); a cancel of
     this task cancels the generation. Then the request is released and the stream retained."""
-    stream, handle = generation.stream, generation.handle
-    publisher = delivery.publisher if stream.listed else None
+    stream, handle, publisher = generation.stream, generation.handle, generation.publisher
     try:
         err = await asyncio.shield(generation.ended)
         if err is not None:

@@ -137,6 +137,8 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
         Route("/v1/responses/{id}/cancel", routes_responses.cancel_response, methods=["POST"]),
         WebSocketRoute("/v1/responses", responses_ws_route.responses_ws_endpoint),
         *ui_chat.mount(),  # the AI SDK's useChat: POST /api/chat, GET / DELETE /api/chat/{id}/stream
+        Route("/livez", service.livez, methods=["GET"]),
+        Route("/readyz", service.readyz, methods=["GET"]),
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics, methods=["GET"]),
         Route("/v1/time", service.server_time, methods=["GET"]),

@@ -71,11 +71,12 @@ async def internal_metrics(request: Request) -> Response:
 
 
 async def internal_ready(request: Request) -> Response:
-    """Whether this worker listens on the shared port and whether its engine link is up (for peers' /health)."""
+    """Whether this worker listens on the shared port and whether it can serve: its engine link is up and it is
+    not draining (for peers' ``/health`` and ``/readyz``)."""
     if not _over_unix_socket(request):
         raise ClientError(404, f"No route for {request.method} {request.url.path}.", code="not_found")
     gw: Gateway = gateway_of(request)
-    return JSONResponse({"listening": gw.listening, "ready": gw.engine.healthy, "pid": os.getpid()})
+    return JSONResponse({"listening": gw.listening, "ready": gw.engine.healthy and not gw.draining, "pid": os.getpid()})
 
 
 async def internal_standby(request: Request) -> Response:

@@ -1,4 +1,10 @@
-"""Service endpoints: ``/health``, ``/metrics``, ``/v1/time`` and the pages."""
+"""Service endpoints: ``/livez``, ``/readyz``, ``/health``, ``/metrics``, ``/v1/time`` and the pages.
+
+The probes (docs/deploy.md): ``/livez`` is liveness (the process and its event loop answer: nothing else is
+asked); ``/readyz`` is readiness (this replica serves what most traffic needs: its engine link is up and it is
+not draining). Neither asks Redis: a broker every replica shares must not take every replica out of a Service
+at once, and unlisted traffic (POST SSE, ``/v1/ws``, foreground responses) does not need it. ``/health`` is for
+people and whole-deployment checks: 200 only when everything this gateway uses answers, the broker included."""
 
 from __future__ import annotations
 
@@ -29,19 +35,62 @@ def limits(gw: Gateway) -> dict[str, int | float]:
             "ws_max_in_flight": c.ws_max_in_flight, "ws_max_queued": c.ws_max_queued}
 
 
+async def livez(request: Request) -> Response:
+    """Liveness: 200 whenever the event loop runs this handler (draining included: a restart would cut the
+    streams it drains). Asks nothing of the engine or Redis."""
+    return JSONResponse({"status": "ok"}, headers={"Cache-Control": "no-store"})
+
+
+async def readyz(request: Request) -> Response:
+    """Readiness: 200 while this gateway can serve unlisted traffic: its engine link is up, it is not
+    draining and, with ``--workers``, every worker that listens on the shared port has its engine link up
+    (the kernel may hand a request to any of them). Redis is not asked (see the module docstring); a gateway
+    whose broker is away or that fenced itself is ready (its listed streams answer 503 meanwhile). Else 503
+    + Retry-After, ``reason`` ``engine``, ``draining`` or ``workers``."""
+    gw: Gateway = gateway_of(request)
+    reason = None
+    if gw.draining:
+        reason = "draining"
+    elif not (gw.engine.healthy and gw.engine.last_heartbeat is not None):
+        reason = "engine"
+    elif gw.config.workers > 1:
+        from gateway.scaleout.peers import peers_ready
+        from gateway.scaleout.workers import worker_index
+
+        listening, serving = await peers_ready(gw.config.port, gw.config.workers, worker_index())
+        if serving != listening:
+            reason = "workers"
+    if reason is None:
+        return JSONResponse({"status": "ready"}, headers={"Cache-Control": "no-store"})
+    return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503,
+                        headers={"Retry-After": "1", "Cache-Control": "no-store"})
+
+
+def broker_state(gw: Gateway) -> str | None:
+    """``--broker``: ``ok``, ``unavailable`` (Redis unreachable, or this gateway fenced itself) or ``full``
+    (Redis refuses writes: out of memory); None without a broker."""
+    if not gw.config.broker_url:
+        return None
+    from gateway.scaleout.broker import Broker
+
+    return gw.publisher.state() if isinstance(gw.publisher, Broker) else "unavailable"
+
+
 async def health(request: Request) -> Response:
-    """200 when this gateway can serve: its engine link is up and, with ``--workers``, so is that of every
-    worker listening on the shared port, and with ``--broker`` it can reach Redis and holds its lease (else 503
-    + Retry-After; ``workers`` says how many are ready, ``broker`` that the broker is unavailable).
-    ``limits`` gives the admission limits of this gateway (per process), ready or not."""
+    """200 when everything this gateway uses answers: its engine link is up and, with ``--workers``, so is
+    that of every worker listening on the shared port, and with ``--broker`` it can write to Redis and holds
+    its lease (else 503 + Retry-After; ``workers`` says how many are ready, ``broker`` the broker's state:
+    :func:`broker_state`). ``limits`` gives the admission limits of this gateway (per process), ready or not.
+    For people and dashboards; the probes are :func:`livez` and :func:`readyz`."""
     gw: Gateway = gateway_of(request)
     hb = gw.engine.last_heartbeat
     engines = gw.engine.status()
     extra: dict[str, Any] = {"limits": limits(gw)}
     ready = gw.engine.healthy and hb is not None
-    if gw.publisher is not None and not gw.publisher.serving():  # --broker: Redis unreachable, or fenced
-        ready = False
-        extra["broker"] = "unavailable"
+    broker = broker_state(gw)
+    if broker is not None:
+        extra["broker"] = broker
+        ready = ready and broker == "ok"
     if gw.config.workers > 1:
         from gateway.scaleout.peers import peers_ready
         from gateway.scaleout.workers import worker_index

@@ -46,6 +46,7 @@ from redis.exceptions import NoScriptError
 from gateway.config import BrokerTimings
 from gateway.core.delivery import hand_over
 from gateway.core.streams import Event, Stream, StreamHub
+from gateway.errors import APIError
 from gateway.scaleout import broker_codec as codec
 from gateway.scaleout import redis_fence as fence
 from gateway.scaleout.broker_codec import Header
@@ -57,9 +58,11 @@ from gateway.scaleout.redis_support import (
     KNOWN_TTL_S,
     REDIS_ERRORS,
     Backoff,
+    broker_full,
     broker_unavailable,
     cancel_requested,
     connection_class,
+    is_oom,
     redact,
 )
 from gateway.scaleout.redis_transcripts import RedisTranscripts
@@ -130,16 +133,39 @@ class Broker(RemoteStreamsByMirror):
         return self.lease.gateway_id
 
     def serving(self) -> bool:
-        return self._up and not self.lease.fenced
+        return self.state() == "ok"
+
+    def state(self) -> str:
+        """``"ok"``; ``"full"``: Redis answers but refuses writes for lack of memory (``maxmemory`` with
+        ``noeviction``); ``"unavailable"``: this gateway's last write or lease refresh failed, or it fenced
+        itself. Anything but ``"ok"``: :meth:`created` refuses at once (``/health``'s ``broker``)."""
+        if is_oom(self.lease.error):
+            return "full"
+        if self._up and not self.lease.fenced and self.lease.error is None:
+            return "ok"
+        return "unavailable"
+
+    def _refusal(self) -> APIError | None:
+        """Why a new listed stream cannot be announced now, or None (see :meth:`state`)."""
+        state = self.state()
+        if state == "ok":
+            return None
+        if state == "full":
+            return broker_full(self.lease.error or ConnectionError("out of memory"))
+        if self.lease.fenced:
+            return broker_unavailable(ConnectionError("this gateway's lease is not confirmed"))
+        return broker_unavailable(self.lease.error or ConnectionError("Redis did not take this gateway's last write"))
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Start the publisher, the lease and the cancel listener; a Redis that is down is only logged
-        (fan-out work answers 503 until it is back; everything else is unaffected)."""
+        (fan-out work answers 503 until it is back; everything else is unaffected). Bounded by the op timeout:
+        a Redis that hangs does not hold the gateway's start."""
         try:
-            await self._redis.ping()
-            await self.fence.load(self._redis)
+            async with asyncio.timeout(self.t.op_timeout):
+                await self._redis.ping()
+                await self.fence.load(self._redis)
             log.info("broker: Redis Streams at %s (gateway id %s)", redact(self.url), self.gateway_id)
         except REDIS_ERRORS as exc:
             self._up = False
@@ -201,10 +227,12 @@ class Broker(RemoteStreamsByMirror):
     # -- this gateway's streams (gateway.core.ports.Publisher) --------------------------------------------------------------------------
 
     async def created(self, stream: Stream) -> None:
-        """Announce a new stream (its epoch 1) before its id is handed out; APIError 503 if Redis does not
-        take it, or while this gateway is fenced."""
-        if self.lease.fenced:
-            raise broker_unavailable(ConnectionError("this gateway's lease is not confirmed"))
+        """Announce a new stream (its epoch 1) before its id is handed out; APIError 503 ``broker_unavailable``
+        (or ``broker_full``: Redis is out of memory) at once while :meth:`state` is not ``"ok"``, else if Redis
+        does not take it within the op timeout."""
+        refusal = self._refusal()
+        if refusal is not None:
+            raise refusal
         stream.epoch = 1
         key = codec.stream_key(stream.id)
         pipe = self._redis.pipeline(transaction=False)
@@ -213,10 +241,11 @@ class Broker(RemoteStreamsByMirror):
         pipe.expire(key, KNOWN_TTL_S)  # bounded even if this owner dies mid-stream
         pipe.set(codec.known_key(stream.id), b"1", ex=KNOWN_TTL_S)
         try:
-            await pipe.execute()
+            async with asyncio.timeout(self.t.op_timeout):
+                await pipe.execute()
         except REDIS_ERRORS as exc:
             log.warning("broker: announcing stream %s failed: %s", stream.id, exc)
-            raise broker_unavailable(exc) from exc
+            raise (broker_full if is_oom(exc) else broker_unavailable)(exc) from exc
 
     async def claim(self, stream: Stream, header: Header) -> bool:
         """Take over a stream whose owner (``header``'s) is gone: True for exactly one gateway, the one whose
@@ -266,14 +295,16 @@ class Broker(RemoteStreamsByMirror):
         self._wake.set()
 
     async def _run_publisher(self) -> None:
+        if not self._up:  # Redis was not reachable at start
+            await self._outage()
         while not (self._closing or cancel_requested()):
             await self._wake.wait()
             self._wake.clear()
             try:
                 await self._flush_once()
             except REDIS_ERRORS as exc:
-                log.warning("broker: Redis unreachable (%s); publishing resumes from each stream's log once it "
-                            "is back", exc)
+                log.warning("broker: Redis %s (%s); publishing resumes from each stream's log once it is back",
+                            "is out of memory" if is_oom(exc) else "unreachable", exc)
                 await self._outage()
 
     async def _outage(self) -> None:
@@ -289,6 +320,8 @@ class Broker(RemoteStreamsByMirror):
             try:
                 await self._redis.ping()
             except REDIS_ERRORS:
+                continue
+            if is_oom(self.lease.error):  # it answers, but refuses writes: back once the lease is written
                 continue
             log.warning("broker: Redis reachable again; repairing %d streams", len(self._dirty))
             self._up = True

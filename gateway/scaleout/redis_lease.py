@@ -57,6 +57,7 @@ class OwnerLease:
         self.draining = False
         self.fenced = False  # since the last fence, no refresh under the new id was confirmed yet
         self.valid_until = 0.0  # monotonic: no other replica can find the lease missing before this
+        self.error: BaseException | None = None  # why the last refresh failed (None: it was confirmed)
         self.present_as: str | None = None  # the gateway id whose presence channel this gateway subscribes to
         self._timer: asyncio.TimerHandle | None = None
         self._changed = asyncio.Event()  # the presence subscription came up: refresh the lease's value at once
@@ -91,11 +92,13 @@ class OwnerLease:
                         log.warning("broker: Redis lost this gateway's lease (restarted?); repairing local streams")
                     self.on_lost()
                 held = True
+                self.error = None
                 self._confirmed(sent)
             except REDIS_ERRORS as exc:
                 if held:
                     log.warning("broker: refreshing the lease failed: %s", exc)
                 held = False
+                self.error = exc
             with contextlib.suppress(TimeoutError):  # early when the presence subscription changed: say so now
                 async with asyncio.timeout(self.t.lease_interval):
                     await self._changed.wait()

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from gateway.errors import APIError, StreamError
 
@@ -64,6 +64,18 @@ def connection_class(url: str) -> dict[str, Any]:
 def broker_unavailable(exc: BaseException) -> APIError:
     return StreamError(503, f"The stream broker (Redis) is unavailable ({type(exc).__name__}: {exc}); retry shortly.",
                     type="server_error", code="broker_unavailable", retry_after=1.0)
+
+
+def is_oom(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is Redis refusing a write for lack of memory (``maxmemory`` with ``noeviction``:
+    ``OOM command not allowed when used memory > 'maxmemory'``, also from inside a script)."""
+    return isinstance(exc, OutOfMemoryError) or (isinstance(exc, ResponseError) and "OOM command" in str(exc))
+
+
+def broker_full(exc: BaseException) -> APIError:
+    """Redis answers but refuses writes for lack of memory: a new listed stream cannot be announced."""
+    return StreamError(503, f"The stream broker (Redis) is out of memory and refuses writes ({exc}); retry later.",
+                       type="server_error", code="broker_full", retry_after=5.0)
 
 
 class Backoff:

@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -553,14 +553,24 @@ def k8s_cpu_env() -> dict[str, str]:
     return {**base["data"], **patch["data"]}
 
 
-def probe_ok(url: str, container: dict[str, Any], probe: str) -> int:
-    """The kubelet's httpGet probe: success is a status from 200 to 399."""
+def probe_ok(url: str, container: dict[str, Any], probe: str,
+             run: Callable[[list[str]], Running] | None = None) -> bool:
+    """The kubelet's probe: an httpGet passes with a status from 200 to 399, an exec (``run`` runs its command
+    in the container) with exit status 0 within ``timeoutSeconds``."""
+    timeout = container[probe].get("timeoutSeconds", 1)
+    if "exec" in container[probe]:
+        assert run is not None, f"{probe} runs a command in the container"
+        proc = run(container[probe]["exec"]["command"])
+        try:
+            return proc.popen.wait(timeout + 30) == 0  # + buildah's own start
+        finally:
+            proc.stop()
     spec = container[probe]["httpGet"]
     port = spec["port"]
     if isinstance(port, str):
         port = next(p["containerPort"] for p in container["ports"] if p["name"] == port)
     assert port == PORT
-    return httpx.get(url + spec["path"], timeout=container[probe].get("timeoutSeconds", 1)).status_code
+    return 200 <= httpx.get(url + spec["path"], timeout=timeout).status_code < 400
 
 
 def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_prestop_and_grace(
@@ -593,9 +603,16 @@ def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_pre
         wait_health(url, procs)
         assert (ipc / "ipc" / "engine.sock").is_socket()
         assert (ipc / "ipc").stat().st_mode & 0o777 == 0o700 and (ipc / "ipc").stat().st_uid == UID
-        for name, probes in (("engine", ("startupProbe", "livenessProbe")), ("gateway", ("readinessProbe", "livenessProbe"))):
-            for probe in probes:
-                assert 200 <= probe_ok(url, spec[name], probe) < 400, (name, probe)
+        engine_mounts = {empty[m["name"]]: m["mountPath"] for m in spec["engine"]["volumeMounts"] if m["name"] in empty}
+
+        def in_engine(argv: list[str]) -> Running:
+            return run_in(eng_c, netns, argv, work / "engine-probe.log", user=user, env=env_engine,
+                          volumes=engine_mounts)
+
+        for name in ("engine", "gateway"):
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                if probe in spec[name]:
+                    assert probe_ok(url, spec[name], probe, in_engine), (name, probe)
         assert stream_chat(url)[0]
 
         # Pod deletion: both preStop hooks start; SIGTERM reaches each container when its hook ends.
@@ -644,8 +661,9 @@ def test_the_pods_commands_and_probes_against_the_image_and_the_drain_within_pre
 
 def test_readiness_drops_and_gateway_liveness_holds_when_the_engine_is_gone(
         image: dict[str, Any], netns: Netns, work: Path) -> None:
-    """The manifest's design: /health (readiness, the engine's liveness) fails without an engine, while the
-    gateway's own liveness probe (/metrics) still passes, so only the engine is restarted."""
+    """The manifest's design: the gateway's readiness (/readyz) and the engine's liveness (`tokenfan probe` over
+    its socket) fail without an engine, while the gateway's own liveness probe (/livez) still passes, so only
+    the engine is restarted."""
     pod = k8s_pod()
     spec = {c["name"]: c for c in pod["containers"]}
     user = f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}"
@@ -662,10 +680,15 @@ def test_readiness_drops_and_gateway_liveness_holds_when_the_engine_is_gone(
         url = netns.relay(PORT)
         wait_health(url, procs)
         procs[0].stop()  # SIGKILL: a dead engine
-        wait_until(lambda: probe_ok(url, spec["gateway"], "readinessProbe") >= 400, timeout=15,
+        wait_until(lambda: not probe_ok(url, spec["gateway"], "readinessProbe"), timeout=15,
                    what="readiness to fail")
-        assert probe_ok(url, spec["engine"], "livenessProbe") >= 400
-        assert probe_ok(url, spec["gateway"], "livenessProbe") == 200
+
+        def in_engine(argv: list[str]) -> Running:
+            return run_in(eng_c, netns, argv, work / "engine-probe.log", user=user, env=env_engine,
+                          volumes={ipc: "/run/tokenfan"})
+
+        assert not probe_ok(url, spec["engine"], "livenessProbe", in_engine)
+        assert probe_ok(url, spec["gateway"], "livenessProbe")
     finally:
         for p in procs:
             p.stop()

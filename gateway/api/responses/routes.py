@@ -76,7 +76,9 @@ async def start_response(gw: Gateway, rr: ResponsesRequest, scope: Any, *, lane:
             keep_transcript(gw, s, rr.transcript(events.turn()), rr.store)
 
     try:
+        # a foreground response is served while the broker is away, stored on this gateway only
         stream = await start_generation(gw, rr.chat, scope, listed=rr.store, detached=rr.background,
+                                        local_fallback=not rr.background,
                                         source=lambda _handle, _builder: ResponseRenderer(events, keep),
                                         stream_id=rid, endpoint=ENDPOINT)
     except TokenfanError as exc:

@@ -33,7 +33,8 @@ FOREIGN_FLAGS = {
                          "--max-concurrency", "--request-rate", "--burstiness"},
     "vllm serve": {"--disable-log-stats", "--enable-prompt-embeds", "--trust-request-chat-template",
                    "--trust-request-mm-kwargs"},  # the last three: what tokenfan does not offer (api-fields.md)
-    "chromium": {"--ignore-certificate-errors"},
+    "chromium": {"--ignore-certificate-errors", "--ignore-certificate-errors-spki-list"},
+    "certbot": {"--deploy-hook"},
     "iptables": {"--mode", "--probability"},  # the loss rules of tokenfan_bench/network/lossy.py
     "curl": {"--http3"},
     "docker": {"--build", "--build-arg", "--rm"},

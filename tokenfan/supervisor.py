@@ -6,7 +6,9 @@
   engine (``serve``) and the N gateway workers as siblings, so the death of any worker stops neither the
   engine nor the other workers (the engine has no gateway for a parent). A killed worker is started again
   with the same index; its listed streams are adopted by a sibling meanwhile (``--broker``, docs/failures.md).
-  SIGTERM/SIGINT stops the workers first (each drains, ``--shutdown-grace``), then the engine. A worker whose
+  SIGTERM/SIGINT stops the workers first (each drains, ``--shutdown-grace``), then the engine; SIGHUP is
+  forwarded to every worker (each reloads its keys, token secrets and certificates). The workers share one
+  stream-token secret (:func:`worker_secrets`), handed over with the API keys in their environment. A worker whose
   first start fails at once (the port is taken, a bad setting) is not restarted: the server stops, with its code.
 
 Every child gets its own session (a terminal's Ctrl-C reaches only this process, which then stops the
@@ -19,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -86,6 +90,11 @@ class ChildSupervisor:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.backoff_max)
 
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the running child, if any (SIGHUP: a reload)."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(sig)
+
     def terminate(self) -> None:
         """Stop restarting it and send it SIGTERM (:meth:`stop` waits for it)."""
         self._stopping = True
@@ -126,11 +135,28 @@ def engine_supervisor(engine_argv: list[str]) -> ChildSupervisor:
     return ChildSupervisor(["-m", "engine_worker", *engine_argv], name="engine worker")
 
 
+def worker_secrets(config: GatewayConfig) -> tuple[GatewayConfig, dict[str, str]]:
+    """The workers' config without its secrets, and the environment that gives them to every worker: the API
+    keys and one stream-token secret for the whole server (``--token-secret``, else a random one made here), so
+    a stream URL one worker signs opens on any other. Environment, not argv: ``ps`` shows every user a
+    process's command line, its environment only to its owner. With ``--token-secret-file`` each worker
+    reads the file."""
+    from tokenfan_settings import BY_NAME
+
+    env: dict[str, str] = {}
+    if config.api_keys:
+        env[BY_NAME["api_keys"].env_var] = ",".join(config.api_keys)
+    if config.token_secret_file is None:
+        env[BY_NAME["token_secret"].env_var] = config.token_secret or secrets.token_urlsafe(32)
+    return dataclasses.replace(config, api_keys=(), token_secret=None), env
+
+
 def run_workers(config: GatewayConfig, engine_argv: list[str] | None) -> int:
     """The top process of a ``--workers N`` server (see the module docstring); returns its exit code."""
     from gateway.scaleout.workers import WORKER_INDEX_ENV
     from tokenfan_settings import to_argv
 
+    config, private = worker_secrets(config)
     argv = ["-m", "tokenfan.cli", "gateway", *to_argv(config, "gateway")]
     stop_timeout = config.shutdown_grace + 5.0
     stop = asyncio.Event()
@@ -140,15 +166,21 @@ def run_workers(config: GatewayConfig, engine_argv: list[str] | None) -> int:
         failed.append(code)
         stop.set()
 
-    workers = [ChildSupervisor(argv, name=f"gateway worker {k}", env={**os.environ, WORKER_INDEX_ENV: str(k)},
+    workers = [ChildSupervisor(argv, name=f"gateway worker {k}", env={**os.environ, **private, WORKER_INDEX_ENV: str(k)},
                                backoff_initial=0.5, stop_timeout=stop_timeout, on_failed_start=failed_start)
                for k in range(config.workers)]
     engine = engine_supervisor(engine_argv) if engine_argv is not None else None
+
+    def forward_hup() -> None:  # each worker reloads its keys, secrets and certificates (gateway.http.reload)
+        log.info("SIGHUP: the %d gateway workers reload", len(workers))
+        for w in workers:
+            w.send_signal(signal.SIGHUP)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, forward_hup)
         if engine is not None:
             engine.start()
         for w in workers:

@@ -278,8 +278,15 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("max_prompt_tokens", INT, 0, "prompt length limit in tokens, 0 = only the model's context"),
     _gw("api_keys", STR, (), "require `Authorization: Bearer KEY` on /v1/* (repeatable or comma-separated)",
         flag="--api-key", repeat=True),
-    _gw("token_secret", STR, None, "HMAC secret for stream tokens (default: random per process; set it when "
-        "several gateway replicas must accept each other's tokens)"),
+    _gw("api_key_file", PATH, None, "a file of API keys, one per line (`#` comments and blank lines ignored), "
+        "accepted besides --api-key; read again on SIGHUP, so keys are added and removed without a restart. "
+        "With it set, keys are required even while the file lists none (docs/deploy.md)"),
+    _gw("token_secret", STR, None, "HMAC secret for stream tokens (default: random per server: with --workers, "
+        "one the supervisor makes and hands every worker; set it when several gateway replicas must accept each "
+        "other's tokens)"),
+    _gw("token_secret_file", PATH, None, "a file of stream-token secrets, one per line: the first signs, the "
+        "others are still accepted (the previous ones, until the tokens they signed expire); read again on "
+        "SIGHUP (instead of --token-secret; docs/deploy.md)"),
     _gw("stream_token_ttl", FLOAT, 3600.0, "lifetime in seconds of the stream tokens in events_url/ws_url"),
     _gw("allowed_origins", STR, (), "Origins allowed to open WebSockets besides the gateway's own host "
         "(repeatable or comma-separated); * allows any", repeat=True),

@@ -249,6 +249,9 @@ class Metrics:
             self.resumes.labels(t)
         self.engine_link_up = Gauge("tokenfan_engine_link_up", "1 while this engine (by its address) answers "
                                     "heartbeats: one series per --engine-address", ["engine"], registry=r)
+        self.reloads = Counter("tokenfan_reloads_total", "SIGHUP reloads by part (api_keys, token_secrets, tls, "
+                               "http3_tls) and result: ok (swapped in), error (the old material kept; the log says "
+                               "why)", ["part", "result"], registry=r)
         self.adoption_gap = Histogram("tokenfan_adoption_gap_seconds", "The lost owner's last event to this "
                                       "gateway's first of a stream it adopted (wall clocks of both gateways)",
                                       buckets=_LAT_BUCKETS, registry=r)

@@ -36,7 +36,7 @@ from gateway.core.metrics import MigrationCollector
 from gateway.errors import APIError, EngineError
 from gateway.http import internal, service
 from gateway.http.access_log import AccessLogMiddleware
-from gateway.http.auth import Auth, AuthMiddleware
+from gateway.http.auth import AuthMiddleware
 from gateway.http.clients import ClientLimitMiddleware
 from gateway.http.middleware import (
     IsolationHeaders,
@@ -46,6 +46,7 @@ from gateway.http.middleware import (
     not_found,
     server_error,
 )
+from gateway.http.reload import Reloader, add_auth_parts, auth_from
 from gateway.scaleout import workers
 from gateway.state import Gateway
 from tokenfan_settings import traces_endpoint
@@ -80,6 +81,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
 
             gw.tracer = tracer = OtelTracer.otlp(traces, attributes={"tokenfan.worker": str(workers.worker_index())})
             log.info("tracing: spans of every generation to %s (OTLP/HTTP)", traces)
+        reloader.counter = gw.metrics.reloads
         gc.set_threshold(config.gc_gen0_threshold, *gc.get_threshold()[1:])
         app.state.gateway = gw
         gw.loop.start()
@@ -151,9 +153,9 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
                    Route("/internal/metrics", internal.internal_metrics, methods=["GET"]),
                    Route("/internal/ready", internal.internal_ready, methods=["GET"]),
                    Route("/internal/standby/{id}", internal.internal_standby, methods=["POST"])]
-    auth = Auth(api_keys=frozenset(config.api_keys), token_ttl=config.stream_token_ttl,
-                allowed_origins=config.allowed_origins,
-                **({"secret": config.token_secret.encode()} if config.token_secret else {}))
+    auth = auth_from(config)
+    reloader = Reloader()  # SIGHUP (the server registers the handler and adds its TLS parts)
+    add_auth_parts(reloader, auth, config)
     middleware = [Middleware(AccessLogMiddleware), Middleware(IsolationHeaders), Middleware(AuthMiddleware, auth=auth),
                   Middleware(ClientLimitMiddleware, trusted=TrustedProxies(config.trusted_proxies))]
     if config.cors_origins:
@@ -169,4 +171,5 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
                             500: server_error},
     )
     app.state.auth = auth
+    app.state.reloader = reloader
     return RawSend(app)

@@ -6,6 +6,11 @@
 - ``EventSource`` cannot send headers either: ``POST /v1/streams`` returns URLs carrying a short-lived
   ``token`` (HMAC-SHA256 over stream id and expiry) that opens that one stream's ``events``, ``ws`` and
   ``durable``.
+- The keys and the token secrets can be replaced while the gateway runs (:mod:`gateway.http.reload`, on
+  SIGHUP): :func:`read_key_file` and :func:`read_secret_file` read the files of ``--api-key-file`` and
+  ``--token-secret-file``; the first secret signs, every other one still verifies (a rotation keeps the
+  previous secret until the tokens it signed expire). A check reads the fields once, at the request's start,
+  so an open stream is never cut by a reload.
 - WebSocket handshakes whose ``Origin`` is neither the gateway's own host nor in the allow-list are
   refused (cross-site WebSocket hijacking). Clients that send no Origin (non-browsers) pass.
 """
@@ -19,6 +24,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import orjson
@@ -31,28 +37,55 @@ _SUBSCRIBE = re.compile(r"^/v1/streams/([^/]+)/(events|ws|durable)$")
 PUBLIC = {"/v1/time"}
 
 
+class AuthFileError(ValueError):
+    """A key or secret file that cannot be used (unreadable, or no secret in it); the message names it."""
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AuthFileError(f"{path}: {exc.__class__.__name__}: {getattr(exc, 'strerror', None) or exc}") from exc
+    stripped = (line.strip() for line in text.splitlines())
+    return [line for line in stripped if line and not line.startswith("#")]
+
+
+def read_key_file(path: Path) -> frozenset[str]:
+    """The API keys of ``--api-key-file``: one per line; blank lines and ``#`` comments are skipped."""
+    return frozenset(_lines(path))
+
+
+def read_secret_file(path: Path) -> tuple[bytes, ...]:
+    """The stream-token secrets of ``--token-secret-file``, the signing one first (same format as keys)."""
+    found = tuple(dict.fromkeys(line.encode() for line in _lines(path)))
+    if not found:
+        raise AuthFileError(f"{path}: no secret in it (one per line, the current one first)")
+    return found
+
+
 @dataclass
 class Auth:
     api_keys: frozenset[str] = frozenset()
-    secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))  # signs, and verifies
     token_ttl: float = 3600.0
     allowed_origins: tuple[str, ...] = ()
+    previous: tuple[bytes, ...] = ()  # verify only: tokens signed before a rotation
+    required: bool = False  # keys are required even while none is configured (--api-key-file)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.api_keys)
+        return self.required or bool(self.api_keys)
 
     def sign(self, stream_id: str, now: float | None = None) -> str:
         expiry = int((now or time.time()) + self.token_ttl)
-        mac = hmac.new(self.secret, f"{stream_id}.{expiry}".encode(), hashlib.sha256).digest()[:18]
-        return f"{expiry}.{base64.urlsafe_b64encode(mac).decode()}"
+        return f"{expiry}.{_mac(self.secret, stream_id, str(expiry))}"
 
     def verify(self, stream_id: str, token: str, now: float | None = None) -> bool:
         expiry_s, _, sig = token.partition(".")
         if not expiry_s.isdigit() or int(expiry_s) < (now or time.time()):
             return False
-        mac = hmac.new(self.secret, f"{stream_id}.{expiry_s}".encode(), hashlib.sha256).digest()[:18]
-        return hmac.compare_digest(base64.urlsafe_b64encode(mac).decode(), sig)
+        return any(hmac.compare_digest(_mac(secret, stream_id, expiry_s), sig)
+                   for secret in (self.secret, *self.previous))
 
     def key_ok(self, key: str | None) -> bool:
         return key is not None and any(hmac.compare_digest(key, k) for k in self.api_keys)
@@ -61,6 +94,11 @@ class Auth:
         if origin is None or "*" in self.allowed_origins or origin in self.allowed_origins:
             return True
         return host is not None and urlsplit(origin).netloc == host
+
+
+def _mac(secret: bytes, stream_id: str, expiry: str) -> str:
+    mac = hmac.new(secret, f"{stream_id}.{expiry}".encode(), hashlib.sha256).digest()[:18]
+    return base64.urlsafe_b64encode(mac).decode()
 
 
 class AuthMiddleware:

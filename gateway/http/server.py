@@ -177,10 +177,11 @@ def run_uvicorn(app: Any, config: GatewayConfig) -> None:
             loop = asyncio.get_running_loop()
             for sig in SIGNALS:
                 loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            loop.add_signal_handler(signal.SIGHUP, app.state.reloader.signal)
             try:
                 yield
             finally:
-                for sig in SIGNALS:
+                for sig in (*SIGNALS, signal.SIGHUP):
                     loop.remove_signal_handler(sig)
 
         gate: asyncio.Task[None] | None = None
@@ -273,22 +274,42 @@ class WsMessageLimit:
 
 
 def run_granian(app: Any, config: GatewayConfig) -> None:
+    """Granian's embedded server on the ``asginl`` interface: the app's lifespan runs here, once, so a
+    certificate reload (a new Granian worker, :mod:`gateway.http.granian_tls`) keeps the app and its state."""
     import uvloop
+    from granian.asgi import LifespanProtocol
     from granian.constants import HTTPModes, Interfaces, SSLProtocols
     from granian.http import HTTP1Settings
     from granian.server.embed import Server
 
+    from gateway.http.granian_tls import GranianTls
+
+    tls = GranianTls(Path(config.ssl_certfile or ""), Path(config.ssl_keyfile or ""))
+    reloader = app.state.reloader
     app = WsMessageLimit(app, config.ws_max_message_bytes)
     server = Server(
-        app, address=config.host, port=config.port, interface=Interfaces.ASGI, http=HTTPModes.auto,
+        app, address=config.host, port=config.port, interface=Interfaces.ASGINL, http=HTTPModes.auto,
         websockets=True, backlog=2048,  # uvicorn's default (Granian's embedded server has 128)
-        ssl_cert=Path(config.ssl_certfile or ""), ssl_key=Path(config.ssl_keyfile or ""),
+        ssl_cert=tls.snapshot.cert, ssl_key=tls.snapshot.key,  # the checked copy a reload replaces
         ssl_protocol_min=SSLProtocols.tls12,
         http1_settings=HTTP1Settings(header_read_timeout=max(1, int(config.http_header_timeout * 1000))),
         log_enabled=False,  # tokenfan logs through `logging`; tokenfan.access has the requests
     )
+    tls.attach(server)
+    reloader.add("tls", tls)
 
     async def serve() -> None:
+        lifespan = LifespanProtocol(app)
+        await lifespan.startup()
+        if lifespan.interrupt:
+            raise SystemExit(f"the gateway did not start: {lifespan.exc!r}")
+        try:
+            await serve_until_stopped()
+        finally:
+            await lifespan.shutdown()
+            tls.close()
+
+    async def serve_until_stopped() -> None:
         loop = asyncio.get_running_loop()
         stopping: list[asyncio.Task[None]] = []
 
@@ -303,8 +324,13 @@ def run_granian(app: Any, config: GatewayConfig) -> None:
                 log.info("draining for up to %.1f s", config.shutdown_grace)
                 stopping.append(loop.create_task(stop()))
 
+        def on_hup() -> None:
+            if not stopping:
+                reloader.signal()
+
         for sig in SIGNALS:
             loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
         log.info("serving https://%s:%d (HTTP/2 and HTTP/1.1 by ALPN)", config.host, config.port)
         await server.serve()
         for task in stopping:  # the drain that stopped the server: wait for its end, raise its error

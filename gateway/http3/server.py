@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from aioquic.asyncio import serve
 from aioquic.h3.connection import H3_ALPN
 from aioquic.quic.configuration import QuicConfiguration
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from gateway.http3.bridge import H3Protocol
 
@@ -40,6 +41,32 @@ def quic_configuration(config: GatewayConfig) -> QuicConfiguration:
     return qc
 
 
+def reload_certificate(qc: QuicConfiguration, config: GatewayConfig) -> str:
+    """Load the certificate files again into ``qc``, the listener's live configuration: connections made
+    from now on handshake with it; open ones keep theirs. Raises ValueError (``qc`` untouched) on a file
+    that does not load or a key that is not the certificate's. Returns what the log says."""
+    cert = config.http3_certfile or config.ssl_certfile
+    key = config.http3_keyfile or config.ssl_keyfile
+    fresh = QuicConfiguration(is_client=False)
+    try:
+        fresh.load_cert_chain(str(cert), str(key))
+    except (OSError, ValueError, IndexError, TypeError) as exc:  # IndexError: no certificate in the file
+        raise ValueError(f"{cert} / {key}: {exc.__class__.__name__}: {exc}") from exc
+    assert fresh.certificate is not None and fresh.private_key is not None
+    if _spki(fresh.certificate.public_key()) != _spki(fresh.private_key.public_key()):
+        raise ValueError(f"{key} is not the key of {cert}")
+    if fresh.certificate == qc.certificate:
+        return "certificate unchanged"
+    qc.certificate, qc.certificate_chain, qc.private_key = fresh.certificate, fresh.certificate_chain, fresh.private_key
+    not_after = fresh.certificate.not_valid_after_utc
+    return (f"new certificate for new connections (serial {fresh.certificate.serial_number:x}, valid until "
+            f"{not_after:%Y-%m-%d %H:%M} UTC); open ones keep theirs")
+
+
+def _spki(public_key: Any) -> bytes:
+    return bytes(public_key.public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo))
+
+
 def http3_lifespan(app_of: Callable[[], Any], config: GatewayConfig, inner: Any = None) -> Any:
     """An ``extra_lifespan`` for :func:`gateway.http.app.create_app` that serves ``app_of()`` over QUIC on
     ``--http3-port`` while the app runs (``inner``: another extra lifespan, entered inside)."""
@@ -59,7 +86,11 @@ def http3_lifespan(app_of: Callable[[], Any], config: GatewayConfig, inner: Any 
             open_.add(proto)
             return proto
 
+        async def reload_part() -> str:  # SIGHUP (gateway.http.reload)
+            return reload_certificate(qc, config)
+
         server = await serve(config.host, config.http3_port, configuration=qc, create_protocol=create)
+        app_of().state.reloader.add("http3 tls", reload_part)
         log.info("serving HTTP/3 and WebTransport on udp://%s:%d", config.host, config.http3_port)
         try:
             if inner is not None:

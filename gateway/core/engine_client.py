@@ -61,7 +61,7 @@ class EngineClient:
     on_continued: Callable[[RequestHandle, float, bool], None] | None = None
 
     def __post_init__(self) -> None:
-        self.link = EngineLink(self.address, self.heartbeat_timeout)
+        self.link = EngineLink(self.address, self.heartbeat_timeout, self.heartbeat_interval)
         # A plain (blocking-API) socket read from the event loop's selector: the reader drains every
         # message the socket holds per wake-up with NOBLOCK receives. zmq.asyncio's recv_multipart costs
         # two futures and a poller callback per message (~15 µs per engine step here, measured with

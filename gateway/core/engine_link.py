@@ -14,9 +14,12 @@ The rules:
 * **Registry.** Messages are routed by the id the engine knows a request by (``engine_rid``). A delta for an
   id the link does not hold (an aborted request, or a lost engine's late delta of a request since continued
   under ``<id>.m<n>``) is dropped.
-* **Health.** The engine is healthy while a ``Heartbeat`` arrived within ``heartbeat_timeout``. A tick that
-  finds it unhealthy after it was healthy loses every request (and aborts them: the engine may still run
-  them). A dropped connection loses every request at once (no abort: the engine routes replies by the
+* **Health.** The engine is healthy while a ``Heartbeat`` arrived within ``heartbeat_timeout`` of the time this
+  gateway's loop *ran*: a tick is due every ``heartbeat_interval``, and the time a tick (or a health check
+  between ticks) comes past its due time, since the last heartbeat, is the gateway's own stall (its loop busy,
+  the process stopped or descheduled), during which no heartbeat could be read; it is not the engine's
+  silence and does not count. A tick that finds the engine unhealthy after it was healthy loses every request
+  (and aborts them: the engine may still run them). A dropped connection loses every request at once (no abort: the engine routes replies by the
   connection's ZeroMQ identity, which is new after a reconnect), and the link counts as down until the next
   heartbeat, so no request is sent into the gap.
 * **Engine identity.** Each engine instance names itself by the ``engine_id`` in its heartbeats. A heartbeat
@@ -85,9 +88,10 @@ class EngineLink:
     """The state of one engine link (see the module docstring). Times are monotonic seconds (``now``) and
     epoch nanoseconds (``wall_ns``), passed in by the caller."""
 
-    def __init__(self, address: str, heartbeat_timeout: float = 1.0) -> None:
+    def __init__(self, address: str, heartbeat_timeout: float = 1.0, heartbeat_interval: float = 0.25) -> None:
         self.address = address
         self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat_interval = heartbeat_interval
         self.requests: dict[str, RequestHandle] = {}  # by engine_rid
         self.last_heartbeat: p.Heartbeat | None = None
         self.bad_frames = 0
@@ -97,6 +101,9 @@ class EngineLink:
         self.previous_engine_id: str | None = None
         self.engine_changed_at: float | None = None  # epoch seconds of the last new engine_id
         self._last_beat_at = float("-inf")
+        self._tick_due = float("inf")  # when the next tick is due (none before the first)
+        self._stalled = 0.0  # seconds the gateway's loop ran its ticks late since the last heartbeat
+        self.longest_stall = 0.0  # the longest such lateness seen (for /health)
         self._was_healthy = False
         self._submitted_since_beat = 0
         self._submit_seq = 0  # submits sent so far; each handle keeps its own position
@@ -119,7 +126,14 @@ class EngineLink:
     # -- state -------------------------------------------------------------------------------------
 
     def healthy(self, now: float) -> bool:
-        return now - self._last_beat_at < self.heartbeat_timeout
+        """Whether a heartbeat arrived within ``heartbeat_timeout`` of the time the gateway's loop ran since."""
+        return self.silence(now) < self.heartbeat_timeout
+
+    def silence(self, now: float) -> float:
+        """Seconds the engine has been silent: since the last heartbeat, less the gateway's own stall in
+        that time (the ticks' lateness, and how overdue the next tick is now)."""
+        since = self._last_beat_at
+        return now - since - self._stalled - max(0.0, now - max(self._tick_due, since))
 
     @property
     def engine_id(self) -> str | None:
@@ -145,6 +159,7 @@ class EngineLink:
         return {"address": self.address, "healthy": self.healthy(now), "engine_id": hb.engine_id if hb else None,
                 "running": hb.running if hb else None, "waiting": hb.waiting if hb else None,
                 "in_flight": self.in_flight, "restarts": self.restarts, "disconnects": self.disconnects,
+                "longest_loop_stall_s": round(self.longest_stall, 3),
                 "previous_engine_id": self.previous_engine_id, "engine_changed_at": self.engine_changed_at}
 
     # -- inputs: the engine and the socket ---------------------------------------------------------
@@ -197,11 +212,21 @@ class EngineLink:
 
     def tick(self, now: float, sent_ns: int) -> None:
         """The pinger's beat, every ``heartbeat_interval``: if the heartbeats stopped since the last beat,
-        every request is lost; then a ``Ping`` (stamped ``sent_ns``) to send."""
+        every request is lost; then a ``Ping`` (stamped ``sent_ns``) to send. A tick that comes late (past
+        ``heartbeat_interval`` after the previous one) measures the gateway's own stall: that time is not
+        the engine's silence."""
+        late = max(0.0, now - max(self._tick_due, self._last_beat_at))
+        if late:
+            self._stalled += late
+            if late > self.heartbeat_timeout / 2:
+                log.warning("this gateway's event loop was stalled for %.1fs (engine at %s: not counted as its "
+                            "silence)", late, self.address)
+            self.longest_stall = max(self.longest_stall, late)
+        self._tick_due = now + self.heartbeat_interval
         healthy = self.healthy(now)
         if self._was_healthy and not healthy:
             log.error("engine at %s missed heartbeats for %.1fs: %d requests in flight",
-                      self.address, self.heartbeat_timeout, len(self.requests))
+                      self.address, self.silence(now), len(self.requests))
             self._lose(list(self.requests.values()),
                        EngineError.unavailable("the engine stopped answering (crashed or restarting)"), abort=True)
         self._was_healthy = healthy
@@ -214,6 +239,9 @@ class EngineLink:
         """The connection dropped: every request is lost at once; down until the next heartbeat."""
         self.disconnects += 1
         self._last_beat_at = float("-inf")
+        self._tick_due = float("inf")  # when the next tick is due (none before the first)
+        self._stalled = 0.0  # seconds the gateway's loop ran its ticks late since the last heartbeat
+        self.longest_stall = 0.0  # the longest such lateness seen (for /health)
         self._was_healthy = False
         if self.requests:
             log.error("connection to engine %s at %s dropped: %d requests in flight",
@@ -232,6 +260,7 @@ class EngineLink:
         before = self._pings.get(msg.ping_sent_ns, self._submit_seq)
         self._submitted_since_beat = self._submit_seq - before
         self._last_beat_at = now
+        self._stalled = 0.0
         if previous is None:
             log.info("engine %s up: %s model=%s", msg.engine_id, msg.backend, msg.model)
             return

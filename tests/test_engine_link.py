@@ -7,7 +7,7 @@ request (a recording sink)."""
 from __future__ import annotations
 
 from engine_worker import protocol as p
-from gateway.core.engine_link import ContinuationRefused, Continued, EngineLink, Lost
+from gateway.core.engine_link import ContinuationRefused, Continued, EngineLink, Lost, Reattached
 from gateway.core.engine_pool import MigrationPolicy, Migrator
 from gateway.core.metrics import Migrations
 from gateway.core.request import RequestHandle
@@ -105,7 +105,7 @@ def test_a_heartbeat_of_the_same_instance_loses_nothing() -> None:
     assert link.events_received() == [] and list(link.requests) == ["r"] and link.restarts == 0
 
 
-def test_heartbeats_missed_for_the_timeout_lose_every_request_at_the_next_tick_and_abort_them() -> None:
+def test_heartbeats_missed_for_the_timeout_lose_every_request_at_the_next_tick_and_suspend_them() -> None:
     link = up("e1", now=0.0)
     a, _ = open_request(link, "a", 0.1)
     b, _ = open_request(link, "b", 0.2)
@@ -119,10 +119,67 @@ def test_heartbeats_missed_for_the_timeout_lose_every_request_at_the_next_tick_a
     [lost] = link.events_received()
     assert isinstance(lost, Lost) and lost.handles == [a, b] and "stopped answering" in lost.error.message
     sent = link.data_to_send()
-    assert aborts(sent) == ["a", "b"] and isinstance(sent[-1], p.Ping)
-    assert not link.requests and not link.healthy(TIMEOUT + 0.01)
+    assert aborts(sent) == [] and isinstance(sent[-1], p.Ping)  # not aborted: the engine may still run them
+    assert not link.requests and list(link.suspended) == ["a", "b"] and not link.healthy(TIMEOUT + 0.01)
     link.tick(TIMEOUT + 0.5, 4)
     assert link.events_received() == []  # lost once, not at every tick
+
+
+def lost_with_missed_heartbeats(link: EngineLink, now: float) -> Lost:
+    """Ticks on time from the last heartbeat (at 0) to ``now``, the engine silent: its requests are lost."""
+    k = 1
+    while k * INTERVAL <= now:
+        link.tick(k * INTERVAL, 100 + k)
+        k += 1
+    [lost] = link.events_received()
+    assert isinstance(lost, Lost)
+    link.data_to_send()
+    return lost
+
+
+def test_a_request_lost_with_missed_heartbeats_is_reattached_when_the_same_instance_answers() -> None:
+    link = up("e1")
+    h, sink = open_request(link, "r", 0.1)
+    link.receive(delta("r", 0, "a", [1]), 0.2, 0)
+    lost = lost_with_missed_heartbeats(link, 1.3)  # the engine stalled (a long step, a collection, stopped)
+    migrations = Migrations()
+    migrator = Migrator(MigrationPolicy(limit=3, wait=5.0), migrations)
+    migrator.lost(link.address, lost.handles, lost.error, 1.3)
+    assert h.migrations == 1 and migrator.parked
+
+    beat(link, "e1", 2.0, ping=99)  # the same instance: it still runs r
+    [ev] = link.events_received()
+    assert isinstance(ev, Reattached) and ev.handle is h
+    migrator.reattached(h)
+    assert not migrator.parked and h.migrations == 0 and not h.lost_at and list(link.requests) == ["r"]
+    assert aborts(link.data_to_send()) == []
+    link.receive(delta("r", 1, "b", [2], "stop"), 2.1, 0)  # under its own id: no continuation was sent
+    assert [d.text for d in sink.deltas] == ["a", "b"] and h.done and not h.rejoined
+    assert link.events_received() == [] and migrations.outcomes["continued"] == 0
+
+
+def test_a_suspended_request_continued_elsewhere_meanwhile_is_aborted_when_its_old_engine_answers() -> None:
+    old = up("e1", address="ipc://old")
+    new = up("e2", address="ipc://new")
+    h, sink = open_request(old, "r", 0.1)
+    lost = lost_with_missed_heartbeats(old, 1.3)
+    migrator = Migrator(MigrationPolicy(limit=3, wait=5.0), Migrations())
+    migrator.lost(old.address, lost.handles, lost.error, 1.3)
+    migrator.place(1.3, [new])
+    assert h.owner is new and h.engine_rid == "r.m1"
+
+    old.receive(delta("r", 0, "LATE", [9]), 2.0, 0)  # the old instance wakes up: not this request's any more
+    assert aborts(old.data_to_send()) == ["r"] and old.events_received() == [] and not old.suspended
+    beat(old, "e1", 2.1, ping=99)
+    assert old.events_received() == [] and sink.deltas == []
+
+
+def test_a_new_instance_aborts_what_was_suspended_on_the_old_one() -> None:
+    link = up("e1")
+    open_request(link, "r", 0.1)
+    lost_with_missed_heartbeats(link, 1.3)
+    beat(link, "e2", 2.0, ping=99)
+    assert link.events_received() == [] and aborts(link.data_to_send()) == ["r"] and not link.suspended
 
 
 def test_a_tick_late_because_the_gateways_loop_stalled_is_not_the_engines_silence() -> None:

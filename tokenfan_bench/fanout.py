@@ -15,6 +15,8 @@ first event and ``--warmup`` s have passed, a ``--window`` s window is measured:
   less its RSS before the first one connected, over N;
 - the **client** processes' CPU use in the window (the busiest one's share of a core), so a client that was
   the bottleneck shows;
+- the **longest stall of the gateway's event loop** (``loop_stall_s``: the lateness of its engine links' heartbeat
+  ticks, ``/health``), up to the window's end;
 - **garbage collections** of the gateway's and the engine's processes (``gc``, the bench's GC probe:
   :mod:`tokenfan_bench.stats.gc_probe`; ``--no-gc-probe`` turns it off): per phase (``subscribe``: from the
   first subscriber's connect to the last one's first event; ``window``; ``run``: the server's whole life), per
@@ -169,6 +171,17 @@ def readers_cut(url: str) -> int | None:
     return int(sum(float(ln.rsplit(" ", 1)[1]) for ln in rows)) if rows else None
 
 
+def loop_stall(url: str) -> float | None:
+    """The longest stall of the gateway's event loop its engine links saw so far (``/health`` ``engines[]``
+    ``longest_loop_stall_s``; with ``--workers``, the worker that answered); None for the raw floor."""
+    try:
+        engines = httpx.get(url + "/health", timeout=10.0, trust_env=False).json().get("engines") or []
+    except (httpx.HTTPError, ValueError):
+        return None
+    stalls = [e["longest_loop_stall_s"] for e in engines if e.get("longest_loop_stall_s") is not None]
+    return max(stalls) if stalls else None
+
+
 def end_streams(url: str, ids: list[str]) -> None:
     for sid in ids:
         with contextlib.suppress(httpx.HTTPError):
@@ -266,6 +279,7 @@ def measure(target: Target, ns: argparse.Namespace, n: int) -> dict[str, Any]:
         client_cpu = [b - a for a, b in zip(client_cpu, clients.cpu(), strict=True)]
         rss1 = tree_rss(target.pid)
         cut1 = readers_cut(target.url)
+        stall = loop_stall(target.url) if target.kind == "gateway" else None
         end_streams(target.url, ids)
         results = clients.end(30.0)
     finally:
@@ -291,6 +305,7 @@ def measure(target: Target, ns: argparse.Namespace, n: int) -> dict[str, Any]:
         # when a cut connection may have been reset: its client then sees no slow_consumer notice)
         "readers_cut": None if cut0 is None or cut1 is None else cut1 - cut0,
         "phases": {"subscribe": (t_open, t_ready), "window": (t0 / 1e9, t1 / 1e9)},
+        "loop_stall_s": stall,
     }
 
 
@@ -344,6 +359,7 @@ def brief(r: dict[str, Any]) -> str:
     return (f"{r['server']} N={r['subscribers']}: spread p50/p99/max {_ms(s['p50_ms'])}/{_ms(s['p99_ms'])}/"
             f"{_ms(s['max_ms'])} ms over {s['events']} events; {d['complete']}/{d['subscribers']} complete; "
             f"{_f(r['cpu_us_per_delivery'])} µs CPU/delivery; {r['rss_kb_per_subscriber']:.1f} KB/subscriber"
+            + (f"; longest loop stall {r['loop_stall_s']:.2f} s" if r.get("loop_stall_s") is not None else "")
             + "".join(f"; gateway GC {phase}: {gc_brief(r, phase)}" for phase in ("subscribe", "window")
                       if r.get("gc", {}).get("gateway")))
 

@@ -15,7 +15,9 @@ sends each outbox as one batch. All deltas of a step share one clock read (``emi
 deltas of at least N tokens; the first and the finishing step are sent at once. A merged delta keeps
 the ``emit_ns`` of its oldest text, so delivery latencies measured from it stay honest.
 
-A malformed frame is dropped, logged (rate-limited) and counted; it never stops the loop.
+A malformed frame is dropped, logged (rate-limited) and counted; it never stops the loop. A gateway's
+requests are aborted when its connection drops, or over ``tcp://`` when it is silent past ``--gateway-grace``
+(:class:`GatewayWatch`).
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from engine_worker import protocol as p
 from engine_worker.backends.base import Backend, RequestRejected, Step
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_SRCFD = int(zmq.SRCFD)  # a frame's property: the descriptor of the connection it came in on
 
 
 @dataclass(slots=True)
@@ -127,6 +131,66 @@ class Emitter:
         self.seq += 1
 
 
+class GatewayWatch:
+    """Which gateways' requests to abort, and why (pure: the time and the socket's events passed in).
+
+    A gateway is known by its ROUTER identity, heard from on one connection (the socket's file descriptor:
+    ``zmq.SRCFD`` of its frames, the value of the monitor's ``DISCONNECTED``). The rules:
+
+    * **Its connection dropped**: its requests are aborted ``DROP_CONFIRM`` s later unless it was heard from
+      since (a new connection that reused the descriptor). Its process is gone or it reconnected under a new
+      identity: nothing can ever read those deltas.
+    * **Silent while connected**: over ``ipc://`` the connection is held by a live local process, so silence
+      is a stall (the process stopped, descheduled, its event loop busy), never a death: its requests keep
+      running. Over ``tcp://`` a connection can stay up to a host that is gone (a partition): silence for
+      ``grace`` s aborts them.
+    * Time this engine's own loop did not run (:meth:`tick` comes late) is not the gateway's silence.
+    """
+
+    DROP_CONFIRM = 1.0
+
+    def __init__(self, grace: float, local: bool) -> None:
+        self.grace = grace
+        self.local = local  # ipc://: a connection is a live process
+        self.last: dict[bytes, float] = {}  # identity -> when last heard from
+        self.fd: dict[bytes, int] = {}  # identity -> its connection's descriptor
+        self.dropped: dict[bytes, float] = {}  # identity -> when its connection dropped
+        self._due = float("inf")
+
+    def heard(self, identity: bytes, fd: int, now: float) -> None:
+        self.last[identity] = now
+        self.fd[identity] = fd
+        self.dropped.pop(identity, None)
+
+    def disconnected(self, fd: int, now: float) -> None:
+        for identity, f in self.fd.items():
+            if f == fd:
+                self.dropped.setdefault(identity, now)
+
+    def tick(self, now: float, interval: float) -> list[tuple[bytes, str]]:
+        """Every ``interval`` s: the gateways whose requests to abort now, each with the reason to log."""
+        late = max(0.0, now - self._due)
+        self._due = now + interval
+        if late:  # this loop did not run: nobody was heard in that time
+            for identity in self.last:
+                self.last[identity] += late
+        out = []
+        for identity, at in list(self.dropped.items()):
+            if now - at >= self.DROP_CONFIRM:
+                out.append((identity, "disconnected"))
+        for identity, at in self.last.items():
+            if identity not in self.dropped and now - at > self.grace and not self.local:
+                out.append((identity, f"silent for {self.grace:.0f}s"))
+        for identity, _ in out:
+            self.forget(identity)
+        return out
+
+    def forget(self, identity: bytes) -> None:
+        self.last.pop(identity, None)
+        self.fd.pop(identity, None)
+        self.dropped.pop(identity, None)
+
+
 @dataclass(slots=True)
 class ServerStats:
     bad_frames: int = 0
@@ -140,7 +204,7 @@ class EngineServer:
     backend: Backend
     address: str
     max_queue: int = 1024
-    gateway_grace: float = 10.0  # a gateway that has not pinged for this long is presumed dead: its requests aborted
+    gateway_grace: float = 10.0  # a tcp:// gateway silent this long (its connection up) is presumed cut off
     allow_remote_tcp: bool = False
     curve_dir: Path | None = None
     stream_interval: int = 1  # tokens per delta, like vLLM's --stream-interval
@@ -156,7 +220,7 @@ class EngineServer:
         self._outbox: dict[bytes, list[p.Delta]] = {}
         self._outbox_ready = asyncio.Event()
         self._step_ns = 0  # the clock of the deltas queued since the last flush (0: not read yet)
-        self._last_ping: dict[bytes, float] = {}
+        self._watch = GatewayWatch(self.gateway_grace, local=self.address.startswith("ipc://"))
         self._last_bad_log = 0.0
         self._told: dict[bytes, float] = {}  # gateway identity -> when it was last told our protocol version
         # Preparing (chat template, tokenizer) is synchronous CPU work: one at a time, one per loop turn,
@@ -176,12 +240,13 @@ class EngineServer:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.bind(self.address)
         secure_ipc_socket(self.address)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock = sock
         self.bound.set()
         info = self.backend.info
         log.info("engine %s serving %s model=%s on %s", self.engine_id, info.kind, info.model, self.address)
         tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._flush_loop()),
-                 asyncio.create_task(self._reap_loop())]
+                 asyncio.create_task(self._reap_loop()), asyncio.create_task(self._watch_links(monitor))]
         try:
             await stop.wait()
         finally:
@@ -191,6 +256,8 @@ class EngineServer:
                 req.task.cancel()
             await asyncio.gather(*tasks, *(r.task for r in self._requests.values()), return_exceptions=True)
             await self._finish_replies()
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
             if authenticator is not None:
                 authenticator.stop()
@@ -201,11 +268,13 @@ class EngineServer:
 
     async def _recv_loop(self) -> None:
         assert self._sock is not None
+        watch = self._watch
         while True:
-            frames = await self._sock.recv_multipart(copy=True)
-            identity, body = frames[0], frames[1:]
+            frames = await self._sock.recv_multipart(copy=False)
+            identity, body = frames[0].bytes, [f.bytes for f in frames[1:]]
+            watch.heard(identity, cast(int, frames[-1].get(_SRCFD)), time.monotonic())
             try:
-                msg = p.decode(body)  # type: ignore[arg-type]
+                msg = p.decode(body)
             except p.VersionMismatch as exc:
                 self._bad_frame(identity, str(exc))
                 self._tell_other_version(identity)
@@ -225,7 +294,6 @@ class EngineServer:
         elif isinstance(msg, p.Abort):
             self._on_abort(identity, msg)
         elif isinstance(msg, p.Ping):
-            self._last_ping[identity] = time.monotonic()
             await self._send(identity, self._heartbeat(msg.sent_ns))
         else:
             self._bad_frame(identity, f"unexpected {type(msg).__name__} from a gateway")
@@ -258,7 +326,6 @@ class EngineServer:
         )
 
     def _on_submit(self, identity: bytes, msg: p.Submit) -> None:
-        self._last_ping.setdefault(identity, time.monotonic())
         if msg.request_id in self._requests:
             self._reply_error(identity, msg.request_id, "invalid_request", f"duplicate request id {msg.request_id}")
             return
@@ -383,16 +450,21 @@ class EngineServer:
         except zmq.ZMQError as exc:
             log.warning("send to %s failed: %s", identity.hex(), exc)
 
-    async def _reap_loop(self) -> None:
-        """Abort the requests of gateways that stopped pinging (crashed or cut off)."""
+    async def _watch_links(self, monitor: zmq.asyncio.Socket) -> None:
+        """The socket's monitor: a gateway's connection that dropped (:class:`GatewayWatch`)."""
         while True:
-            await asyncio.sleep(self.gateway_grace / 4)
-            now = time.monotonic()
-            dead = {i for i, t in self._last_ping.items() if now - t > self.gateway_grace}
-            for identity in dead:
-                del self._last_ping[identity]
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._watch.disconnected(int(event["value"]), time.monotonic())
+
+    async def _reap_loop(self) -> None:
+        """Abort the requests of gateways that are gone (their connection dropped) or, over ``tcp://``,
+        silent past the grace (:class:`GatewayWatch`)."""
+        interval = min(self.gateway_grace / 4, GatewayWatch.DROP_CONFIRM / 2)
+        while True:
+            await asyncio.sleep(interval)
+            for identity, why in self._watch.tick(time.monotonic(), interval):
                 orphans = [rid for rid, r in self._requests.items() if r.identity == identity]
                 if orphans:
-                    log.warning("gateway %s silent for %.0fs: aborting %d requests",
-                                identity.hex(), self.gateway_grace, len(orphans))
+                    log.warning("gateway %s %s: aborting %d requests", identity.hex(), why, len(orphans))
                     self._on_abort(identity, p.Abort(request_ids=orphans))

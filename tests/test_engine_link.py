@@ -7,7 +7,7 @@ request (a recording sink)."""
 from __future__ import annotations
 
 from engine_worker import protocol as p
-from gateway.core.engine_link import ContinuationRefused, Continued, EngineLink, Lost
+from gateway.core.engine_link import ContinuationRefused, Continued, EngineLink, Lost, Reattached
 from gateway.core.engine_pool import MigrationPolicy, Migrator
 from gateway.core.metrics import Migrations
 from gateway.core.request import RequestHandle
@@ -15,6 +15,7 @@ from gateway.core.step import Step
 from gateway.errors import APIError, EngineError
 
 TIMEOUT = 1.0
+INTERVAL = 0.25  # the pinger's beat: a tick later than this after the previous one is the gateway's own stall
 
 
 class Recorder:
@@ -51,7 +52,7 @@ def last_ping(link: EngineLink) -> int:
 
 def up(engine_id: str = "e1", now: float = 0.0, address: str = "ipc://a") -> EngineLink:
     """A link whose engine answered its first ping at ``now``."""
-    link = EngineLink(address, heartbeat_timeout=TIMEOUT)
+    link = EngineLink(address, heartbeat_timeout=TIMEOUT, heartbeat_interval=INTERVAL)
     link.tick(now, 1)
     beat(link, engine_id, now)
     assert link.healthy(now)
@@ -104,12 +105,13 @@ def test_a_heartbeat_of_the_same_instance_loses_nothing() -> None:
     assert link.events_received() == [] and list(link.requests) == ["r"] and link.restarts == 0
 
 
-def test_heartbeats_missed_for_the_timeout_lose_every_request_at_the_next_tick_and_abort_them() -> None:
+def test_heartbeats_missed_for_the_timeout_lose_every_request_at_the_next_tick_and_suspend_them() -> None:
     link = up("e1", now=0.0)
     a, _ = open_request(link, "a", 0.1)
     b, _ = open_request(link, "b", 0.2)
-    link.tick(0.5, 2)
-    assert link.events_received() == []  # still within the timeout
+    for k in range(1, 4):  # the ticks come on time: the gateway's loop ran; the engine said nothing
+        link.tick(k * INTERVAL, 1 + k)
+        assert link.events_received() == []  # still within the timeout
     link.data_to_send()
 
     link.tick(TIMEOUT + 0.01, 3)
@@ -117,10 +119,107 @@ def test_heartbeats_missed_for_the_timeout_lose_every_request_at_the_next_tick_a
     [lost] = link.events_received()
     assert isinstance(lost, Lost) and lost.handles == [a, b] and "stopped answering" in lost.error.message
     sent = link.data_to_send()
-    assert aborts(sent) == ["a", "b"] and isinstance(sent[-1], p.Ping)
-    assert not link.requests and not link.healthy(TIMEOUT + 0.01)
+    assert aborts(sent) == [] and isinstance(sent[-1], p.Ping)  # not aborted: the engine may still run them
+    assert not link.requests and list(link.suspended) == ["a", "b"] and not link.healthy(TIMEOUT + 0.01)
     link.tick(TIMEOUT + 0.5, 4)
     assert link.events_received() == []  # lost once, not at every tick
+
+
+def lost_with_missed_heartbeats(link: EngineLink, now: float) -> Lost:
+    """Ticks on time from the last heartbeat (at 0) to ``now``, the engine silent: its requests are lost."""
+    k = 1
+    while k * INTERVAL <= now:
+        link.tick(k * INTERVAL, 100 + k)
+        k += 1
+    [lost] = link.events_received()
+    assert isinstance(lost, Lost)
+    link.data_to_send()
+    return lost
+
+
+def test_a_request_lost_with_missed_heartbeats_is_reattached_when_the_same_instance_answers() -> None:
+    link = up("e1")
+    h, sink = open_request(link, "r", 0.1)
+    link.receive(delta("r", 0, "a", [1]), 0.2, 0)
+    lost = lost_with_missed_heartbeats(link, 1.3)  # the engine stalled (a long step, a collection, stopped)
+    migrations = Migrations()
+    migrator = Migrator(MigrationPolicy(limit=3, wait=5.0), migrations)
+    migrator.lost(link.address, lost.handles, lost.error, 1.3)
+    assert h.migrations == 1 and migrator.parked
+
+    beat(link, "e1", 2.0, ping=99)  # the same instance: it still runs r
+    [ev] = link.events_received()
+    assert isinstance(ev, Reattached) and ev.handle is h
+    migrator.reattached(h)
+    assert not migrator.parked and h.migrations == 0 and not h.lost_at and list(link.requests) == ["r"]
+    assert aborts(link.data_to_send()) == []
+    link.receive(delta("r", 1, "b", [2], "stop"), 2.1, 0)  # under its own id: no continuation was sent
+    assert [d.text for d in sink.deltas] == ["a", "b"] and h.done and not h.rejoined
+    assert link.events_received() == [] and migrations.outcomes["continued"] == 0
+
+
+def test_a_suspended_request_continued_elsewhere_meanwhile_is_aborted_when_its_old_engine_answers() -> None:
+    old = up("e1", address="ipc://old")
+    new = up("e2", address="ipc://new")
+    h, sink = open_request(old, "r", 0.1)
+    lost = lost_with_missed_heartbeats(old, 1.3)
+    migrator = Migrator(MigrationPolicy(limit=3, wait=5.0), Migrations())
+    migrator.lost(old.address, lost.handles, lost.error, 1.3)
+    migrator.place(1.3, [new])
+    assert h.owner is new and h.engine_rid == "r.m1"
+
+    old.receive(delta("r", 0, "LATE", [9]), 2.0, 0)  # the old instance wakes up: not this request's any more
+    assert aborts(old.data_to_send()) == ["r"] and old.events_received() == [] and not old.suspended
+    beat(old, "e1", 2.1, ping=99)
+    assert old.events_received() == [] and sink.deltas == []
+
+
+def test_a_new_instance_aborts_what_was_suspended_on_the_old_one() -> None:
+    link = up("e1")
+    open_request(link, "r", 0.1)
+    lost_with_missed_heartbeats(link, 1.3)
+    beat(link, "e2", 2.0, ping=99)
+    assert link.events_received() == [] and aborts(link.data_to_send()) == ["r"] and not link.suspended
+
+
+def test_a_tick_late_because_the_gateways_loop_stalled_is_not_the_engines_silence() -> None:
+    link = up("e1", now=0.0)
+    h, _ = open_request(link, "r", 0.1)
+    # The loop stalls for 6 s (busy, or the process stopped): the tick due at 0.25 runs at 6.25, before the
+    # reader had a turn to read the heartbeats waiting in the socket.
+    assert link.healthy(6.2)  # a check between ticks: the overdue tick is the stall, too
+    link.tick(6.25, 2)
+    assert link.events_received() == [] and list(link.requests) == ["r"] and link.healthy(6.25)
+    assert aborts(link.data_to_send()) == [] and link.longest_stall == 6.0
+    beat(link, "e1", 6.26, ping=2)  # read right after
+    assert link.events_received() == [] and h.migrations == 0
+
+
+def test_an_engine_silent_after_the_gateways_stall_is_lost_a_timeout_after_the_loop_ran_again() -> None:
+    link = up("e1", now=0.0)
+    open_request(link, "r", 0.1)
+    link.tick(6.25, 2)  # a 6 s stall
+    for k in range(1, 3):  # the loop runs on time again; the engine says nothing
+        link.tick(6.25 + k * INTERVAL, 2 + k)
+        assert link.events_received() == []
+    link.tick(7.0, 5)  # silent for 1 s of the time the loop ran: 0.25 s before the stall, 0.75 s after
+    [lost] = link.events_received()
+    assert isinstance(lost, Lost) and [h.request_id for h in lost.handles] == ["r"]
+
+
+def test_a_stall_before_the_last_heartbeat_does_not_excuse_a_silence_after_it() -> None:
+    link = up("e1", now=0.0)
+    open_request(link, "r", 0.1)
+    beat(link, "e1", 5.0, ping=1)  # read during a stall: the tick due at 0.25 has not run yet
+    link.tick(5.05, 2)  # late, but only 0.05 s of it after the heartbeat
+    for k in range(1, 4):
+        link.tick(5.05 + k * INTERVAL, 2 + k)
+    assert link.events_received() == []
+    link.tick(6.01, 6)  # 1.01 s after the heartbeat, of which 0.05 s stalled
+    assert link.events_received() == []
+    link.tick(6.1, 7)
+    [lost] = link.events_received()
+    assert isinstance(lost, Lost)
 
 
 def test_a_dropped_connection_loses_every_request_without_an_abort_and_nothing_is_sent_until_the_next_heartbeat(

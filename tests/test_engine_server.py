@@ -1,5 +1,6 @@
 """The engine server's shutdown, in process on a real ZeroMQ socket: error replies already decided reach their
-gateway before the socket closes, and no task outlives :meth:`EngineServer.serve`."""
+gateway before the socket closes, and no task outlives :meth:`EngineServer.serve`. And its rules for when a
+gateway is gone (:class:`GatewayWatch`, pure: the time and the socket's events passed in)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import zmq.asyncio
 from engine_worker import protocol as p
 from engine_worker.backends.synthetic import SyntheticBackend
 from engine_worker.config import EngineConfig
-from engine_worker.server import EngineServer
+from engine_worker.server import EngineServer, GatewayWatch
 
 
 def test_an_error_reply_decided_at_shutdown_still_reaches_the_gateway(tmp_path: Path) -> None:
@@ -42,3 +43,46 @@ def test_an_error_reply_decided_at_shutdown_still_reaches_the_gateway(tmp_path: 
             ctx.term()
 
     asyncio.run(main())
+
+
+# -- GatewayWatch: which gateways' requests the engine aborts (pure: the time and the socket's events in) ------
+
+
+def test_a_local_gateway_silent_but_connected_is_stalled_not_dead_and_keeps_its_requests() -> None:
+    watch = GatewayWatch(grace=10.0, local=True)
+    watch.heard(b"gw", 7, 0.0)
+    assert watch.tick(30.0, 0.5) == []  # stopped for 30 s (SIGSTOP, a busy loop): its connection is up
+    watch.heard(b"gw", 7, 30.1)
+    assert watch.tick(30.5, 0.5) == []
+
+
+def test_a_remote_gateway_silent_past_the_grace_is_presumed_cut_off() -> None:
+    watch = GatewayWatch(grace=10.0, local=False)
+    watch.heard(b"gw", 7, 0.0)
+    for k in range(1, 21):
+        assert watch.tick(k * 0.5, 0.5) == []
+    assert watch.tick(10.5, 0.5) == [(b"gw", "silent for 10s")]
+    assert watch.tick(11.0, 0.5) == []  # once
+
+
+def test_time_the_engines_own_loop_did_not_run_is_not_the_gateways_silence() -> None:
+    watch = GatewayWatch(grace=10.0, local=False)
+    watch.heard(b"gw", 7, 0.0)
+    assert watch.tick(0.5, 0.5) == []
+    assert watch.tick(12.0, 0.5) == []  # this loop stalled 11.5 s: the gateway's pings wait in the socket
+    watch.heard(b"gw", 7, 12.01)
+    assert watch.tick(12.5, 0.5) == []
+
+
+def test_a_dropped_connection_aborts_its_gateways_requests_unless_that_gateway_is_heard_from_since() -> None:
+    watch = GatewayWatch(grace=10.0, local=True)
+    watch.heard(b"dead", 7, 0.0)
+    watch.heard(b"other", 8, 0.0)
+    watch.disconnected(7, 0.2)
+    assert watch.tick(0.5, 0.5) == []  # confirmed a second later
+    assert watch.tick(1.5, 0.5) == [(b"dead", "disconnected")]
+    # A new connection that got the same descriptor, heard from before the old one's drop was read:
+    watch.heard(b"new", 7, 2.0)
+    watch.disconnected(7, 2.0)
+    watch.heard(b"new", 7, 2.25)
+    assert watch.tick(3.5, 0.5) == []

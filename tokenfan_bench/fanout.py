@@ -14,7 +14,13 @@ first event and ``--warmup`` s have passed, a ``--window`` s window is measured:
 - **RSS per subscriber**: the gateway's resident memory (every process) with the N subscribers connected,
   less its RSS before the first one connected, over N;
 - the **client** processes' CPU use in the window (the busiest one's share of a core), so a client that was
-  the bottleneck shows.
+  the bottleneck shows;
+- the **longest stall of the gateway's event loop** (``loop_stall_s``: the lateness of its engine links' heartbeat
+  ticks, ``/health``), up to the window's end;
+- **garbage collections** of the gateway's and the engine's processes (``gc``, the bench's GC probe:
+  :mod:`tokenfan_bench.stats.gc_probe`; ``--no-gc-probe`` turns it off): per phase (``subscribe``: from the
+  first subscriber's connect to the last one's first event; ``window``; ``run``: the server's whole life), per
+  generation the count and total time, and the largest collection. Its logs: ``DIR/logs/gc-<level>-<server>/``.
 
 Then the streams are ended (``DELETE``) and every subscriber must have had every event from seq 0 to the
 last, once and in order, then the end: counted (``delivery``). ``--slow F`` makes that fraction of the
@@ -46,6 +52,7 @@ import psutil
 from tokenfan_bench.cpu.gateway_cost import ProcCpu
 from tokenfan_bench.report import run_outputs
 from tokenfan_bench.servers import processes
+from tokenfan_bench.stats import gc_probe
 from tokenfan_bench.stats.spread import delivery, merge, window_spread
 
 MAX_TOKENS = 4000  # per stream: longer than any level takes (DELETE ends it); the gateway's cap is raised to it
@@ -79,6 +86,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-raw", action="store_true", help="skip the raw floor")
     ap.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for the spawned gateways, e.g. --gateway-arg=--send-timeout=2")
+    ap.add_argument("--no-gc-probe", action="store_true", help="do not time the servers' garbage collections")
     ap.add_argument("--ready-timeout", type=float, default=180.0, help="seconds for every subscriber's first event")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default bench-results/fanout-<time>)")
     return ap
@@ -124,7 +132,8 @@ class Target:
 
 
 @contextlib.contextmanager
-def spawned(kind: str, workers: int, ns: argparse.Namespace, out: Path, level: int) -> Iterator[Target]:
+def spawned(kind: str, workers: int, ns: argparse.Namespace, out: Path, level: int,
+            gc_dir: Path | None = None) -> Iterator[Target]:
     if kind == "raw":
         with processes.spawn_raw(ns.tokens_per_s, 20.0, out / "logs") as raw:
             yield Target("raw", 1, raw.url, raw.server_pid)
@@ -133,7 +142,9 @@ def spawned(kind: str, workers: int, ns: argparse.Namespace, out: Path, level: i
                *(["--workers", str(workers)] if workers > 1 else []), *ns.gateway_arg]
     engine_args = ["--max-model-len", "1000000",
                    *(["--synthetic-token-chars", str(ns.token_chars)] if ns.token_chars else [])]
-    with processes.spawn_synthetic(ns.tokens_per_s, 20.0, out / "logs", gw_args, engine_args=engine_args) as s:
+    env = gc_probe.env(gc_dir) if gc_dir is not None else None
+    with processes.spawn_synthetic(ns.tokens_per_s, 20.0, out / "logs", gw_args, engine_args=engine_args,
+                                   env=env) as s:
         if workers > 1:  # every worker listens once its engine link is up: /health says so
             processes.wait_healthy(s.url, s.procs, 60.0)
         yield Target("gateway", workers, s.url, s.server_pid)
@@ -158,6 +169,17 @@ def readers_cut(url: str) -> int | None:
         return None
     rows = [ln for ln in text.splitlines() if ln.startswith("tokenfan_readers_cut_total{")]
     return int(sum(float(ln.rsplit(" ", 1)[1]) for ln in rows)) if rows else None
+
+
+def loop_stall(url: str) -> float | None:
+    """The longest stall of the gateway's event loop its engine links saw so far (``/health`` ``engines[]``
+    ``longest_loop_stall_s``; with ``--workers``, the worker that answered); None for the raw floor."""
+    try:
+        engines = httpx.get(url + "/health", timeout=10.0, trust_env=False).json().get("engines") or []
+    except (httpx.HTTPError, ValueError):
+        return None
+    stalls = [e["longest_loop_stall_s"] for e in engines if e.get("longest_loop_stall_s") is not None]
+    return max(stalls) if stalls else None
 
 
 def end_streams(url: str, ids: list[str]) -> None:
@@ -246,7 +268,8 @@ def measure(target: Target, ns: argparse.Namespace, n: int) -> dict[str, Any]:
         ids = create_streams(target.url, ns.streams)
         t_open = time.monotonic()
         ready = clients.open(host, int(port), ids, subs, ns.ready_timeout)
-        opened_s = time.monotonic() - t_open
+        t_ready = time.monotonic()
+        opened_s = t_ready - t_open
         failed = sum(r["failed"] for r in ready)
         time.sleep(ns.warmup)
         server, client_cpu = ProcCpu(target.pid), clients.cpu()
@@ -256,6 +279,7 @@ def measure(target: Target, ns: argparse.Namespace, n: int) -> dict[str, Any]:
         client_cpu = [b - a for a, b in zip(client_cpu, clients.cpu(), strict=True)]
         rss1 = tree_rss(target.pid)
         cut1 = readers_cut(target.url)
+        stall = loop_stall(target.url) if target.kind == "gateway" else None
         end_streams(target.url, ids)
         results = clients.end(30.0)
     finally:
@@ -280,6 +304,8 @@ def measure(target: Target, ns: argparse.Namespace, n: int) -> dict[str, Any]:
         # readers the gateway cut as too slow before the end (a slow subscriber reads again only after it, by
         # when a cut connection may have been reset: its client then sees no slow_consumer notice)
         "readers_cut": None if cut0 is None or cut1 is None else cut1 - cut0,
+        "phases": {"subscribe": (t_open, t_ready), "window": (t0 / 1e9, t1 / 1e9)},
+        "loop_stall_s": stall,
     }
 
 
@@ -312,8 +338,12 @@ def run(ns: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                       f"in one process", file=sys.stderr)
                 results["runs"].append({"server": name, "subscribers": n, "skipped": f"RLIMIT_NOFILE {nofile}"})
                 continue
-            with spawned(kind, workers, ns, out, n) as target:
+            gc_dir = None if ns.no_gc_probe or kind == "raw" else out / "logs" / f"gc-{n}-{kind}-{workers}"
+            t_start = time.monotonic()
+            with spawned(kind, workers, ns, out, n, gc_dir) as target:
                 row = measure(target, ns, n)
+            if gc_dir is not None:
+                row["gc"] = gc_probe.summary(gc_dir, {**row["phases"], "run": (t_start, time.monotonic())})
             results["runs"].append(row)
             print(f"fanout: {brief(row)}", file=sys.stderr)
             run_outputs.write_json(out / "results.json", results)
@@ -328,7 +358,19 @@ def brief(r: dict[str, Any]) -> str:
     s, d = r["spread_ms"], r["delivery"]
     return (f"{r['server']} N={r['subscribers']}: spread p50/p99/max {_ms(s['p50_ms'])}/{_ms(s['p99_ms'])}/"
             f"{_ms(s['max_ms'])} ms over {s['events']} events; {d['complete']}/{d['subscribers']} complete; "
-            f"{_f(r['cpu_us_per_delivery'])} µs CPU/delivery; {r['rss_kb_per_subscriber']:.1f} KB/subscriber")
+            f"{_f(r['cpu_us_per_delivery'])} µs CPU/delivery; {r['rss_kb_per_subscriber']:.1f} KB/subscriber"
+            + (f"; longest loop stall {r['loop_stall_s']:.2f} s" if r.get("loop_stall_s") is not None else "")
+            + "".join(f"; gateway GC {phase}: {gc_brief(r, phase)}" for phase in ("subscribe", "window")
+                      if r.get("gc", {}).get("gateway")))
+
+
+def gc_brief(r: dict[str, Any], phase: str) -> str:
+    """The gateway's full collections in ``phase`` and its largest collection there, e.g. ``2 full, 140 ms
+    in all, largest 96.0 ms (gen 2)``."""
+    ph = r["gc"]["gateway"][phase]
+    full, top = ph["generations"][2], ph["largest"]
+    return (f"{full['count']} full, {full['total_ms']:.0f} ms in all, largest "
+            + ("-" if top is None else f"{top['ms']:.1f} ms (gen {top['gen']})"))
 
 
 def _ms(x: float | None) -> str:
@@ -369,6 +411,7 @@ def summary_md(results: dict[str, Any]) -> str:
             f"{_f((r['client_cpu_util_max'] or 0) * 100, 0)} % | "
             + (f"{r['readers_cut'] if r['readers_cut'] is not None else '–'} / {slow['done']} of "
                f"{slow['subscribers']}" if slow["subscribers"] else "–") + " |")
+    lines += gc_table(results["runs"])
     bad = [r for r in results["runs"] if "delivery" in r and r["delivery"]["incomplete"]]
     for r in bad:
         lines += ["", (f"**{r['server']} N={r['subscribers']}: {r['delivery']['incomplete']} subscribers incomplete**, "
@@ -379,6 +422,30 @@ def summary_md(results: dict[str, Any]) -> str:
               "subscribers connected, less before, per subscriber. The raw floor is one process whatever the "
               "gateway's worker count."), ""]
     return "\n".join(lines)
+
+
+def gc_table(runs: list[dict[str, Any]]) -> list[str]:
+    """The GC probe's figures of each run: full collections (count, total) and the largest collection, per
+    phase, for the gateway's processes and the engine's."""
+    rows = [r for r in runs if r.get("gc")]
+    if not rows:
+        return []
+    out = ["", ("Garbage collections (the bench's GC probe): full collections, their total and the largest "
+                "collection of any generation, per phase."), "",
+           "| server | N | process | subscribe: full / ms / largest ms | window: full / ms / largest ms |",
+           "|---|---:|---|---|---|"]
+    for r in rows:
+        for who in ("gateway", "engine"):
+            if who not in r["gc"]:
+                continue
+            cells = []
+            for phase in ("subscribe", "window"):
+                ph = r["gc"][who][phase]
+                full, top = ph["generations"][2], ph["largest"]
+                cells.append(f"{full['count']} / {full['total_ms']:.0f} / " + ("-" if top is None else
+                                                                                 f"{top['ms']:.1f} (gen {top['gen']})"))
+            out.append(f"| {r['server']} | {r['subscribers']} | {who} | {cells[0]} | {cells[1]} |")
+    return out
 
 
 def plot(results: dict[str, Any], path: Path) -> None:

@@ -371,9 +371,11 @@ SETTINGS: tuple[Setting, ...] = (
         "without a model (docs/models.md)"),
     _en("max_queue", INT, 1024, "requests in the engine (running + waiting) beyond which new ones get 503 "
         "engine_overloaded"),
-    _en("gateway_grace", FLOAT, 10.0, "seconds the engine keeps generating the requests of a gateway that stopped "
-        "pinging (killed, cut off) before it aborts them; a gateway that adopts such a stream continues it from "
-        "its log, so this only bounds the capacity an orphan holds (docs/failures.md)", minimum=1.0),
+    _en("gateway_grace", FLOAT, 10.0, "seconds the engine keeps generating the requests of a `tcp://` gateway "
+        "that stopped pinging while its connection stays up (cut off) before it aborts them; a gateway whose "
+        "connection drops (killed) has them aborted within a second, and an `ipc://` gateway that is silent but "
+        "connected is stalled, not dead: its requests run on. A gateway that adopts such a stream continues it "
+        "from its log, so this only bounds the capacity an orphan holds (docs/failures.md)", minimum=1.0),
     _en("allow_remote_engine", BOOL, False, "allow binding tcp:// to a non-loopback address"),
 )
 

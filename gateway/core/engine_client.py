@@ -30,7 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from engine_worker import protocol as p
 from engine_worker.curve import connect_curve
-from gateway.core.engine_link import ContinuationRefused, Continued, EngineLink, Lost
+from gateway.core.engine_link import ContinuationRefused, Continued, EngineLink, Lost, Reattached
 from gateway.core.request import Failure, RequestHandle
 from gateway.core.step import Step
 from gateway.errors import EngineError
@@ -59,9 +59,11 @@ class EngineClient:
     # A continued request's first delta (handle, seconds since it was lost, True) or its refusal (False):
     # the pool's migration accounting.
     on_continued: Callable[[RequestHandle, float, bool], None] | None = None
+    # A lost request the same engine instance still ran is on this link again: the pool forgets its continuation.
+    on_reattached: Callable[[RequestHandle], None] | None = None
 
     def __post_init__(self) -> None:
-        self.link = EngineLink(self.address, self.heartbeat_timeout)
+        self.link = EngineLink(self.address, self.heartbeat_timeout, self.heartbeat_interval)
         # A plain (blocking-API) socket read from the event loop's selector: the reader drains every
         # message the socket holds per wake-up with NOBLOCK receives. zmq.asyncio's recv_multipart costs
         # two futures and a poller callback per message (~15 µs per engine step here, measured with
@@ -195,6 +197,9 @@ class EngineClient:
                     for h in ev.handles:
                         h.done = True
                         h.fail(ev.error)
+            elif type(ev) is Reattached:
+                if self.on_reattached is not None:
+                    self.on_reattached(ev.handle)
             elif self.on_continued is not None:
                 if type(ev) is Continued:
                     self.on_continued(ev.handle, ev.gap, True)

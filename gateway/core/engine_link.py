@@ -14,9 +14,15 @@ The rules:
 * **Registry.** Messages are routed by the id the engine knows a request by (``engine_rid``). A delta for an
   id the link does not hold (an aborted request, or a lost engine's late delta of a request since continued
   under ``<id>.m<n>``) is dropped.
-* **Health.** The engine is healthy while a ``Heartbeat`` arrived within ``heartbeat_timeout``. A tick that
-  finds it unhealthy after it was healthy loses every request (and aborts them: the engine may still run
-  them). A dropped connection loses every request at once (no abort: the engine routes replies by the
+* **Health.** The engine is healthy while a ``Heartbeat`` arrived within ``heartbeat_timeout`` of the time this
+  gateway's loop *ran*: a tick is due every ``heartbeat_interval``, and the time a tick (or a health check
+  between ticks) comes past its due time, since the last heartbeat, is the gateway's own stall (its loop busy,
+  the process stopped or descheduled), during which no heartbeat could be read; it is not the engine's
+  silence and does not count. A tick that finds the engine unhealthy after it was healthy loses every request;
+  they stay *suspended* here, not aborted: the engine may still run them. A heartbeat of the same instance
+  (or a delta or error of a suspended request) then **re-attaches** each one not continued, failed or closed
+  meanwhile (:class:`Reattached`: no continuation, no migration counted; its deltas go on under the same id)
+  and aborts the others. A dropped connection loses every request at once (no abort: the engine routes replies by the
   connection's ZeroMQ identity, which is new after a reconnect), and the link counts as down until the next
   heartbeat, so no request is sent into the gap.
 * **Engine identity.** Each engine instance names itself by the ``engine_id`` in its heartbeats. A heartbeat
@@ -78,17 +84,28 @@ class ContinuationRefused:
     handle: RequestHandle
 
 
-LinkEvent = Lost | Continued | ContinuationRefused
+@dataclass(frozen=True, slots=True)
+class Reattached:
+    """A request lost with missed heartbeats is on this link again: the same engine instance answered and
+    still runs it (the pool forgets its continuation)."""
+
+    handle: RequestHandle
+
+
+LinkEvent = Lost | Continued | ContinuationRefused | Reattached
 
 
 class EngineLink:
     """The state of one engine link (see the module docstring). Times are monotonic seconds (``now``) and
     epoch nanoseconds (``wall_ns``), passed in by the caller."""
 
-    def __init__(self, address: str, heartbeat_timeout: float = 1.0) -> None:
+    def __init__(self, address: str, heartbeat_timeout: float = 1.0, heartbeat_interval: float = 0.25) -> None:
         self.address = address
         self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat_interval = heartbeat_interval
         self.requests: dict[str, RequestHandle] = {}  # by engine_rid
+        # lost with missed heartbeats, not aborted: engine_rid -> (handle, its owner then)
+        self.suspended: dict[str, tuple[RequestHandle, Owner]] = {}
         self.last_heartbeat: p.Heartbeat | None = None
         self.bad_frames = 0
         self.aborts_sent = 0
@@ -97,6 +114,9 @@ class EngineLink:
         self.previous_engine_id: str | None = None
         self.engine_changed_at: float | None = None  # epoch seconds of the last new engine_id
         self._last_beat_at = float("-inf")
+        self._tick_due = float("inf")  # when the next tick is due (none before the first)
+        self._stalled = 0.0  # seconds the gateway's loop ran its ticks late since the last heartbeat
+        self.longest_stall = 0.0  # the longest such lateness seen (for /health)
         self._was_healthy = False
         self._submitted_since_beat = 0
         self._submit_seq = 0  # submits sent so far; each handle keeps its own position
@@ -119,7 +139,14 @@ class EngineLink:
     # -- state -------------------------------------------------------------------------------------
 
     def healthy(self, now: float) -> bool:
-        return now - self._last_beat_at < self.heartbeat_timeout
+        """Whether a heartbeat arrived within ``heartbeat_timeout`` of the time the gateway's loop ran since."""
+        return self.silence(now) < self.heartbeat_timeout
+
+    def silence(self, now: float) -> float:
+        """Seconds the engine has been silent: since the last heartbeat, less the gateway's own stall in
+        that time (the ticks' lateness, and how overdue the next tick is now)."""
+        since = self._last_beat_at
+        return now - since - self._stalled - max(0.0, now - max(self._tick_due, since))
 
     @property
     def engine_id(self) -> str | None:
@@ -145,6 +172,7 @@ class EngineLink:
         return {"address": self.address, "healthy": self.healthy(now), "engine_id": hb.engine_id if hb else None,
                 "running": hb.running if hb else None, "waiting": hb.waiting if hb else None,
                 "in_flight": self.in_flight, "restarts": self.restarts, "disconnects": self.disconnects,
+                "longest_loop_stall_s": round(self.longest_stall, 3),
                 "previous_engine_id": self.previous_engine_id, "engine_changed_at": self.engine_changed_at}
 
     # -- inputs: the engine and the socket ---------------------------------------------------------
@@ -181,7 +209,9 @@ class EngineLink:
         for d in deltas:
             h = requests.get(d.request_id)
             if h is None:
-                continue
+                if d.request_id not in self.suspended or not self._resumed(d.request_id):
+                    continue
+                h = requests[d.request_id]
             if d.finish_reason is not None:
                 h.done = True
                 del requests[d.request_id]
@@ -197,13 +227,25 @@ class EngineLink:
 
     def tick(self, now: float, sent_ns: int) -> None:
         """The pinger's beat, every ``heartbeat_interval``: if the heartbeats stopped since the last beat,
-        every request is lost; then a ``Ping`` (stamped ``sent_ns``) to send."""
+        every request is lost; then a ``Ping`` (stamped ``sent_ns``) to send. A tick that comes late (past
+        ``heartbeat_interval`` after the previous one) measures the gateway's own stall: that time is not
+        the engine's silence."""
+        late = max(0.0, now - max(self._tick_due, self._last_beat_at))
+        if late:
+            self._stalled += late
+            if late > self.heartbeat_timeout / 2:
+                log.warning("this gateway's event loop was stalled for %.1fs (engine at %s: not counted as its "
+                            "silence)", late, self.address)
+            self.longest_stall = max(self.longest_stall, late)
+        self._tick_due = now + self.heartbeat_interval
         healthy = self.healthy(now)
         if self._was_healthy and not healthy:
             log.error("engine at %s missed heartbeats for %.1fs: %d requests in flight",
-                      self.address, self.heartbeat_timeout, len(self.requests))
-            self._lose(list(self.requests.values()),
-                       EngineError.unavailable("the engine stopped answering (crashed or restarting)"), abort=True)
+                      self.address, self.silence(now), len(self.requests))
+            handles = list(self.requests.values())
+            self._lose(handles, EngineError.unavailable("the engine stopped answering (crashed or restarting)"),
+                       abort=False)
+            self.suspended.update((h.engine_rid, (h, h.owner)) for h in handles)
         self._was_healthy = healthy
         self._pings[sent_ns] = self._submit_seq
         while len(self._pings) > PINGS_KEPT:
@@ -215,6 +257,7 @@ class EngineLink:
         self.disconnects += 1
         self._last_beat_at = float("-inf")
         self._was_healthy = False
+        self.suspended.clear()  # the engine routes by the connection's identity: nothing of them comes back
         if self.requests:
             log.error("connection to engine %s at %s dropped: %d requests in flight",
                       self.engine_id, self.address, len(self.requests))
@@ -232,11 +275,17 @@ class EngineLink:
         before = self._pings.get(msg.ping_sent_ns, self._submit_seq)
         self._submitted_since_beat = self._submit_seq - before
         self._last_beat_at = now
+        self._stalled = 0.0
         if previous is None:
             log.info("engine %s up: %s model=%s", msg.engine_id, msg.backend, msg.model)
             return
         if previous.engine_id == msg.engine_id:
+            for rid in list(self.suspended):
+                self._resumed(rid)
             return
+        if self.suspended:  # lost with the old instance: abort them in case the new one got some
+            self._abort(list(self.suspended))
+            self.suspended.clear()
         self.restarts += 1
         self.previous_engine_id = previous.engine_id
         self.engine_changed_at = wall_ns / 1e9
@@ -253,6 +302,8 @@ class EngineLink:
         if not msg.request_id:
             log.error("engine error: %s", msg.message)
             return
+        if msg.request_id in self.suspended:
+            self._resumed(msg.request_id)
         h = self.requests.pop(msg.request_id, None)
         if h is not None:
             if h.lost_at:
@@ -277,12 +328,26 @@ class EngineLink:
         is down (the handle is untouched)."""
         if not self.healthy(now):
             return False
+        if self.suspended.get(handle.engine_rid, (None,))[0] is handle:  # lost here: the same instance runs it
+            return self._resumed(handle.engine_rid)
         rid = f"{handle.request_id}.m{handle.migrations}"
         submit = msgspec.structs.replace(handle.submit, request_id=rid, resume=list(handle.output_ids),
                                          resume_chars=handle.output_chars,
                                          resume_steps=list(handle.steps) if handle.openai else [])
         handle.owner, handle.engine_rid, handle.send_seq = owner or self, rid, self._submit_seq
         self._send_submit(handle, submit)
+        return True
+
+    def _resumed(self, rid: str) -> bool:
+        """The engine answered for suspended ``rid`` (the same instance runs it): re-attach it if nothing took
+        it meanwhile (a continuation elsewhere, a failure, its consumer's close), else abort it."""
+        h, owner = self.suspended.pop(rid)
+        if h.done or h.closed or h.engine_rid != rid or h.owner is not owner:
+            self._abort([rid])
+            return False
+        self.requests[rid] = h
+        h.lost_at = 0.0
+        self._events.append(Reattached(h))
         return True
 
     def _send_submit(self, handle: RequestHandle, submit: p.Submit) -> None:
@@ -305,11 +370,17 @@ class EngineLink:
         """The consumer is done with ``handle``: forgotten, and aborted in the engine if unfinished."""
         if self.requests.pop(handle.engine_rid, None) is not None and not handle.done:
             self._abort([handle.engine_rid])
+        elif self.suspended.get(handle.engine_rid, (None,))[0] is handle:
+            del self.suspended[handle.engine_rid]
+            self._abort([handle.engine_rid])
 
     def fail_all(self, err: Failure) -> int:
         """Fail every in-flight request with ``err`` and abort them in the engine; returns how many."""
         handles = list(self.requests.values())
         self._detach(handles, abort=True)
+        if self.suspended:  # the pool fails them (they are parked there)
+            self._abort(list(self.suspended))
+            self.suspended.clear()
         for h in handles:
             h.done = True
             h.fail(err)
@@ -317,8 +388,9 @@ class EngineLink:
 
     def abort_all(self) -> None:
         """Tell the engine to stop every request in flight (the gateway is closing the link)."""
-        if self.requests:
-            self._abort(list(self.requests))
+        if self.requests or self.suspended:
+            self._abort([*self.requests, *self.suspended])
+            self.suspended.clear()
 
     def _detach(self, handles: list[RequestHandle], abort: bool) -> None:
         """Take requests off this link; ``abort``: tell the engine too (it may still run them)."""

@@ -124,6 +124,8 @@ class Migrator:
                     placed = target
                     break
             if placed is not None:
+                if not h.lost_at:
+                    continue  # re-attached where it was lost (Migrator.reattached)
                 log.warning("request %s continued on engine %s at %s after %d output tokens (migration %d)",
                             h.request_id, placed.engine_id, placed.address, len(h.output_ids), h.migrations,
                             extra={"trace": h.trace})
@@ -154,6 +156,14 @@ class Migrator:
         self.migrations.outcomes["continued"] += 1
         self.migrations.gap.observe(gap)
 
+    def reattached(self, h: RequestHandle) -> None:
+        """A parked request is on its engine again (the same instance answered and still ran it): no
+        continuation, and no migration counted."""
+        self.parked = [entry for entry in self.parked if entry[0] is not h]
+        h.migrations -= 1
+        log.warning("request %s re-attached on engine %s: the same instance still ran it", h.request_id,
+                    h.owner.address, extra={"trace": h.trace})
+
     def fail_all(self, err: Failure) -> int:
         parked, self.parked = self.parked, []
         for h, _, _ in parked:
@@ -168,7 +178,8 @@ class EnginePool:
         if not addresses:
             raise ValueError("at least one engine address is required")
         self.clients = [EngineClient(a, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
-                                     curve_dir=curve_dir, on_lost=self._lost, on_continued=self._continued)
+                                     curve_dir=curve_dir, on_lost=self._lost, on_continued=self._continued,
+                                     on_reattached=self._reattached)
                         for a in addresses]
         self.policy = migration or MigrationPolicy()
         self.migrations = Migrations()
@@ -249,6 +260,9 @@ class EnginePool:
         while self.migrator.parked:
             await asyncio.sleep(min(self._interval, 0.05))
             self._place()
+
+    def _reattached(self, h: RequestHandle) -> None:
+        self.migrator.reattached(h)
 
     def _continued(self, h: RequestHandle, gap: float, ok: bool) -> None:
         self.migrator.continued(h, gap, ok)

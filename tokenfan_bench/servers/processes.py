@@ -177,8 +177,9 @@ class Spawned:
 
 
 def spawn_synthetic(tokens_per_s: float, ttft_ms: float, log_dir: Path, gateway_args: Sequence[str] = (),
-                    engine_args: Sequence[str] = ()) -> Spawned:
-    """``python -m engine_worker --engine synthetic`` + ``python -m tokenfan.cli gateway`` on a free port."""
+                    engine_args: Sequence[str] = (), env: dict[str, str] | None = None) -> Spawned:
+    """``python -m engine_worker --engine synthetic`` + ``python -m tokenfan.cli gateway`` on a free port
+    (``env``: added to both processes' environment)."""
     tmp = tempfile.TemporaryDirectory(prefix="tokenfan-bench-")
     address = f"ipc://{tmp.name}/engine.sock"
     port = free_port()
@@ -189,10 +190,10 @@ def spawn_synthetic(tokens_per_s: float, ttft_ms: float, log_dir: Path, gateway_
         spawned.procs.append(spawn(["-m", "engine_worker", "--engine", "synthetic", "--address", address,
                                     "--synthetic-tokens-per-s", str(tokens_per_s),
                                     "--synthetic-ttft-ms", str(ttft_ms), "--log-level", "WARNING", *engine_args],
-                                   log_dir / f"engine-{tag}.log"))
+                                   log_dir / f"engine-{tag}.log", env=env))
         spawned.procs.append(spawn(["-m", "tokenfan.cli", "gateway", "--engine", address, "--host", "127.0.0.1",
                                     "--port", str(port), "--log-level", "warning", *SPAWN_GATEWAY_ARGS,
-                                    *gateway_args], log_dir / f"gateway-{tag}.log"))
+                                    *gateway_args], log_dir / f"gateway-{tag}.log", env=env))
         wait_healthy(spawned.url, spawned.procs, 60.0)
     except BaseException:
         spawned.stop()

@@ -14,6 +14,7 @@ from starlette.staticfiles import StaticFiles
 from engine_worker import protocol as p
 from gateway.api.edge import gateway_of
 from gateway.state import Gateway
+from tokenfan_settings.release import __version__
 
 
 def limits(gw: Gateway) -> dict[str, int | float]:
@@ -33,11 +34,12 @@ async def health(request: Request) -> Response:
     """200 when this gateway can serve: its engine link is up and, with ``--workers``, so is that of every
     worker listening on the shared port, and with ``--broker`` it can reach Redis and holds its lease (else 503
     + Retry-After; ``workers`` says how many are ready, ``broker`` that the broker is unavailable).
-    ``limits`` gives the admission limits of this gateway (per process), ready or not."""
+    ``limits`` gives the admission limits of this gateway (per process), ``version`` and ``protocol`` its
+    release and wire protocol, ready or not."""
     gw: Gateway = gateway_of(request)
     hb = gw.engine.last_heartbeat
     engines = gw.engine.status()
-    extra: dict[str, Any] = {"limits": limits(gw)}
+    extra: dict[str, Any] = {"version": __version__, "protocol": p.MAGIC.decode(), "limits": limits(gw)}
     ready = gw.engine.healthy and hb is not None
     if gw.publisher is not None and not gw.publisher.serving():  # --broker: Redis unreachable, or fenced
         ready = False

@@ -172,6 +172,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True):
     ping_sent_ns: int
     sent_ns: int
     bad_frames: int = 0  # malformed frames the engine dropped since it started
+    version: str = ""  # the engine's tokenfan release (tokenfan_settings.release); "" from an engine before it
 
 
 Message = Submit | Abort | Ping | Accepted | DeltaBatch | Error | Heartbeat

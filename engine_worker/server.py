@@ -40,6 +40,7 @@ from engine_worker import protocol as p
 from engine_worker.backends.base import Backend, RequestRejected, Step
 from engine_worker.curve import serve_curve
 from engine_worker.ipc import check_tcp_bind, prepare_ipc_dir, secure_ipc_socket
+from tokenfan_settings.release import __version__
 
 if TYPE_CHECKING:
     from engine_worker.tracing import EngineTracer
@@ -322,7 +323,7 @@ class EngineServer:
         return p.Heartbeat(
             engine_id=self.engine_id, backend=info.kind, model=info.model, max_model_len=info.max_model_len,
             running=running, waiting=waiting, ping_sent_ns=ping_sent_ns, sent_ns=p.now_ns(),
-            bad_frames=self.stats.bad_frames,
+            bad_frames=self.stats.bad_frames, version=__version__,
         )
 
     def _on_submit(self, identity: bytes, msg: p.Submit) -> None:

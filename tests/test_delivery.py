@@ -37,7 +37,7 @@ from gateway.core.step import Step
 from gateway.core.streams import ChunkEvent, Event, Stream
 from gateway.errors import APIError
 from tests.test_engine_client import FakeEngine, run, submit, until
-from tokenfan_bench.cpu.step_pass_cost import HttpCycle, WsProto
+from tokenfan_bench.cpu.step_pass_cost import SCOPE, HttpCycle, WsProto
 
 
 class Clock:
@@ -132,7 +132,7 @@ def test_an_injected_delay_is_timed_once_per_write_of_the_readers_loop() -> None
         c = DeliveryCollector()
         c.inject({"sse": 0.001})
         transport, _peer = await loopback()
-        conn = HttpConn({}, HttpCycle(transport).send, linger=1.0)
+        conn = HttpConn(SCOPE, HttpCycle(transport).send, linger=1.0)
         reader = Reader(OPENAI_SSE, conn, ReaderMeter(metrics(), 0.0), delay=0.001, slept=c.injected["sse"])
         ev = [Event(i, {"choices": [{"index": 0, "delta": {"content": f"t{i}"}}]},
                     {"seq": i, "emit_ns": 0}, f"t{i}", None) for i in range(3)]
@@ -155,7 +155,7 @@ def test_a_reader_counts_each_chunk_once_and_measures_gaps_across_both_paths() -
         meter = ReaderMeter(m, t0=clock.now - 0.5)
         transport, _peer = await loopback()
         cycle = HttpCycle(transport)
-        conn = HttpConn({}, cycle.send, linger=1.0)
+        conn = HttpConn(SCOPE, cycle.send, linger=1.0)
         reader = Reader(OPENAI_SSE, conn, meter, clock=clock)
         ev = [Event(i, {"choices": [{"index": 0, "delta": {"content": f"t{i}"}}]},
                     {"seq": i, "emit_ns": clock.wall_ns}, f"t{i}", None) for i in range(4)]
@@ -202,7 +202,7 @@ def test_http_direct_writes_of_one_step_are_one_chunk_and_stop_at_the_high_water
     async def main() -> None:
         transport, peer = await loopback()
         cycle = HttpCycle(transport)
-        conn = HttpConn({}, cycle.send, linger=1.0)
+        conn = HttpConn(SCOPE, cycle.send, linger=1.0)
         step = Step(0.0, 0)
         assert conn.write_now(b"data: a\n\n", step) and conn.write_now(b"data: b\n\n", step)
         await asyncio.sleep(0)
@@ -224,8 +224,10 @@ def test_a_connection_without_uvicorns_flow_control_never_takes_direct_writes() 
         async def send(message: dict[str, Any]) -> None:
             pass
 
-        assert not HttpConn({}, send, linger=1.0).write_now(b"x", None)
+        assert not HttpConn({}, send, linger=1.0).write_now(b"x", None)  # no server port
         assert not WsConn({}, send, linger=1.0).write_now(b"x", None)
+        assert not HttpConn(SCOPE, send, linger=1.0).write_now(b"x", None)  # a port, not its server's send
+        assert not WsConn(SCOPE, send, linger=1.0).write_now(b"x", None)
 
     asyncio.run(main())
 
@@ -274,9 +276,8 @@ def test_one_engine_step_is_one_pass_and_one_write_per_connection() -> None:
             real_write(data)
 
         transport.write = counted  # type: ignore[method-assign]
-        conn = WsConn({}, WsProto(transport).send, linger=1.0)
-        conn_proto: Any = conn._proto
-        assert conn_proto is not None
+        conn = WsConn(SCOPE, WsProto(transport).send, linger=1.0)
+        assert conn._writer is not None
         tokens = HotCounter()
         m = metrics()
         readers = []
@@ -327,7 +328,7 @@ def test_a_reader_behind_the_tail_is_woken_not_written_by_the_pass() -> None:
         clock = Clock()
         transport, peer = await loopback()
         cycle = HttpCycle(transport)
-        conn = HttpConn({}, cycle.send, linger=1.0)
+        conn = HttpConn(SCOPE, cycle.send, linger=1.0)
         stream = Stream("s", "chat.completions", "m", listed=False)
         m = metrics()
         reader = Reader(OPENAI_SSE, conn, ReaderMeter(m, clock.now), clock=clock)

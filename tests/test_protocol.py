@@ -80,3 +80,27 @@ def test_submit_trace_headers_are_a_trailing_field_both_sides_of_tokenfan_4_read
     assert (old.request_id, old.resume, old.messages) == ("r", [1, 2], traced.messages)
     new = p.decode([p.MAGIC, msgspec.msgpack.encode(SubmitBefore("r", "completions", p.Sampling(), prompt="x"))])
     assert isinstance(new, p.Submit) and new.trace_headers == {} and new.prompt == "x"
+
+
+class HeartbeatBefore(msgspec.Struct, tag="heartbeat", array_like=True, frozen=True):
+    """``Heartbeat`` as ``tokenfan/4`` had it before ``version`` was added at its end."""
+
+    engine_id: str
+    backend: str
+    model: str
+    max_model_len: int
+    running: int
+    waiting: int
+    ping_sent_ns: int
+    sent_ns: int
+    bad_frames: int = 0
+
+
+def test_heartbeat_version_is_a_trailing_field_both_sides_of_tokenfan_4_read() -> None:
+    """An engine from before sends no release (the gateway's /health shows none); a gateway from before reads a
+    newer engine's heartbeat and ignores it."""
+    new = p.Heartbeat("e", "synthetic", "m", 8, 1, 0, 2, 3, bad_frames=4, version="0.2.0")
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=HeartbeatBefore)
+    assert (old.engine_id, old.bad_frames) == ("e", 4)
+    back = p.decode([p.MAGIC, msgspec.msgpack.encode(HeartbeatBefore("e", "synthetic", "m", 8, 1, 0, 2, 3))])
+    assert isinstance(back, p.Heartbeat) and back.version == "" and back.engine_id == "e"

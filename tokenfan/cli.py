@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.core.tracing import TraceIds
 from gateway.http.server import run_gateway
-from tokenfan_settings import SettingError, add_arguments, default_runtime_dir, given, resolve
+from tokenfan_settings import SettingError, add_arguments, default_runtime_dir, given, release, resolve
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -60,10 +60,25 @@ def cmd_gateway(gconf: GatewayConfig) -> int:
     return 0
 
 
+class _Version(argparse.Action):
+    """``--version``: the release, the git commit when run from a checkout, the wire protocol and the Python
+    (:func:`tokenfan_settings.release.describe`), worked out only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        from engine_worker.protocol import MAGIC
+
+        print(release.describe(MAGIC.decode()))
+        parser.exit()
+
+
 def top_parser() -> argparse.ArgumentParser:
     """``tokenfan``'s own parser: ``serve`` and ``gateway`` take the settings; the other commands are parsed by
     their own modules (:func:`parsers`) and named here for ``--help``."""
     parser = argparse.ArgumentParser(prog="tokenfan", description="Token-streaming gateway for LLM serving.")
+    parser.add_argument("--version", action=_Version, help="print the version, commit and wire protocol, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     add_arguments(sub.add_parser("serve", help="run an engine worker and the gateway together"), "serve")
     add_arguments(sub.add_parser("gateway", help="run a gateway attached to running engine(s)"), "gateway")

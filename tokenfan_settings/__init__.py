@@ -237,7 +237,8 @@ SETTINGS: tuple[Setting, ...] = (
     _gw("detach_subscribers", BOOL, True, "fan-out subscribers (`/v1/streams/{id}/events` and `/ws`) leave "
         "their ASGI call once their response started: the gateway holds the socket itself, without the "
         "server's and the framework's per-request objects (uvicorn, HTTP/1.1: SSE responses then say "
-        "`Connection: close`); off = they stay in it (for A/B measurement)"),
+        "`Connection: close`; off on a uvicorn the shim was not written for, docs/tls.md); off = they stay in it "
+        "(for A/B measurement)"),
     _gw("gc_gen0_threshold", INT, 700, "the gateway's garbage collector runs a young collection every this many "
         "allocations (Python's default 700; see the GC figures in docs/vs-vllm.md)"),
     _gw("sse_retry_ms", INT, 1000, "SSE retry: hint sent to EventSource"),

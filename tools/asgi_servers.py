@@ -52,12 +52,13 @@ def serve(ns: argparse.Namespace) -> None:
     from gateway.config import GatewayConfig
     from gateway.core.streams import Retention
     from gateway.http.app import create_app
-    from gateway.http.server import protocol_class, run_granian
+    from gateway.http.server import run_granian
+    from gateway.http.uvicorn_shim import protocol_class, server_port
 
     tls = (Path(ns.certfile), Path(ns.keyfile)) if ns.certfile else (None, None)
     config = GatewayConfig(host="127.0.0.1", port=ns.port, engine_address=ns.engine, log_level="WARNING",
                            retention=Retention(finished_ttl=5.0), ssl_certfile=tls[0], ssl_keyfile=tls[1])
-    app = create_app(config)  # RawSend included
+    app = create_app(config, server=server_port() if ns.server == "uvicorn" else None)  # RawSend included
     if ns.server == "uvicorn":  # what run_uvicorn starts, plus TLS (which tokenfan gives to Granian)
         import uvicorn
 

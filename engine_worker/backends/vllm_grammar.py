@@ -1,4 +1,8 @@
-"""The one patch of vLLM's private code: a continued request's grammar starts where the lost engine's was.
+"""The one patch of vLLM's private *code* (a method replaced): a continued request's grammar starts where the
+lost engine's was. (vLLM's private *state* is written in one other place: :mod:`engine_worker.backends.vllm`
+replaces each plain request's ``RequestOutputCollector.ready`` event with one shared by all, so one drain task
+wakes per engine step; it runs only after :func:`check_version` passed at the backend's start, and checks no
+shape of its own.)
 
 vLLM compiles a request's structured-output grammar in the engine core (``StructuredOutputManager``) and has
 no hook to advance it: a continuation, whose prompt ends with the output already delivered

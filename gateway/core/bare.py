@@ -15,9 +15,11 @@ What the middlewares do at a request's end (the access log line, the client's co
 the connection's real end: the endpoint puts a :class:`Detached` in the scope, and :func:`defer` runs a
 middleware's finaliser now, or when that detached connection ends.
 
-uvicorn only (httptools HTTP/1.1 with chunked encoding; its sans-I/O WebSocket without compression): under
-any other server, or with ``--detach-subscribers false``, subscribers stay in their ASGI call. The
-WebSocket frames a client sends are parsed by the websockets library's own :meth:`Frame.parse`.
+The socket is taken through the exchange's server port (:mod:`gateway.core.server_port`: uvicorn's httptools
+HTTP/1.1 with chunked encoding and its sans-I/O WebSocket without compression, :mod:`gateway.http.uvicorn_shim`,
+which makes uvicorn's objects forget it): without one (another server, HTTP/3, a uvicorn the shim does not
+know), or with ``--detach-subscribers false``, subscribers stay in their ASGI call. The WebSocket frames a
+client sends are parsed by the websockets library's own :meth:`Frame.parse`.
 """
 
 from __future__ import annotations
@@ -32,16 +34,8 @@ from websockets.exceptions import PayloadTooBig, ProtocolError
 from websockets.frames import Frame, Opcode
 from websockets.streams import StreamReader
 
-from gateway.core.conn import (
-    chunked,
-    http_chunk,
-    server_side,
-    writable_protocol,
-    ws_close_frame,
-    ws_ending,
-    ws_frame,
-    ws_text,
-)
+from gateway.core.conn import chunked, http_chunk, ws_close_frame, ws_ending, ws_frame, ws_text
+from gateway.core.server_port import port_of
 from gateway.core.step import Step
 
 log = logging.getLogger(__name__)
@@ -83,44 +77,6 @@ def defer(scope: MutableMapping[str, Any], fn: Callable[[], None]) -> None:
         fn()
     else:
         detached.later(fn)
-
-
-class _Gone:
-    """What uvicorn's forgotten protocol and cycle hold instead of the transport: anything it still does to the
-    connection (close it when its ASGI call returns, a graceful-shutdown close) goes nowhere."""
-
-    __slots__ = ()
-
-    def close(self) -> None: ...
-
-    def abort(self) -> None: ...
-
-    def write(self, data: bytes) -> None: ...
-
-    def is_closing(self) -> bool:
-        return True
-
-    def pause_reading(self) -> None: ...
-
-    def resume_reading(self) -> None: ...
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-
-GONE = _Gone()
-
-
-def _forget(proto: Any) -> None:
-    """uvicorn's protocol lets go of the connection: out of the server's set (its graceful shutdown does not
-    wait for it), its timers cancelled, its transport replaced by :data:`GONE`."""
-    connections = getattr(proto, "connections", None)  # uvicorn's server_state.connections, as both protocols hold it
-    if connections is not None:
-        connections.discard(proto)
-    disarm = getattr(proto, "disarm", None)  # gateway.http.server.HeaderTimeoutProtocol's deadlines
-    if disarm is not None:
-        disarm()
-    proto.transport = GONE
 
 
 class BareConn(asyncio.Protocol):
@@ -385,51 +341,37 @@ def _trace_headers(scope: MutableMapping[str, Any]) -> list[tuple[bytes, bytes]]
 
 
 def detachable_http(scope: MutableMapping[str, Any], send: Any) -> bool:
-    """Whether an SSE response on this exchange can be detached once started (uvicorn httptools, HTTP/1.1:
+    """Whether an SSE response on this exchange can be detached once started (the server port's HTTP/1.1:
     chunked): asked before its head, which then says ``Connection: close``."""
     if scope.get("http_version") != "1.1" or "tokenfan.transport" in scope:
         return False
-    cycle = server_side(scope.get("tokenfan.raw_send", send))
-    return cycle is not None and getattr(cycle, "flow", None) is not None and hasattr(cycle, "chunked_encoding")
+    port = port_of(scope)
+    return port is not None and port.http_detachable(scope.get("tokenfan.raw_send", send))
 
 
 def detach_http(scope: MutableMapping[str, Any], send: Any, linger: float) -> BareSse | None:
-    """Take an SSE response's socket from uvicorn once its head (and anything before) is written; None if it
-    cannot be (another server, not chunked, a pipelined request waiting, the client gone)."""
-    cycle = server_side(scope.get("tokenfan.raw_send", send))
-    if cycle is None:
+    """Take an SSE response's socket from the server once its head (and anything before) is written; None if it
+    cannot be (no server port, not chunked, a pipelined request waiting, the client gone)."""
+    port = port_of(scope)
+    taken = port.take_http(scope.get("tokenfan.raw_send", send)) if port is not None else None
+    if taken is None:
         return None
-    if not getattr(cycle, "chunked_encoding", False) or not cycle.response_started \
-            or cycle.response_complete or cycle.disconnected or cycle.more_body:
-        return None
-    transport = cycle.transport
-    proto = transport.get_protocol()
-    if transport.is_closing() or proto.cycle is not cycle or getattr(proto, "pipeline", None):
-        return None
-    bare = BareSse(transport, "sse", _trace_headers(scope), linger, cycle.flow.write_paused)
-    transport.set_protocol(bare)
-    _forget(proto)
-    cycle.transport = GONE
-    cycle.response_complete = True  # its ASGI call returns without uvicorn closing or reusing the socket
-    transport.resume_reading()  # the peer's leaving is seen at once
+    bare = BareSse(taken.transport, "sse", _trace_headers(scope), linger, taken.paused)
+    taken.transport.set_protocol(bare)
+    taken.transport.resume_reading()  # the peer's leaving is seen at once
     return bare
 
 
 def detach_ws(scope: MutableMapping[str, Any], send: Any, linger: float) -> BareWs | None:
-    """Take an accepted WebSocket's socket from uvicorn's sans-I/O protocol (no compression, nothing received
-    and not yet handled, no close under way); None if it cannot be."""
-    proto = writable_protocol(scope.get("tokenfan.raw_send", send))
-    if proto is None or not getattr(proto, "handshake_complete", False) or proto.close_sent \
-            or getattr(proto, "disconnected", False) or proto.transport.is_closing() \
-            or proto.conn.reader.buffer or proto.conn.events or not proto.queue.empty():
+    """Take an accepted WebSocket's socket from the server (no compression, nothing received and not yet
+    handled, no close under way); None if it cannot be."""
+    port = port_of(scope)
+    taken = port.take_ws(scope.get("tokenfan.raw_send", send)) if port is not None else None
+    if taken is None:
         return None
-    transport = proto.transport
-    config = proto.config
-    bare = BareWs(transport, _trace_headers(scope), linger, not proto.writable.is_set(),
-                  max_size=config.ws_max_size, ping_interval=proto.ping_interval, ping_timeout=proto.ping_timeout)
-    proto.stop_keepalive()
-    transport.set_protocol(bare)
-    _forget(proto)
+    bare = BareWs(taken.transport, _trace_headers(scope), linger, taken.paused, max_size=taken.max_size,
+                  ping_interval=taken.ping_interval, ping_timeout=taken.ping_timeout)
+    taken.transport.set_protocol(bare)
     return bare
 
 

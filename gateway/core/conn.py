@@ -9,13 +9,14 @@ send it) and ``cut`` (end the connection with a final frame *without waiting on 
 it touched once, at the end of the step, so a connection that carries several generations (``/v1/ws``,
 Responses WebSocket lanes) or several events of one step gets one transport write per step.
 
-``cut`` needs what ASGI does not give: after a blocked write the server's ``send`` is stuck waiting
-for the peer to drain, so a final frame sent through it would wait as well. Under uvicorn (HTTP/1.1)
-the transport is reachable from the server's own ``send`` (kept by :class:`gateway.http.middleware.RawSend`),
-so the ending is appended to the transport buffer directly (chunk-framed for HTTP, a WebSocket close
-frame for WS), the transport is closed (it flushes what it holds if the peer reads again) and aborted
-after ``linger`` seconds if it never does. Under any other server the ending is sent through ASGI with a
-short timeout and the connection left to the server. This is the one place that knows uvicorn's objects.
+``write_now`` and ``cut`` need what ASGI does not give: the server's flow control, and (after a blocked write
+the server's ``send`` is stuck waiting for the peer to drain, so a final frame sent through it would wait as
+well) its transport. Both come from the exchange's server port (:mod:`gateway.core.server_port`, under uvicorn
+:mod:`gateway.http.uvicorn_shim`, the one module that knows its objects): the ending is appended to the
+transport buffer directly (chunk-framed for HTTP, a WebSocket close frame for WS), the transport is closed (it
+flushes what it holds if the peer reads again) and aborted after ``linger`` seconds if it never does. Without
+a port (another server, HTTP/3, a uvicorn the shim does not know) ``write_now`` refuses and the ending is sent
+through ASGI with a short timeout, the connection left to the server.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import struct
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+from gateway.core.server_port import Writer, port_of
 from gateway.core.step import Step
 
 log = logging.getLogger(__name__)
@@ -90,12 +92,6 @@ http_chunk = LastFrame(chunked)
 ws_text = LastFrame(lambda payload: ws_head(0x1, len(payload)) + payload)
 
 
-def server_side(send: Any) -> Any:
-    """uvicorn's per-request cycle (HTTP) or protocol (WS) behind its own ``send``, else None."""
-    owner = getattr(send, "__self__", None)
-    return owner if owner is not None and hasattr(owner, "transport") else None
-
-
 def _linger_then_abort(transport: asyncio.Transport, linger: float) -> None:
     transport.close()  # flushes what is buffered if the peer reads again, then closes
     asyncio.get_running_loop().call_later(linger, transport.abort)
@@ -105,7 +101,8 @@ class HttpConn:
     """The body of one streaming HTTP response (SSE)."""
 
     transport = "sse"
-    __slots__ = ("_checked", "_cycle", "_out", "_safe_send", "closed", "headers", "label", "linger", "send")
+    __slots__ = ("_checked", "_out", "_port", "_safe_send", "_writer", "closed", "headers", "label", "linger",
+                 "send")
 
     def __init__(self, scope: MutableMapping[str, Any], send: Any, linger: float) -> None:
         self.send = scope.get("tokenfan.raw_send", send)  # the response has started: skip the wrappers
@@ -115,7 +112,8 @@ class HttpConn:
         self.headers: list[tuple[bytes, bytes]] = scope.get("headers") or []  # the request's (its traceparent)
         self.linger = linger
         self.closed = False
-        self._cycle: Any = None  # uvicorn's request cycle, once write_now found it can write into it
+        self._port = port_of(scope)
+        self._writer: Writer | None = None  # the server's transport, once write_now found it can write into it
         self._checked = False
         self._out: list[bytes] = []  # frames taken by write_now, written at flush (one HTTP chunk)
 
@@ -130,18 +128,18 @@ class HttpConn:
         self.closed = True
 
     def write_now(self, data: bytes, step: Step | None = None) -> bool:
-        """Take ``data`` without awaiting (uvicorn, chunked HTTP/1.1 only) while the server's flow control
-        says the transport is writable; False otherwise (another server, a full buffer, a closing socket):
-        the reader's own loop sends it. Within a ``step`` the frame is written at the step's flush."""
-        cycle = self._cycle
-        if cycle is None:
+        """Take ``data`` without awaiting (a server port's chunked HTTP/1.1 only) while the server's flow control
+        says the transport is writable; False otherwise (no port, a full buffer, a closing socket): the reader's
+        own loop sends it. Within a ``step`` the frame is written at the step's flush."""
+        writer = self._writer
+        if writer is None:
             if self._checked:
                 return False
-            cycle = self._cycle = self._writable_cycle()
-            self._checked = True
-            if cycle is None:
+            self._checked = True  # asked once the response started, when its encoding is known
+            writer = self._writer = self._port.http_writer(self.send) if self._port is not None else None
+            if writer is None:
                 return False
-        if cycle.flow.write_paused or cycle.transport.is_closing():
+        if writer.blocked():
             return False
         self._out.append(data)
         if step is None:
@@ -150,60 +148,22 @@ class HttpConn:
             step.hold(self)
         return True
 
-    def _writable_cycle(self) -> Any:
-        """The response cycle ``write_now`` writes into: uvicorn's, with flow control, chunked (asked for
-        only once the response started, when the encoding is known)."""
-        cycle = server_side(self.send)
-        if cycle is None or getattr(cycle, "flow", None) is None:
-            return None
-        return cycle if getattr(cycle, "chunked_encoding", False) or _h11_chunked(cycle) else None
-
     def flush(self) -> None:
         """Write what ``write_now`` took as one HTTP chunk (one buffer: one send)."""
         out = self._out
-        if out and not self._cycle.transport.is_closing():
-            self._cycle.transport.write(http_chunk(out[0]) if len(out) == 1 else chunked(b"".join(out)))
+        if out and self._writer is not None:
+            self._writer.write(http_chunk(out[0]) if len(out) == 1 else chunked(b"".join(out)))
         out.clear()
 
     async def cut(self, data: bytes | None) -> None:
         """End now: ``data`` goes after whatever the peer has not read yet, then the connection closes."""
         self.closed = True
-        cycle = server_side(self.send)
-        transport = getattr(cycle, "transport", None)
-        if transport is None or transport.is_closing():
+        port = self._port
+        transport = port.http_end_now(self.send, chunked(data or b"") + b"0\r\n\r\n") if port is not None else None
+        if transport is None:
             await self.end(data)
             return
-        payload = data or b""
-        if hasattr(cycle, "conn") and hasattr(cycle.conn, "send"):  # uvicorn h11: let h11 frame it
-            import h11
-
-            out = (cycle.conn.send(h11.Data(data=payload)) if payload else b"") + cycle.conn.send(h11.EndOfMessage())
-        elif getattr(cycle, "chunked_encoding", False):  # uvicorn httptools
-            out = chunked(payload) + b"0\r\n\r\n"
-        else:
-            out = payload
-        transport.write(out)
-        for attr in ("response_complete",):
-            if hasattr(cycle, attr):
-                setattr(cycle, attr, True)
-        if hasattr(cycle, "keep_alive"):
-            cycle.keep_alive = False
         _linger_then_abort(transport, self.linger)
-
-
-def writable_protocol(send: Any) -> Any:
-    """uvicorn's sans-I/O WebSocket protocol behind ``send`` if frames may be written into its transport
-    directly (it has flow control and no compression extension), else None."""
-    proto = server_side(send)
-    if proto is None or getattr(proto, "writable", None) is None or not hasattr(proto, "close_sent") \
-            or getattr(getattr(proto, "conn", None), "extensions", None):
-        return None
-    return proto
-
-
-def _h11_chunked(cycle: Any) -> bool:
-    writer = getattr(getattr(cycle, "conn", None), "_writer", None)
-    return type(writer).__name__ == "ChunkedWriter"
 
 
 class WsConn:
@@ -211,14 +171,15 @@ class WsConn:
 
     transport = "ws"
     label = "ws"  # what the metrics call it
-    __slots__ = ("_out", "_proto", "closed", "headers", "linger", "send")
+    __slots__ = ("_out", "_port", "_writer", "closed", "headers", "linger", "send")
 
     def __init__(self, scope: MutableMapping[str, Any], send: Any, linger: float) -> None:
         self.send = scope.get("tokenfan.raw_send", send)  # accepted already: skip the wrappers
         self.headers: list[tuple[bytes, bytes]] = scope.get("headers") or []  # the handshake's (its traceparent)
         self.linger = linger
         self.closed = False
-        self._proto: Any = writable_protocol(self.send)
+        self._port = port_of(scope)
+        self._writer = self._port.ws_writer(self.send) if self._port is not None else None
         self._out: list[bytes] = []  # whole frames taken by write_now, written at flush
 
     @classmethod
@@ -226,7 +187,7 @@ class WsConn:
         """The connection of an accepted Starlette ``WebSocket``: its ASGI ``send`` (Starlette's own
         ``WebSocket.send`` checks the socket's state on every message, which the delivery core's writes
         do not need), or the server's raw one when the scope carries it."""
-        return cls(ws.scope, ws._send, linger)  # noqa: SLF001  (this module alone knows server internals)
+        return cls(ws.scope, ws._send, linger)  # noqa: SLF001  (Starlette's: this is its one reader)
 
     async def write(self, text: str) -> None:
         await self.send({"type": "websocket.send", "text": text})
@@ -241,11 +202,11 @@ class WsConn:
         self.closed = True
 
     def write_now(self, data: bytes, step: Step | None = None) -> bool:
-        """Take one text message (UTF-8 ``data``) without awaiting (uvicorn's sans-I/O WebSocket, no
+        """Take one text message (UTF-8 ``data``) without awaiting (a server port's WebSocket without
         compression only) while the transport is writable; False otherwise: the reader's loop sends it.
         Within a ``step`` every message of the step goes out in one write at the step's flush."""
-        proto = self._proto
-        if proto is None or not proto.writable.is_set() or proto.close_sent or proto.transport.is_closing():
+        writer = self._writer
+        if writer is None or writer.blocked():
             return False
         out = self._out
         out.append(ws_text(data))
@@ -258,8 +219,8 @@ class WsConn:
     def flush(self) -> None:
         """Write what ``write_now`` took (whole frames, in order) in one transport write."""
         out = self._out
-        if out and not self._proto.close_sent and not self._proto.transport.is_closing():
-            self._proto.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        if out and self._writer is not None:
+            self._writer.write(out[0] if len(out) == 1 else b"".join(out))
         out.clear()
 
     async def cut(self, code: int, reason: str, text: str | None = None) -> None:
@@ -267,12 +228,9 @@ class WsConn:
         if self.closed:
             return
         self.closed = True
-        proto = server_side(self.send)
-        transport = getattr(proto, "transport", None)
-        if transport is None or transport.is_closing() or not hasattr(proto, "close_sent"):
+        port = self._port
+        transport = port.ws_end_now(self.send, ws_ending(text, code, reason)) if port is not None else None
+        if transport is None:
             await self.end(text, code, reason)
             return
-        out = ws_ending(text, code, reason)
-        transport.write(out)
-        proto.close_sent = True  # uvicorn writes nothing more on this socket
         _linger_then_abort(transport, self.linger)

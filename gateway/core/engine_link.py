@@ -170,6 +170,7 @@ class EngineLink:
         """This link for ``/health``: the current instance, how often it changed, what is in flight."""
         hb = self.last_heartbeat
         return {"address": self.address, "healthy": self.healthy(now), "engine_id": hb.engine_id if hb else None,
+                "version": hb.version or None if hb else None,
                 "running": hb.running if hb else None, "waiting": hb.waiting if hb else None,
                 "in_flight": self.in_flight, "restarts": self.restarts, "disconnects": self.disconnects,
                 "longest_loop_stall_s": round(self.longest_stall, 3),

@@ -29,6 +29,9 @@ from prometheus_client import (
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine_worker.protocol import MAGIC
+from tokenfan_settings import release
+
 # every limit's error code, exported at 0 from the start (docs/limits.md)
 REFUSAL_REASONS = ("client_connection_limit", "client_generation_limit", "client_subscription_limit",
                    "connection_queue_limit", "fair_share_limit", "too_many_requests", "overloaded",
@@ -193,6 +196,9 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         ProcessCollector(registry=r)  # process_cpu_seconds_total etc.: the bench reads CPU per token here
+        Gauge("tokenfan_build_info", "Always 1: what this gateway is (its release, wire protocol and Python)",
+              ["version", "protocol", "python"], registry=r).labels(release.__version__, MAGIC.decode(),
+                                                                   release.python()).set(1)
         self.requests = Counter("tokenfan_requests_total", "HTTP/WS requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.active_streams = Gauge("tokenfan_active_streams", "Open client streams by transport",

@@ -33,6 +33,7 @@ from gateway.api.responses import ws_route as responses_ws_route
 from gateway.config import GatewayConfig, TrustedProxies
 from gateway.core.engine_pool import EnginePool
 from gateway.core.metrics import MigrationCollector
+from gateway.core.server_port import ServerPort
 from gateway.errors import APIError, EngineError
 from gateway.http import internal, service
 from gateway.http.access_log import AccessLogMiddleware
@@ -68,8 +69,9 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
-    """Build the ASGI app; its lifespan attaches to the engine(s) at ``config.engine_address``."""
+def create_app(config: GatewayConfig, *, extra_lifespan: Any = None, server: ServerPort | None = None) -> RawSend:
+    """Build the ASGI app; its lifespan attaches to the engine(s) at ``config.engine_address``. ``server``: the
+    port to the ASGI server's own objects (:mod:`gateway.http.uvicorn_shim`), None for the plain ASGI path."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -184,4 +186,4 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None) -> RawSend:
     )
     app.state.auth = auth
     app.state.reloader = reloader
-    return RawSend(app)
+    return RawSend(app, server)

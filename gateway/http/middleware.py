@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.edge import error_response
+from gateway.core.server_port import SERVER_KEY, ServerPort
 from gateway.errors import APIError, ClientError, TokenfanError, error_class, to_api_error
 
 log = logging.getLogger(__name__)
@@ -52,20 +53,25 @@ async def server_error(request: Request, exc: Exception) -> Response:
 
 
 class RawSend:
-    """Outermost ASGI wrapper: keeps the server's own ``send`` in the scope as ``tokenfan.raw_send``.
+    """Outermost ASGI wrapper: keeps the server's own ``send`` in the scope as ``tokenfan.raw_send``, and the
+    port to the server's objects beneath it as ``tokenfan.server`` (:mod:`gateway.core.server_port`; None: the
+    plain ASGI path).
 
     Starlette wraps ``send`` in layers (server-error, exception and access-log bookkeeping) that matter
     until the response has started; after that, readers write through the raw ``send``
-    (:mod:`gateway.core.conn`), which under uvicorn also reaches the transport for a cut.
+    (:mod:`gateway.core.conn`), and the port finds the server's transport from it (a cut, the one-pass write,
+    a detached subscriber).
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, server: ServerPort | None = None) -> None:
         self.app = app
         self.state = app.state
+        self.server = server
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "lifespan":
             scope["tokenfan.raw_send"] = send
+            scope[SERVER_KEY] = self.server
         await self.app(scope, receive, send)
 
 

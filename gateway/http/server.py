@@ -9,7 +9,7 @@
   is added here (:class:`WsMessageLimit`) or documented (no WebSocket pings).
 
 Both close slowloris connections: a request head must arrive within ``--http-header-timeout`` seconds
-(uvicorn: :class:`HeaderTimeoutProtocol`; Granian: its HTTP/1 header read timeout) and a body within
+(uvicorn: :class:`gateway.http.uvicorn_shim.HeaderTimeoutProtocol`; Granian: its HTTP/1 header read timeout) and a body within
 ``--http-body-timeout`` (uvicorn: the same protocol answers 408 and closes; Granian: ``read_body``).
 
 Both drain the same way on SIGTERM/SIGINT (:func:`drain`) and then return normally, so ``tokenfan
@@ -19,19 +19,16 @@ serve``/``gateway`` exit 0 after a clean drain (uvicorn on its own re-raises the
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import logging
 import math
 import signal
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
 from gateway.core.bare import close_detached
-from gateway.errors import ClientError
+from gateway.http.uvicorn_shim import graceful_server, protocol_class, server_port
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -48,14 +45,18 @@ def run_gateway(config: GatewayConfig, extra_lifespan: Any = None) -> None:
         from gateway.http3.server import http3_lifespan
 
         extra_lifespan = http3_lifespan(lambda: app, config, extra_lifespan)
-    app = create_app(config, extra_lifespan=extra_lifespan)  # RawSend is part of the app
     if config.ssl_certfile or config.ssl_keyfile:
         if not (config.ssl_certfile and config.ssl_keyfile):
             raise SystemExit("--ssl-certfile and --ssl-keyfile go together")
         if config.workers > 1:
             raise SystemExit("--workers > 1 serves cleartext HTTP/1.1 (uvicorn); put TLS in front (deploy/nginx)")
+        app = create_app(config, extra_lifespan=extra_lifespan)  # RawSend is part of the app
         run_granian(app, config)
         return
+    port = server_port()  # uvicorn's private objects, checked once: None (logged) on a uvicorn it does not know
+    if port is None and config.detach_subscribers:
+        config = dataclasses.replace(config, detach_subscribers=False)
+    app = create_app(config, extra_lifespan=extra_lifespan, server=port)
     run_uvicorn(app, config)
 
 
@@ -91,127 +92,8 @@ async def hand_over(gw: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------- uvicorn
 
-class HeaderTimeoutProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with read deadlines (slowloris):
-
-    - the request head must be complete ``header_timeout`` seconds after the connection is made or
-      after the request's first byte, else the connection is closed;
-    - a request body must be complete ``body_timeout`` seconds after its head, else the client gets
-      408 (OpenAI error shape, ``Connection: close``) if no response has started, and the connection
-      is closed either way; the app sees a disconnect.
-
-    The deadlines are two timer handles per connection, armed and cancelled at parser callbacks: no
-    cost per response write. Configured by subclassing (:func:`protocol_class`).
-    """
-
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    _deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm(self.header_timeout, self._head_timed_out)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.disarm()
-        super().connection_lost(exc)
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        if self._deadline is None:  # a keep-alive connection's next request
-            self._arm(self.header_timeout, self._head_timed_out)
-
-    def on_headers_complete(self) -> None:
-        self.disarm()
-        super().on_headers_complete()
-        if not self.parser.should_upgrade():
-            self._arm(self.body_timeout, self._body_timed_out)  # cancelled at once if there is no body
-
-    def on_message_complete(self) -> None:
-        self.disarm()
-        super().on_message_complete()
-
-    def _arm(self, delay: float, callback: Any) -> None:
-        self.disarm()
-        if delay > 0:
-            self._deadline = self.loop.call_later(delay, callback)
-
-    def disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-
-    def _head_timed_out(self) -> None:
-        self._deadline = None
-        log.info("closing %s: request head not complete after %.1f s", self.client, self.header_timeout)
-        self.transport.close()
-
-    def _body_timed_out(self) -> None:
-        self._deadline = None
-        log.info("closing %s: request body not complete after %.1f s", self.client, self.body_timeout)
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_started and not self.transport.is_closing():
-            body = ClientError(408, f"The request body did not arrive within {self.body_timeout:g} s.",
-                            code="request_timeout").to_bytes()
-            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-        if cycle is not None:
-            cycle.disconnected = True
-            cycle.message_event.set()
-        self.transport.close()
-
-
-def protocol_class(header_timeout: float, body_timeout: float) -> type[HeaderTimeoutProtocol]:
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,),
-                {"header_timeout": header_timeout, "body_timeout": body_timeout})
-
-
 def run_uvicorn(app: Any, config: GatewayConfig) -> None:
     import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        """Drains before uvicorn's own shutdown, and handles the signals without re-raising them."""
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            loop = asyncio.get_running_loop()
-            for sig in SIGNALS:
-                loop.add_signal_handler(sig, self.handle_exit, sig, None)
-            loop.add_signal_handler(signal.SIGHUP, app.state.reloader.signal)
-            try:
-                yield
-            finally:
-                for sig in (*SIGNALS, signal.SIGHUP):
-                    loop.remove_signal_handler(sig)
-
-        gate: asyncio.Task[None] | None = None
-
-        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            """With ``--workers``: serve the private socket at once, the shared port once the engine link is up."""
-            if public is None:
-                return await super().startup(sockets)
-            await super().startup(sockets)
-            config = self.config
-
-            def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
-                return config.http_protocol_class(  # type: ignore[call-arg]  # as uvicorn's own startup does
-                    config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=_loop)
-
-            loop = asyncio.get_running_loop()
-            server = await loop.create_server(create_protocol, sock=public, backlog=config.backlog,
-                                              start_serving=False)
-            self.servers.append(server)
-            self.gate = loop.create_task(listen_when_ready(app, server), name="listen-when-ready")
-
-        async def shutdown(self, sockets: Any = None) -> None:
-            if self.gate is not None:
-                self.gate.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self.gate
-            for server in self.servers:
-                server.close()  # stop accepting; open connections (SSE and WS) carry on
-            await drain(app, config.shutdown_grace)
-            await super().shutdown(sockets)
 
     sockets: list[socket.socket] | None = None
     public: socket.socket | None = None
@@ -220,14 +102,17 @@ def run_uvicorn(app: Any, config: GatewayConfig) -> None:
 
         public, private = bind_sockets(config)
         sockets = [private]
-    GracefulServer(uvicorn.Config(
+    uconfig = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level.lower(),
         http=protocol_class(config.http_header_timeout, config.http_body_timeout),
         ws_max_size=config.ws_max_message_bytes, ws_per_message_deflate=config.ws_per_message_deflate,
         ws_ping_interval=config.keepalive_interval, ws_ping_timeout=config.keepalive_interval * 2,
         timeout_graceful_shutdown=math.ceil(config.shutdown_grace + 2.0),
         access_log=False,  # tokenfan.access writes one JSON line per request instead
-    )).run(sockets=sockets)
+    )
+    graceful_server(uconfig, signals=SIGNALS, drain=lambda: drain(app, config.shutdown_grace), public=public,
+                    listen=lambda server: listen_when_ready(app, server),
+                    on_hup=app.state.reloader.signal).run(sockets=sockets)
 
 
 async def listen_when_ready(app: Any, server: asyncio.Server, poll: float = 0.02) -> None:

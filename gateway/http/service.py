@@ -20,6 +20,7 @@ from starlette.staticfiles import StaticFiles
 from engine_worker import protocol as p
 from gateway.api.edge import gateway_of
 from gateway.state import Gateway
+from tokenfan_settings.release import __version__
 
 
 def limits(gw: Gateway) -> dict[str, int | float]:
@@ -80,12 +81,13 @@ async def health(request: Request) -> Response:
     """200 when everything this gateway uses answers: its engine link is up and, with ``--workers``, so is
     that of every worker listening on the shared port, and with ``--broker`` it can write to Redis and holds
     its lease (else 503 + Retry-After; ``workers`` says how many are ready, ``broker`` the broker's state:
-    :func:`broker_state`). ``limits`` gives the admission limits of this gateway (per process), ready or not.
+    :func:`broker_state`). ``limits`` gives the admission limits of this gateway (per process), ``version`` and ``protocol``
+    its release and wire protocol, ready or not.
     For people and dashboards; the probes are :func:`livez` and :func:`readyz`."""
     gw: Gateway = gateway_of(request)
     hb = gw.engine.last_heartbeat
     engines = gw.engine.status()
-    extra: dict[str, Any] = {"limits": limits(gw)}
+    extra: dict[str, Any] = {"version": __version__, "protocol": p.MAGIC.decode(), "limits": limits(gw)}
     ready = gw.engine.healthy and hb is not None
     broker = broker_state(gw)
     if broker is not None:

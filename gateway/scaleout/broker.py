@@ -129,7 +129,8 @@ class Broker(RemoteStreamsByMirror):
 
     @property
     def gateway_id(self) -> str:
-        """This gateway's id in Redis (a new one after it fenced itself: :mod:`gateway.scaleout.redis_lease`)."""
+        """This gateway's id in Redis (its lease, presence channel and claims): one for the process's life, the
+        same after it fenced itself (:mod:`gateway.scaleout.redis_lease`)."""
         return self.lease.gateway_id
 
     def serving(self) -> bool:

@@ -55,7 +55,7 @@ class OwnerLease:
         self.redis, self.t, self.on_lost, self.on_fenced = redis, t, on_lost, on_fenced
         self.gateway_id = gateway_id or uuid.uuid4().hex[:16]
         self.draining = False
-        self.fenced = False  # since the last fence, no refresh under the new id was confirmed yet
+        self.fenced = False  # the lease went unconfirmed past valid_until, and no refresh was confirmed since
         self.valid_until = 0.0  # monotonic: no other replica can find the lease missing before this
         self.error: BaseException | None = None  # why the last refresh failed (None: it was confirmed)
         self.present_as: str | None = None  # the gateway id whose presence channel this gateway subscribes to

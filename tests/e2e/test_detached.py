@@ -204,3 +204,41 @@ def test_a_websocket_subscriber_answers_pings_and_pings_its_client(gateway: tupl
     wait_until(lambda: metric(url, "tokenfan_subscribers", {"transport": "ws"}) == 0, what="ws released")
     assert httpx.get(url + f"/v1/streams/{info['id']}").json()["state"] == "running"
     httpx.delete(url + f"/v1/streams/{info['id']}")
+
+
+# -- a uvicorn the shim does not know: the port is off, subscribers stay in their ASGI call -----------------------
+
+UNKNOWN_UVICORN = {  # a sitecustomize run before the gateway: what changes in the uvicorn it imports
+    "another-version": "import uvicorn\nuvicorn.__version__ = '0.99.0'\n",
+    "a-member-gone": "from uvicorn.protocols.websockets import websockets_sansio_impl as m\n"
+                     "del m.WebSocketsSansIOProtocol.stop_keepalive\n",
+}
+
+
+@pytest.mark.parametrize("change", sorted(UNKNOWN_UVICORN))
+def test_on_a_uvicorn_the_shim_does_not_know_the_gateway_says_so_and_serves_fan_out_in_call(
+        change: str, ipc_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(UNKNOWN_UVICORN[change])
+    address = f"ipc://{ipc_dir / f'unknown-uvicorn-{change}.sock'}"
+    engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "200",
+                          name=f"engine-unknown-{change}")
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    try:
+        proc, url = start_gateway(address, "--log-level", "info", env={"PYTHONPATH": path},
+                                  name=f"gateway-unknown-{change}")
+    except BaseException:
+        engine.stop()
+        raise
+    try:
+        errors = [line for line in proc.log().splitlines() if "ERROR tokenfan.server: uvicorn shim" in line]
+        assert errors and ("uvicorn 0.99.0 is not a version" in errors[0] if change == "another-version"
+                           else "WebSocketsSansIOProtocol has no stop_keepalive" in errors[0]), proc.log()[-2000:]
+        info = _stream(url, 20)
+        with httpx.stream("GET", f"{url}/v1/streams/{info['id']}/events", timeout=30) as r:
+            text = "".join(r.iter_text())
+        assert r.status_code == 200 and "connection" not in r.headers  # in its ASGI call: not detached
+        ids = [int(line[4:]) for line in text.splitlines() if line.startswith("id: ")]
+        assert ids and ids == sorted(set(ids)), ids  # a lagging reader's content events may be merged
+        assert '"finish_reason":"length"' in text and text.endswith("data: [DONE]\n\n"), text[-300:]
+    finally:
+        stop_all([proc, engine])

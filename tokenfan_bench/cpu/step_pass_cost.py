@@ -42,8 +42,10 @@ from gateway.core.follow import Watchdog, follow
 from gateway.core.framing import Framing
 from gateway.core.generation import Generation, Renderer
 from gateway.core.metrics import HotCounter, TransportMetrics
+from gateway.core.server_port import SERVER_KEY
 from gateway.core.step import Step
 from gateway.core.streams import Event, Stream
+from gateway.http.uvicorn_shim import UvicornPort
 from tokenfan_bench.report import run_outputs
 from tokenfan_bench.stats.metrics import summary_plain
 
@@ -91,9 +93,20 @@ class WsProto:
         self.writable = asyncio.Event()
         self.writable.set()
         self.close_sent = False
+        self.conn = _NoCompression()
 
     async def send(self, message: dict[str, Any]) -> None:
         raise AssertionError("the one-pass path must not go through ASGI send")
+
+
+class _NoCompression:
+    """The websockets protocol's ``extensions``, as without permessage-deflate."""
+
+    extensions: tuple[()] = ()
+
+
+# the gateway's own port to uvicorn's objects (gateway/http/uvicorn_shim.py), over the stand-ins above
+SCOPE: dict[str, Any] = {SERVER_KEY: UvicornPort(HttpCycle, WsProto)}
 
 
 class _Handle:
@@ -110,7 +123,7 @@ async def run_mode(mode: str, generations: int, readers: int, steps: int, repeat
     clock: Callable[[], tuple[float, int]] = lambda: (time.monotonic(), time.time_ns())
     metrics, tokens = TransportMetrics(), HotCounter()
     transports: list[NullTransport] = []
-    ws = WsConn({}, WsProto(t := NullTransport()).send, 1.0)
+    ws = WsConn(SCOPE, WsProto(t := NullTransport()).send, 1.0)
     transports.append(t)
     gens: list[Generation] = []
     tasks: list[asyncio.Task[int]] = []
@@ -128,7 +141,7 @@ async def run_mode(mode: str, generations: int, readers: int, steps: int, repeat
                 conn, framing = ws, MuxWs(rid)
             else:
                 transports.append(t := NullTransport())
-                conn = HttpConn({}, HttpCycle(t).send, 1.0)
+                conn = HttpConn(SCOPE, HttpCycle(t).send, 1.0)
                 framing = {"b": FANOUT_SSE, "d": RESPONSES_SSE}.get(mode, OPENAI_SSE)
             reader = Reader(framing, conn, ReaderMeter(metrics, 0.0), clock=clock)
 

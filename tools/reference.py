@@ -1,4 +1,5 @@
-"""docs/reference.md from the code: every route, every error code and every metric of the gateway.
+"""docs/reference.md from the code: every route, every error code and every metric of the gateway, and what its
+probes ask.
 
 ``python tools/reference.py --write docs/reference.md`` regenerates the three tables between their markers;
 ``tests/test_docs_reference.py`` fails when they are stale, when the gateway gains a route or an error code that
@@ -24,7 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 PAGE = "docs/reference.md"
-BLOCKS = ("routes", "errors", "metrics")
+BLOCKS = ("routes", "errors", "metrics", "probes")
 
 # "METHOD path" (WS for a WebSocket route) -> what it serves, and where the page that explains it is
 ROUTES: dict[str, tuple[str, str]] = {
@@ -339,8 +340,19 @@ def metrics_md() -> str:
     return "\n".join(rows)
 
 
+def probes_md() -> str:
+    """What ``/readyz`` and ``/health`` ask, from :data:`gateway.http.service.CONDITIONS`."""
+    from gateway.http.service import CONDITIONS
+
+    rows = ["| condition (`/readyz`'s `reason`) | `/readyz` | `/health` | holds when |", "|---|---|---|---|"]
+    for c in CONDITIONS:
+        rows.append(f"| `{c.reason}` | {'asked' if 'readyz' in c.asked_by else '–'} | "
+                    f"{'asked' if 'health' in c.asked_by else '–'} | {_cell(c.holds_when)} |")
+    return "\n".join(rows)
+
+
 def generated() -> dict[str, str]:
-    return {"routes": routes_md(), "errors": errors_md(), "metrics": metrics_md()}
+    return {"routes": routes_md(), "errors": errors_md(), "metrics": metrics_md(), "probes": probes_md()}
 
 
 def replace_blocks(text: str, blocks: dict[str, str]) -> str:

@@ -9,6 +9,8 @@ people and whole-deployment checks: 200 only when everything this gateway uses a
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,28 +44,65 @@ async def livez(request: Request) -> Response:
     return JSONResponse({"status": "ok"}, headers={"Cache-Control": "no-store"})
 
 
-async def readyz(request: Request) -> Response:
-    """Readiness: 200 while this gateway can serve unlisted traffic: its engine link is up, it is not
-    draining and, with ``--workers``, every worker that listens on the shared port has its engine link up
-    (the kernel may hand a request to any of them). Redis is not asked (see the module docstring); a gateway
-    whose broker is away or that fenced itself is ready (its listed streams answer 503 meanwhile). Else 503
-    + Retry-After, ``reason`` ``engine``, ``draining`` or ``workers``."""
-    gw: Gateway = gateway_of(request)
-    reason = None
-    if gw.draining:
-        reason = "draining"
-    elif not (gw.engine.healthy and gw.engine.last_heartbeat is not None):
-        reason = "engine"
-    elif gw.config.workers > 1:
-        from gateway.scaleout.peers import peers_ready
-        from gateway.scaleout.workers import worker_index
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What the conditions read that costs a request to learn, read once per probe."""
 
-        listening, serving = await peers_ready(gw.config.port, gw.config.workers, worker_index())
-        if serving != listening:
-            reason = "workers"
-    if reason is None:
+    workers_listening: int = 0  # the other workers that listen on the shared port (--workers)
+    workers_serving: int = 0  # of those, the ones whose engine link is up
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    """One thing ``/readyz`` or ``/health`` asks; docs/reference.md's probe table is made from :data:`CONDITIONS`."""
+
+    reason: str  # /readyz's ``reason`` when it fails
+    asked_by: tuple[str, ...]  # "readyz", "health"
+    holds_when: str
+    holds: Callable[[Gateway, Facts], bool]
+
+
+def _workers_ready(gw: Gateway, facts: Facts) -> bool:
+    return gw.config.workers <= 1 or facts.workers_serving == facts.workers_listening
+
+
+CONDITIONS: tuple[Condition, ...] = (
+    Condition("draining", ("readyz",), "the gateway is not draining (SIGTERM; `/health` does not ask)",
+              lambda gw, _: not gw.draining),
+    Condition("engine", ("readyz", "health"), "the engine link is up: a heartbeat came within `--heartbeat-timeout`",
+              lambda gw, _: gw.engine.healthy and gw.engine.last_heartbeat is not None),
+    Condition("workers", ("readyz", "health"), "with `--workers`: every other worker that listens on the shared "
+              "port has its engine link up (the kernel may hand a request to any of them)", _workers_ready),
+    Condition("broker", ("health",), "with `--broker`: Redis takes writes and this gateway holds its lease "
+              "(`broker` is `ok`); `/readyz` does not ask: every replica shares Redis",
+              lambda gw, _: broker_state(gw) in (None, "ok")),
+)
+
+
+async def facts_of(gw: Gateway) -> Facts:
+    if gw.config.workers <= 1:
+        return Facts()
+    from gateway.scaleout.peers import peers_ready
+    from gateway.scaleout.workers import worker_index
+
+    listening, serving = await peers_ready(gw.config.port, gw.config.workers, worker_index())
+    return Facts(listening, serving)
+
+
+def failing(gw: Gateway, facts: Facts, probe: str) -> list[str]:
+    """The reasons of the conditions ``probe`` asks that do not hold, in :data:`CONDITIONS`' order."""
+    return [c.reason for c in CONDITIONS if probe in c.asked_by and not c.holds(gw, facts)]
+
+
+async def readyz(request: Request) -> Response:
+    """Readiness: 200 while this gateway can serve unlisted traffic (:data:`CONDITIONS` asked by ``readyz``).
+    Redis is not asked (see the module docstring); a gateway whose broker is away or that fenced itself is
+    ready (its listed streams answer 503 meanwhile). Else 503 + Retry-After, ``reason``: the first that fails."""
+    gw: Gateway = gateway_of(request)
+    reasons = failing(gw, await facts_of(gw), "readyz")
+    if not reasons:
         return JSONResponse({"status": "ready"}, headers={"Cache-Control": "no-store"})
-    return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503,
+    return JSONResponse({"status": "unavailable", "reason": reasons[0]}, status_code=503,
                         headers={"Retry-After": "1", "Cache-Control": "no-store"})
 
 
@@ -78,29 +117,22 @@ def broker_state(gw: Gateway) -> str | None:
 
 
 async def health(request: Request) -> Response:
-    """200 when everything this gateway uses answers: its engine link is up and, with ``--workers``, so is
-    that of every worker listening on the shared port, and with ``--broker`` it can write to Redis and holds
-    its lease (else 503 + Retry-After; ``workers`` says how many are ready, ``broker`` the broker's state:
-    :func:`broker_state`). ``limits`` gives the admission limits of this gateway (per process), ``version`` and ``protocol``
-    its release and wire protocol, ready or not.
-    For people and dashboards; the probes are :func:`livez` and :func:`readyz`."""
+    """200 when every :data:`CONDITIONS` asked by ``health`` holds (else 503 + Retry-After; ``workers`` says
+    how many are ready, ``broker`` the broker's state: :func:`broker_state`). ``limits`` gives the admission
+    limits of this gateway (per process), ``version`` and ``protocol`` its release and wire protocol, ready or
+    not. For people and dashboards; the probes are :func:`livez` and :func:`readyz`."""
     gw: Gateway = gateway_of(request)
     hb = gw.engine.last_heartbeat
     engines = gw.engine.status()
     extra: dict[str, Any] = {"version": __version__, "protocol": p.MAGIC.decode(), "limits": limits(gw)}
-    ready = gw.engine.healthy and hb is not None
+    facts = await facts_of(gw)
+    ready = not failing(gw, facts, "health")
     broker = broker_state(gw)
     if broker is not None:
         extra["broker"] = broker
-        ready = ready and broker == "ok"
     if gw.config.workers > 1:
-        from gateway.scaleout.peers import peers_ready
-        from gateway.scaleout.workers import worker_index
-
-        listening, serving = await peers_ready(gw.config.port, gw.config.workers, worker_index())
-        ready = ready and serving == listening
-        extra["workers"] = {"configured": gw.config.workers, "listening": listening + gw.listening,
-                            "ready": serving + (gw.listening and gw.engine.healthy)}
+        extra["workers"] = {"configured": gw.config.workers, "listening": facts.workers_listening + gw.listening,
+                            "ready": facts.workers_serving + (gw.listening and gw.engine.healthy)}
     if ready and hb is not None:
         running, waiting = gw.engine.load()
         return JSONResponse({"status": "ok", "engine": {"id": hb.engine_id, "backend": hb.backend,

@@ -25,6 +25,11 @@ Endpoint = Literal["chat.completions", "completions"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+
+EngineSteps = list[list[list[int]]]
+"""Engine steps of a request of vLLM's OpenAI layer: per step, per output ``[choice_index, finished (0 or 1),
+*token_ids]`` (:attr:`Delta.steps`, :attr:`Submit.resume_steps`; :func:`pack_steps` flattens them)."""
+
 class WireError(ValueError):
     """A frame that is not a valid message of this protocol version."""
 
@@ -85,7 +90,7 @@ class Submit(msgspec.Struct, tag="submit", array_like=True, frozen=True):
     stream: bool = True
     resume: list[int] = []
     resume_chars: int = 0
-    resume_steps: list[list[list[int]]] = []
+    resume_steps: EngineSteps = []
     # W3C trace context of the gateway's generation span (``traceparent``, ``tracestate``): the engine's spans
     # and vLLM's request span join that trace (docs/observability.md); empty when the gateway does not trace.
     # Last, with a default: a gateway of an earlier release sends no such field, and an engine of one ignores it.
@@ -135,7 +140,7 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     usage: Usage | None = None
     chunk: bytes = b""
     token_ids: list[int] = []
-    steps: list[list[list[int]]] = []
+    steps: EngineSteps = []
 
 
 class DeltaBatch(msgspec.Struct, tag="deltas", array_like=True, frozen=True):
@@ -203,7 +208,7 @@ def decode(frames: list[bytes]) -> Message:
         raise WireError(f"undecodable payload: {exc!r}") from exc
 
 
-def pack_steps(steps: list[list[list[int]]]) -> list[int]:
+def pack_steps(steps: EngineSteps) -> list[int]:
     """:attr:`Delta.steps` as one flat list of ints (what a stream log's token ids field holds for a request
     of vLLM's OpenAI layer): per step its number of outputs, per output its length, then the output."""
     out: list[int] = []
@@ -215,9 +220,9 @@ def pack_steps(steps: list[list[list[int]]]) -> list[int]:
     return out
 
 
-def unpack_steps(flat: list[int]) -> list[list[list[int]]]:
+def unpack_steps(flat: list[int]) -> EngineSteps:
     """The inverse of :func:`pack_steps`; raises :class:`WireError` on a list it did not make."""
-    steps: list[list[list[int]]] = []
+    steps: EngineSteps = []
     i = 0
     try:
         while i < len(flat):

@@ -109,7 +109,7 @@ class Emitter:
     finish_reason: p.FinishReason | None = None
 
     def __call__(self, text: str, token_count: int, finish_reason: p.FinishReason | None = None,
-                 chunk: bytes = b"", token_ids: Sequence[int] = (), steps: list[list[list[int]]] | None = None
+                 chunk: bytes = b"", token_ids: Sequence[int] = (), steps: p.EngineSteps | None = None
                  ) -> None:
         self.completion += token_count
         if self.merger is not None:

@@ -69,7 +69,7 @@ def open_request(link: EngineLink, rid: str, now: float, max_tokens: int = 8) ->
 
 
 def delta(rid: str, seq: int, text: str, ids: list[int], finish: p.FinishReason | None = None,
-          steps: list[list[list[int]]] | None = None) -> p.DeltaBatch:
+          steps: p.EngineSteps | None = None) -> p.DeltaBatch:
     return p.DeltaBatch([p.Delta(rid, seq, text, len(ids), 0, finish, token_ids=ids, steps=steps or [])])
 
 

@@ -83,7 +83,7 @@ class Steps:
         self.ids: list[int] = []
 
     def __call__(self, text: str, token_count: int, finish_reason: p.FinishReason | None = None,
-                 chunk: bytes = b"", token_ids: Sequence[int] = (), steps: list[list[list[int]]] | None = None
+                 chunk: bytes = b"", token_ids: Sequence[int] = (), steps: p.EngineSteps | None = None
                  ) -> None:
         self.calls.append((text, token_count, finish_reason))
         self.ids += token_ids

@@ -68,7 +68,7 @@ class SubmitBefore(msgspec.Struct, tag="submit", array_like=True, frozen=True):
     stream: bool = True
     resume: list[int] = []
     resume_chars: int = 0
-    resume_steps: list[list[list[int]]] = []
+    resume_steps: p.EngineSteps = []
 
 
 def test_submit_trace_headers_are_a_trailing_field_both_sides_of_tokenfan_4_read() -> None:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine_worker.protocol import FinishReason, Submit
+from engine_worker.protocol import EngineSteps, FinishReason, Submit
 
 
 class RequestRejected(Exception):
@@ -54,7 +54,7 @@ class Step:
     finish_reason: FinishReason | None = None
     chunk: bytes = b""  # a whole OpenAI chunk (vLLM's OpenAI layer, engine_worker.backends.vllm_openai)
     token_ids: Sequence[int] = ()
-    steps: list[list[list[int]]] = field(default_factory=list)  # vLLM's OpenAI layer: protocol.Delta.steps
+    steps: EngineSteps = field(default_factory=list)  # vLLM's OpenAI layer: protocol.Delta.steps
 
 
 class StepSink(Protocol):
@@ -64,7 +64,7 @@ class StepSink(Protocol):
     engine steps behind a chunk of vLLM's OpenAI layer (:attr:`engine_worker.protocol.Delta.steps`)."""
 
     def __call__(self, text: str, token_count: int, finish_reason: FinishReason | None = None,
-                 chunk: bytes = b"", token_ids: Sequence[int] = (), steps: list[list[list[int]]] | None = None
+                 chunk: bytes = b"", token_ids: Sequence[int] = (), steps: EngineSteps | None = None
                  ) -> None: ...
 
 

@@ -55,7 +55,7 @@ from engine_worker.backends.base import BackendInfo, Prepared, RequestRejected, 
 from engine_worker.backends.vllm_resume import RESUME_KEY
 from engine_worker.config import EngineConfig
 from engine_worker.models import DEFAULT_MODEL_DIRNAME, SERVING_HINTS, resolve_model
-from engine_worker.protocol import FinishReason, Sampling, Submit
+from engine_worker.protocol import EngineSteps, FinishReason, Sampling, Submit
 from engine_worker.tracing import trace_headers
 from tokenfan_settings import default_runtime_dir, traces_endpoint
 
@@ -109,7 +109,7 @@ class _Join:
         self.stopped = False
 
     def __call__(self, text: str, token_count: int, finish_reason: FinishReason | None = None,
-                 chunk: bytes = b"", token_ids: Sequence[int] = (), steps: list[list[list[int]]] | None = None
+                 chunk: bytes = b"", token_ids: Sequence[int] = (), steps: EngineSteps | None = None
                  ) -> None:
         if self.stopped:
             return
@@ -405,7 +405,7 @@ class VllmBackend:
 
     def _running_sink(self, rid: str, sink: StepSink) -> StepSink:
         def counted(text: str, token_count: int, finish_reason: FinishReason | None = None, chunk: bytes = b"",
-                    token_ids: Sequence[int] = (), steps: list[list[list[int]]] | None = None) -> None:
+                    token_ids: Sequence[int] = (), steps: EngineSteps | None = None) -> None:
             self._waiting.discard(rid)
             self._running.add(rid)
             sink(text, token_count, finish_reason, chunk, token_ids, steps)

@@ -36,7 +36,7 @@ import orjson
 from engine_worker.backends.base import Prepared, RequestRejected, Step
 from engine_worker.backends.vllm_resume import Replay, ReplayError, resumed, step_record
 from engine_worker.plain_path import is_plain
-from engine_worker.protocol import Endpoint, FinishReason, Submit
+from engine_worker.protocol import Endpoint, EngineSteps, FinishReason, Submit
 from engine_worker.tracing import trace_headers
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class _Run:
     outputs: AsyncGenerator[Any, None] | None = None  # the engine's output stream, closed on abort
     replay: Replay | None = None  # a continuation: the delivered steps (engine_worker.backends.vllm_resume)
     live: bool = True  # False while a continuation's replay runs: the chunks written for it are not sent
-    steps: list[list[list[int]]] = field(default_factory=list)  # steps not yet reported with a chunk
+    steps: EngineSteps = field(default_factory=list)  # steps not yet reported with a chunk
     trace_headers: dict[str, str] | None = None  # the gateway's trace context: vLLM's request span joins it
 
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, cast
 
+from engine_worker.protocol import EngineSteps
+
 log = logging.getLogger(__name__)
 
 RESUME_KEY = "tokenfan_resume"  # SamplingParams.extra_args: the output ids a continuation's prompt ends with
@@ -46,10 +48,10 @@ class ReplayError(ValueError):
 class Replay:
     """The delivered steps of a request: each a list of ``[choice_index, finished, *token_ids]``."""
 
-    steps: list[list[list[int]]]
+    steps: EngineSteps
 
     @classmethod
-    def parse(cls, steps: list[list[list[int]]], choices: int, vocab: int) -> Replay:
+    def parse(cls, steps: EngineSteps, choices: int, vocab: int) -> Replay:
         for step in steps:
             for entry in step:
                 if len(entry) < 2 or not 0 <= entry[0] < choices or entry[1] not in (0, 1) \

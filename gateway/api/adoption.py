@@ -94,7 +94,7 @@ class Adopter:
         options = header.options or {}
         openai = bool(options.get("openai"))
         ids = [i for e in stream.events for i in e.ids]
-        steps: list[list[list[int]]] = []
+        steps: p.EngineSteps = []
         if submit is None:
             why = why or "its header has no engine request"
         elif "openai" not in options:

@@ -66,7 +66,7 @@ class RequestHandle:
         self.trace_id = submit.trace_id
         self.send_seq = send_seq  # position of its Submit among its link's submits (vs. the pings)
         self.output_ids: list[int] = []
-        self.steps: list[list[list[int]]] = []  # Delta.steps received so far (vLLM's OpenAI layer)
+        self.steps: p.EngineSteps = []  # Delta.steps received so far (vLLM's OpenAI layer)
         self.output_chars = 0
         self.migrations = 0
         self.lost_at = 0.0  # monotonic time its engine was lost (0: not migrating)

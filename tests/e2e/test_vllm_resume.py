@@ -67,7 +67,7 @@ PARSER_BODIES: dict[str, dict[str, Any]] = {
 }
 
 
-def submit(rid: str, body: dict[str, Any], steps: list[list[list[int]]] | None = None) -> p.Submit:
+def submit(rid: str, body: dict[str, Any], steps: p.EngineSteps | None = None) -> p.Submit:
     sampling = p.Sampling(max_tokens=body["max_tokens"], temperature=body["temperature"])
     if "prompt" in body:
         return p.Submit(request_id=rid, endpoint="completions", sampling=sampling, prompt=body["prompt"],
@@ -119,7 +119,7 @@ def delivered(deltas: list[p.Delta], steps: int) -> list[p.Delta]:
     return out
 
 
-def steps_of(deltas: list[p.Delta]) -> list[list[list[int]]]:
+def steps_of(deltas: list[p.Delta]) -> p.EngineSteps:
     """The engine steps behind ``deltas``, each a list of its outputs (``[choice, finished, *token_ids]``)."""
     return [s for d in deltas for s in d.steps]
 

@@ -1,6 +1,6 @@
 """Fan-out across gateway replicas through Redis Streams (``--broker redis://…``).
 
-The gateway that runs a generation (its *owner*) writes the Redis stream ``tokenfan:s:<id>``: a header
+The gateway that runs a generation (its *owner*) writes the Redis stream ``tokenfan:{<id>}:s``: a header
 before the stream's id is handed out, one record per event, then an end record (records and keys in
 :mod:`gateway.scaleout.broker_codec`). Any other replica asked for a stream it does not hold mirrors it
 (:mod:`gateway.scaleout.mirror`, through :class:`~gateway.scaleout.redis_link.RedisLink`), so replay, resume, coalescing

@@ -6,7 +6,7 @@ handed over to it).
 Two ways an owner is found gone, for two kinds of fault:
 
 - **Killed** (SIGKILL, OOM, a node that stops): its connections close at once, so its subscription to its
-  presence channel (``tokenfan:p:<gid>``) is gone from Redis's ``PUBSUB NUMSUB`` within a round trip. Mirrors
+  presence channel (``tokenfan:p:{<gid>}``) is gone from Redis's ``PUBSUB NUMSUB`` within a round trip. Mirrors
   check it after a short quiet (``--broker-presence-check``): failover in a fraction of a second.
 - **Partitioned** (its link to Redis holds bytes; nothing is closed, so Redis still counts its subscription):
   its lease is not refreshed and expires after ``--broker-lease-ttl``. The owner *fences itself* before that

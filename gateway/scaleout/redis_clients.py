@@ -18,9 +18,10 @@ counted per node, would not).
 Following a failover without a restart:
 
 - Sentinel: redis-py's :class:`~redis.asyncio.sentinel.SentinelConnectionPool` asks the sentinels for the
-  primary at each new connection; a connection here also checks with ``ROLE`` that the server it reached is
-  the primary (a sentinel that has not heard of the promotion yet still names the old one, which after a
-  ``SENTINEL FAILOVER`` is a replica that would take reads and subscriptions but see no publish).
+  primary at each new connection (here: every sentinel, the newest configuration wins, :class:`NewestSentinel`);
+  a connection also checks with ``ROLE`` that the server it reached is a primary. Connections that
+  stay open are moved by :meth:`Clients.watch`, which closes them all when the sentinels name another
+  primary.
 - Cluster: :class:`~redis.asyncio.cluster.RedisCluster` follows ``MOVED`` and refreshes its slot map on
   connection errors; a sharded subscription is on one node, so it is given up (:class:`SubscriptionLost`)
   when that node drops it (``sunsubscribe`` after its slots moved), when the connection fails, or when the
@@ -29,6 +30,7 @@ Following a failover without a restart:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -37,12 +39,23 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
+from redis.asyncio.sentinel import (
+    MasterNotFoundError,
+    Sentinel,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.config import BrokerTimings
-from gateway.scaleout.redis_support import _ClosedIsLost, connection_class, redact
+from gateway.scaleout.redis_support import (
+    REDIS_ERRORS,
+    _ClosedIsLost,
+    cancel_requested,
+    connection_class,
+    redact,
+)
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +142,30 @@ def parse_broker_url(url: str) -> BrokerAddress:
 
 class SubscriptionLost(RedisConnectionError):
     """A sharded subscription's node no longer serves its channel (its slots moved, or it failed)."""
+
+
+class NewestSentinel(Sentinel):
+    """Asks every sentinel and believes the one with the newest ``config-epoch`` (redis-py's takes the first that
+    answers: right after a failover a sentinel the news has not reached yet names the old primary, which after
+    ``SENTINEL FAILOVER`` still takes writes for seconds, until the sentinels turn it into a replica)."""
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        replies = await asyncio.gather(*(s.sentinel_masters() for s in self.sentinels), return_exceptions=True)
+        best: dict[str, Any] | None = None
+        errors = []
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                if not isinstance(reply, REDIS_ERRORS):
+                    raise reply
+                errors.append(repr(reply))
+                continue
+            state = reply.get(service_name)
+            if state and self.check_master_state(state, service_name) and (
+                    best is None or int(state.get("config-epoch", 0)) > int(best.get("config-epoch", 0))):
+                best = state
+        if best is None:
+            raise MasterNotFoundError(f"No master found for {service_name!r}: {', '.join(errors)}")
+        return str(best["ip"]), int(best["port"])
 
 
 class SafeSentinelConnection(_ClosedIsLost, SentinelManagedConnection):
@@ -218,7 +255,8 @@ class Clients:
         self.sharded = a.topology == "cluster"
         creds = credentials or Credentials()
         password = a.password if a.password is not None else creds.password  # (standalone: from_url parses it)
-        self._sentinel: Sentinel | None = None
+        self._sentinel: NewestSentinel | None = None
+        self.watch_interval = min(0.5, t.lease_interval)
         # One immediate retry, on a new connection: after a Redis restart every pooled connection is
         # stale and fails once. Beyond that the broker retries itself, with backoff, where it is safe.
         once = Retry(NoBackoff(), 1)
@@ -237,7 +275,7 @@ class Clients:
         auth = {"username": a.username, "password": password}
         if a.topology == "sentinel":
             sentinel_auth = {"password": creds.sentinel_password} if creds.sentinel_password else {}
-            self._sentinel = Sentinel(a.hosts, sentinel_kwargs={"socket_timeout": t.op_timeout,
+            self._sentinel = NewestSentinel(a.hosts, sentinel_kwargs={"socket_timeout": t.op_timeout,
                                                                 "socket_connect_timeout": t.op_timeout,
                                                                 **sentinel_auth, **tls})
             conn = SafeSentinelSSLConnection if a.tls else SafeSentinelConnection
@@ -254,6 +292,34 @@ class Clients:
         self.blocking = RedisCluster(startup_nodes=list(nodes), socket_timeout=blocking_timeout, **common)
         self._node_kwargs = {"socket_timeout": t.op_timeout, "socket_connect_timeout": t.op_timeout,
                              "retry": once, **auth, **tls}
+
+    async def watch(self) -> None:
+        """Sentinel: ask the sentinels every ``interval`` which server is the primary; when it changes, close every
+        connection of this gateway (pooled, in use, blocked in XREAD, subscribed) so that each reconnects to
+        the new one. After a ``SENTINEL FAILOVER`` the old primary takes writes until the sentinels turn it
+        into a replica, seconds later: a connection that stayed on it would write where nobody reads. Returns
+        at once for the other topologies."""
+        if self._sentinel is None:
+            return
+        service, current = self.address.service, None
+        while not cancel_requested():
+            try:
+                addr = await self._sentinel.discover_master(service)
+            except REDIS_ERRORS as exc:
+                log.debug("broker: no sentinel answered (%s)", exc)
+            else:
+                if current is not None and addr != current:
+                    log.warning("broker: the sentinels moved primary %r from %s:%s to %s:%s; reconnecting", service,
+                                *current, *addr)
+                current = addr
+                # every time, not only at the change: a connection that was being made to the old primary
+                # as the sentinels switched is connected there only now
+                for client in (self.redis, self.blocking):
+                    pool = client.connection_pool
+                    for conn in (*pool._available_connections, *pool._in_use_connections):  # noqa: SLF001
+                        if conn.is_connected and (conn.host, conn.port) != addr:
+                            await conn.disconnect()
+            await asyncio.sleep(self.watch_interval)
 
     def where(self) -> str:
         """The topology and its address, without passwords, for logs."""

@@ -220,6 +220,10 @@ class Cluster:
     def url(self) -> str:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:3])
 
+    def client(self) -> redis.RedisCluster:
+        live = next(n for n in self.nodes if n.alive())
+        return redis.RedisCluster(host="127.0.0.1", port=live.port, socket_timeout=2)
+
     def node(self, port: int) -> Node:
         return next(n for n in self.nodes if n.port == port)
 

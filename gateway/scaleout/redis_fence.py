@@ -94,9 +94,10 @@ class Fence:
             for k, v in fields.items():
                 args += (k, v)
         # queued like any pipelined command, by its SHA: not registered on the pipeline, which would ask Redis
-        # SCRIPT EXISTS before every execute (a round trip per flush); :meth:`load` after NOSCRIPT
-        pipe.evalsha(self._append.sha, 3, codec.stream_key(stream_id), epoch_key(stream_id),
-                     codec.known_key(stream_id), *args)
+        # SCRIPT EXISTS before every execute (a round trip per flush); :meth:`load` after NOSCRIPT. Through
+        # execute_command: redis-py's cluster pipeline refuses pipe.evalsha, though it routes EVALSHA by its keys
+        pipe.execute_command("EVALSHA", self._append.sha, 3, codec.stream_key(stream_id), epoch_key(stream_id),
+                             codec.known_key(stream_id), *args)
 
     async def load(self, redis: Any) -> None:
         """Load the scripts into Redis (at start, and after a NOSCRIPT: a restarted Redis has none)."""

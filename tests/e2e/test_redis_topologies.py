@@ -66,13 +66,13 @@ async def read_some(c: httpx.AsyncClient, url: str, sid: str, reader: Reader, n:
 
 
 async def across_a_failover(c: httpx.AsyncClient, writer: str, urls: list[str],
-                            fail_over: Callable[[list[str]], Any], n: int = 2
+                            fail_over: Callable[[list[str]], Any], n: int = 2, tokens: int = LONG
                             ) -> tuple[dict[str, Reader], list[dict[str, Any]]]:
     """``n`` long listed streams created on ``writer``, read on each of ``urls`` through ``fail_over(ids)``
     (run in a thread once every reader has its first events), by a reader that left before it and resumes
     after, and by one that starts after it. The readers (``<i>/<how>``) and the bodies, for the controls."""
     loop = asyncio.get_running_loop()
-    bodies = [{**body(100 + i), "max_tokens": LONG} for i in range(n)]
+    bodies = [{**body(100 + i + tokens), "max_tokens": tokens} for i in range(n)]
     sids = [await create(c, writer, b) for b in bodies]
     readers: dict[str, Reader] = {}
     jobs: list[Awaitable[None]] = []
@@ -185,9 +185,10 @@ def test_cluster_streams_mirror_cancel_adopt_and_survive_a_primary_failover(ipc_
                     first, b0 = await created_after(c, a, b)
                     add({"0/first": first}, [b0])
                     await cancel_across(c, a, b)
-                    # a coordinated failover of the primary that holds the first stream's slot
+                    # coordinated failovers of the primaries of the stream's slot, the cancel channel's and A's
+                    # presence channel's (the pub/sub must follow them, or a cancel or an adoption goes wrong)
                     part, bodies = await across_a_failover(
-                        c, a, [a, b], lambda ids: cluster.fail_over(primary_of(cluster, ids), kill=False), n=1)
+                        c, a, [a, b], lambda ids: fail_over_all(cluster, ids), n=1, tokens=2 * LONG)
                     add(part, bodies)
                     # a killed primary: its replica is elected
                     part, bodies = await across_a_failover(
@@ -213,3 +214,15 @@ def test_cluster_streams_mirror_cancel_adopt_and_survive_a_primary_failover(ipc_
 def primary_of(cluster: Cluster, sids: list[str]) -> Node:
     """The primary that holds the first stream's keys (its slot)."""
     return cluster.primary_of(codec.stream_key(sids[0]))
+
+
+def fail_over_all(cluster: Cluster, sids: list[str]) -> None:
+    """``CLUSTER FAILOVER`` of each primary that holds the stream's slot, the cancel channel, or its owner's
+    presence channel (the owner named by the stream's header)."""
+    first: Any = cluster.client().xrange(codec.stream_key(sids[0]), count=1)
+    entry = codec.decode(first[0][1])
+    assert isinstance(entry, codec.Header)
+    owner = entry.owner
+    names = (codec.stream_key(sids[0]), codec.CANCEL_CHANNEL, codec.presence_channel(owner))
+    for port in dict.fromkeys(cluster.primary_of(name).port for name in names):
+        cluster.fail_over(cluster.node(port), kill=False)

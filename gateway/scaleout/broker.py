@@ -140,7 +140,7 @@ class Broker(RemoteStreamsByMirror):
             log.error("broker: Redis at %s is not reachable (%s); fan-out streams answer 503 until it is",
                       self.clients.where(), exc)
         for name, coro in (("broker-publisher", self._run_publisher()), ("broker-lease", self.lease.run()),
-                           ("broker-cancels", self.cancels.listen()), ("broker-primary", self.clients.watch())):
+                           ("broker-cancels", self.cancels.listen()), ("broker-primary", self.clients.watch(self._repair_all))):
             self._background.append(asyncio.create_task(coro, name=name))
 
     async def successor(self) -> bool:

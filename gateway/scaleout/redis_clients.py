@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -293,12 +294,13 @@ class Clients:
         self._node_kwargs = {"socket_timeout": t.op_timeout, "socket_connect_timeout": t.op_timeout,
                              "retry": once, **auth, **tls}
 
-    async def watch(self) -> None:
+    async def watch(self, on_moved: Callable[[], None] | None = None) -> None:
         """Sentinel: ask the sentinels every ``interval`` which server is the primary; when it changes, close every
         connection of this gateway (pooled, in use, blocked in XREAD, subscribed) so that each reconnects to
         the new one. After a ``SENTINEL FAILOVER`` the old primary takes writes until the sentinels turn it
-        into a replica, seconds later: a connection that stayed on it would write where nobody reads. Returns
-        at once for the other topologies."""
+        into a replica, seconds later: a connection that stayed on it would write where nobody reads.
+        ``on_moved()`` after a change (the broker repairs its streams: the new primary may lack the last
+        records the old one took). Returns at once for the other topologies."""
         if self._sentinel is None:
             return
         service, current = self.address.service, None
@@ -311,6 +313,8 @@ class Clients:
                 if current is not None and addr != current:
                     log.warning("broker: the sentinels moved primary %r from %s:%s to %s:%s; reconnecting", service,
                                 *current, *addr)
+                    if on_moved is not None:
+                        on_moved()
                 current = addr
                 # every time, not only at the change: a connection that was being made to the old primary
                 # as the sentinels switched is connected there only now

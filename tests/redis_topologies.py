@@ -58,6 +58,8 @@ class Node:
     args: list[str]
     program: str = "redis-server"
     password: str | None = None
+    username: str | None = None
+    tls_ca: Path | None = None  # it speaks TLS only, with a certificate signed by this
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -69,7 +71,9 @@ class Node:
         wait_for(self.ping, f"{self.program} on port {self.port}", 10)
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, password=self.password, socket_timeout=2, socket_connect_timeout=2)
+        tls = {"ssl": True, "ssl_ca_certs": str(self.tls_ca)} if self.tls_ca else {}
+        return redis.Redis(port=self.port, username=self.username, password=self.password, socket_timeout=2,
+                           socket_connect_timeout=2, **tls)  # type: ignore[arg-type]
 
     def ping(self) -> bool:
         try:
@@ -306,3 +310,37 @@ def redis_cluster(workdir: Path) -> Iterator[Cluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@dataclass
+class TlsRedis:
+    """One ``redis-server`` that speaks only TLS, with an ACL user ``user`` (password ``password``) and the default
+    user off; ``ca`` is the certificate to trust (self-signed, for 127.0.0.1 and localhost)."""
+
+    node: Node
+    ca: Path
+    user: str
+    password: str
+
+    def url(self) -> str:
+        """Without the password (the gateway takes it from ``TOKENFAN_BROKER_PASSWORD``)."""
+        return f"rediss://{self.user}@127.0.0.1:{self.node.port}/0?ssl_ca_certs={self.ca}"
+
+
+@contextlib.contextmanager
+def tls_redis(workdir: Path, user: str = "tokenfan", password: str = "tls-secret") -> Iterator[TlsRedis]:
+    from gateway.http.certs import generate
+
+    require("redis-server")
+    cert, key = generate(workdir / "tls")
+    (port,) = free_ports(1)
+    node = Node(port, workdir / f"tls-{port}", _server_args(
+        0, "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+        "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
+        "--user", "default", "off", "--user", user, "on", f">{password}", "~*", "&*", "+@all"),
+        password=password, username=user, tls_ca=cert)
+    try:
+        node.start()
+        yield TlsRedis(node, cert, user, password)
+    finally:
+        node.stop()

@@ -25,7 +25,7 @@ from gateway.scaleout import broker_codec as codec
 from tests.e2e.helpers import metric
 from tests.e2e.test_adoption import Reader, acontrols, body, check, fold, sse_reader
 from tests.procs import NO_CLIENT_LIMITS, Proc, start_engine, start_gateway, stop_all
-from tests.redis_topologies import Cluster, Node, redis_cluster, sentinel_group
+from tests.redis_topologies import Cluster, Node, redis_cluster, sentinel_group, tls_redis
 
 ENGINE_ARGS = ("--engine", "synthetic", "--synthetic-tokens-per-s", "40", "--synthetic-ttft-ms", "5")
 LONG = 400  # 10 s at 40 tokens/s: the stream outlasts a failover (the test checks it still runs after)
@@ -226,3 +226,26 @@ def fail_over_all(cluster: Cluster, sids: list[str]) -> None:
     names = (codec.stream_key(sids[0]), codec.CANCEL_CHANNEL, codec.presence_channel(owner))
     for port in dict.fromkeys(cluster.primary_of(name).port for name in names):
         cluster.fail_over(cluster.node(port), kill=False)
+
+
+def test_tls_and_an_acl_user_carry_mirrors_and_cancels(ipc_dir: Path, tmp_path: Path) -> None:
+    """``rediss://tokenfan@host/0?ssl_ca_certs=...``: a Redis that speaks only TLS and admits only its ACL user,
+    the password from ``TOKENFAN_BROKER_PASSWORD``; a stream created on A is read on B (XREAD over TLS) and
+    cancelled from B (pub/sub over TLS)."""
+    address = f"ipc://{ipc_dir / 'topo-tls.sock'}"
+    with tls_redis(tmp_path) as server:
+        engine = start_engine(address, *ENGINE_ARGS, name="engine-topo-tls")
+        gws = gateways(address, server.url(), "ab", env={"TOKENFAN_BROKER_PASSWORD": server.password})
+        (_, a), (_, b) = gws
+        try:
+            async def scenario() -> tuple[Reader, dict[int, str]]:
+                async with httpx.AsyncClient(timeout=60) as c:
+                    reader, b0 = await created_after(c, a, b)
+                    await cancel_across(c, a, b)
+                    texts, _ = await acontrols(c, b, [b0], [])
+                    return reader, texts
+
+            reader, texts = asyncio.run(scenario())
+            check({"0/b": reader}, texts)
+        finally:
+            stop_all([engine, *(g for g, _ in gws)])

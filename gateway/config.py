@@ -129,6 +129,8 @@ class GatewayConfig:
     cors_origins: tuple[str, ...] = declared("cors_origins")
     curve_dir: Path | None = declared("curve_dir")
     broker_url: str | None = declared("broker_url")
+    broker_password: str | None = declared("broker_password")
+    broker_sentinel_password: str | None = declared("broker_sentinel_password")
     broker_idle_timeout: float = declared("broker_idle_timeout")
     broker: BrokerTimings = field(default_factory=BrokerTimings)  # filled through dotted fields
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)  # likewise

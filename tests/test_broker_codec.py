@@ -80,8 +80,21 @@ def test_cancel_request_round_trips_and_garbage_raises() -> None:
 
 
 def test_keys_are_namespaced() -> None:
-    assert codec.stream_key("a") == "tokenfan:s:a" and codec.known_key("a") == "tokenfan:k:a"
-    assert codec.lease_key("g") == "tokenfan:gw:g" and codec.ack_key("n") == "tokenfan:ack:n"
+    assert codec.stream_key("a") == "tokenfan:{a}:s" and codec.known_key("a") == "tokenfan:{a}:k"
+    assert codec.lease_key("g") == "tokenfan:gw:{g}" and codec.ack_key("n") == "tokenfan:ack:n"
+
+
+def test_every_key_of_one_stream_is_in_one_hash_slot() -> None:
+    """A Redis Cluster runs a script only on keys of one slot: the fencing scripts touch a stream's key, its
+    epoch, its marker and its transcript, and the lease pipeline a gateway's lease and presence channel."""
+    from redis.crc import key_slot
+
+    for sid in ("str-1", "resp_abc", "ui-chat:chat}{x", "{odd}"):
+        keys = (codec.stream_key(sid), codec.known_key(sid), codec.epoch_key(sid), codec.transcript_key(sid),
+                codec.adopt_key(sid, "gw1"))
+        assert len({key_slot(k.encode()) for k in keys}) == 1, keys
+    assert key_slot(codec.lease_key("g1").encode()) == key_slot(codec.presence_channel("g1").encode())
+    assert key_slot(codec.stream_key("str-1").encode()) != key_slot(codec.stream_key("str-2").encode())
 
 
 def test_backoff_grows_to_its_cap_and_resets() -> None:

@@ -167,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         gconf = gateway_config(values)  # also the checks across settings (e.g. the broker's lease clocks)
+        if gconf.broker_url:
+            from gateway.scaleout.redis_clients import parse_broker_url
+
+            parse_broker_url(gconf.broker_url)
     except ValueError as exc:
         parser.error(str(exc))
     _logging(values["log_level"])

@@ -293,8 +293,14 @@ SETTINGS: tuple[Setting, ...] = (
         "(repeatable or comma-separated); * allows any", repeat=True),
     _gw("cors_origins", STR, (), "Origins allowed by CORS on HTTP routes (repeatable or comma-separated); "
         "* allows any", repeat=True),
-    _gw("broker_url", STR, None, "Redis URL (redis://host:6379/0): share fan-out streams across gateway "
-        "replicas through Redis Streams", flag="--broker", env="TOKENFAN_BROKER"),
+    _gw("broker_url", STR, None, "Redis URL: share fan-out streams across gateway replicas through Redis Streams; "
+        "redis://[user:password@]host:6379/0 (rediss:// TLS, unix://), "
+        "redis+sentinel://host:26379[,host:26379...]/<service>[/<db>], redis+cluster://host:port[,host:port...] "
+        "(docs/deploy.md, Redis topologies)", flag="--broker", env="TOKENFAN_BROKER"),
+    _gw("broker_password", STR, None, "password of the Redis servers behind --broker when its URL has none "
+        "(keep it out of the command line: set TOKENFAN_BROKER_PASSWORD)"),
+    _gw("broker_sentinel_password", STR, None, "password of the sentinels of a redis+sentinel:// --broker, when "
+        "they require one (TOKENFAN_BROKER_SENTINEL_PASSWORD)"),
     _gw("broker_idle_timeout", FLOAT, 60.0,
         "a mirrored stream (--broker or --workers) with no new entry for this long checks its owner: owner_lost "
         "if that gateway is gone (its lease expired, or its worker's socket refuses), broker_unavailable if Redis "

@@ -99,10 +99,12 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None, server: Ser
         gw.loop.start()
         if config.broker_url:
             from gateway.scaleout.broker import Broker
+            from gateway.scaleout.redis_clients import Credentials
 
             redis = Broker(config.broker_url, gw.hub, idle_timeout=config.broker_idle_timeout,
                            local_cancel=gw.cancel_local_stream, timings=config.broker,
-                           on_fenced=lambda _, reason: gw.metrics.given_up.labels(reason).inc())
+                           on_fenced=lambda _, reason: gw.metrics.given_up.labels(reason).inc(),
+                           credentials=Credentials(config.broker_password, config.broker_sentinel_password))
             await redis.start()
             gw.remote = gw.publisher = redis
             redis.mirrors.adopt = Adopter(gw, redis)

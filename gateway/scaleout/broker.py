@@ -1,6 +1,7 @@
 """Fan-out across gateway replicas through Redis Streams (``--broker redis://…``).
 
-The gateway that runs a generation (its *owner*) writes the Redis stream ``tokenfan:s:<id>``: a header
+``--broker`` is one Redis, a Sentinel-managed primary or a Redis Cluster (:mod:`gateway.scaleout.redis_clients`).
+The gateway that runs a generation (its *owner*) writes the Redis stream ``tokenfan:{<id>}:s``: a header
 before the stream's id is handed out, one record per event, then an end record (records and keys in
 :mod:`gateway.scaleout.broker_codec`). Any other replica asked for a stream it does not hold mirrors it
 (:mod:`gateway.scaleout.mirror`, through :class:`~gateway.scaleout.redis_link.RedisLink`), so replay, resume, coalescing
@@ -38,9 +39,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError
 
 from gateway.config import BrokerTimings
@@ -48,6 +46,7 @@ from gateway.core.delivery import hand_over
 from gateway.core.streams import Event, Stream, StreamHub
 from gateway.errors import APIError
 from gateway.scaleout import broker_codec as codec
+from gateway.scaleout import redis_clients
 from gateway.scaleout import redis_fence as fence
 from gateway.scaleout.broker_codec import Header
 from gateway.scaleout.mirror import MirrorSet, RemoteStreamsByMirror, stop_tasks
@@ -61,7 +60,6 @@ from gateway.scaleout.redis_support import (
     broker_full,
     broker_unavailable,
     cancel_requested,
-    connection_class,
     is_oom,
     redact,
 )
@@ -92,30 +90,26 @@ class Broker(RemoteStreamsByMirror):
     ``local_cancel(stream_id)`` cancels a generation this gateway runs and says whether it did.
     ``on_fenced(stream, reason)`` (metrics): this gateway gave up a listed stream (``fenced``: its epoch was
     refused) or sent its readers away (``lease``: it fenced
-    itself)."""
+    itself). ``url``: one Redis, Sentinel or Cluster (:mod:`gateway.scaleout.redis_clients`; ValueError if it is
+    none of them), ``credentials``: passwords given outside it."""
 
     durable = True
 
     def __init__(self, url: str, hub: StreamHub, *, idle_timeout: float, local_cancel: Callable[[str], bool],
-                 timings: BrokerTimings | None = None, on_fenced: Callable[[Stream, str], None] | None = None) -> None:
+                 timings: BrokerTimings | None = None, on_fenced: Callable[[Stream, str], None] | None = None,
+                 credentials: redis_clients.Credentials | None = None) -> None:
         self.url = url
         self.hub = hub
         self.t = t = timings or BrokerTimings()
         self.on_fenced = on_fenced
-        # One immediate retry, on a new connection: after a Redis restart every pooled connection is
-        # stale and fails once. Beyond that we retry ourselves, with backoff, where it is safe.
-        once = Retry(NoBackoff(), 1)
-        self._redis: Any = Redis.from_url(url, socket_timeout=t.op_timeout, socket_connect_timeout=t.op_timeout,
-                                          retry=once, **connection_class(url))
-        self._blocking: Any = Redis.from_url(url, socket_connect_timeout=t.op_timeout, retry=once,
-                                             **connection_class(url))
-        # set after parsing, so a socket_timeout in the URL cannot undercut the block time
-        self._blocking.connection_pool.connection_kwargs["socket_timeout"] = t.block + t.op_timeout
+        self.clients = clients = redis_clients.connect(url, t, credentials)
+        self._redis: Any = clients.redis
+        self._blocking: Any = clients.blocking
         self.fence = fence.Fence(self._redis)
-        self.lease = OwnerLease(self._redis, t, on_lost=self._repair_all, on_fenced=self._fence_all)
-        self.cancels = CancelRpc(self._redis, self._blocking, t, local_cancel, self._mirror_running)
+        self.lease = OwnerLease(clients, t, on_lost=self._repair_all, on_fenced=self._fence_all)
+        self.cancels = CancelRpc(clients, t, local_cancel, self._mirror_running)
         self.transcripts = RedisTranscripts(self._redis, self.fence)
-        link = RedisLink(self._redis, self._blocking, t, self.cancels, lambda: hub.retention.finished_ttl, self.fence)
+        link = RedisLink(clients, t, self.cancels, lambda: hub.retention.finished_ttl, self.fence)
         self.mirrors = MirrorSet(hub, link, idle_timeout=idle_timeout, recheck=t.lease_interval,
                                on_owner_lost=link.record_owner_lost, lease_check=t.lease_ttl,
                                presence_check=t.presence_check or None)
@@ -167,13 +161,13 @@ class Broker(RemoteStreamsByMirror):
             async with asyncio.timeout(self.t.op_timeout):
                 await self._redis.ping()
                 await self.fence.load(self._redis)
-            log.info("broker: Redis Streams at %s (gateway id %s)", redact(self.url), self.gateway_id)
+            log.info("broker: Redis Streams at %s (gateway id %s)", self.clients.where(), self.gateway_id)
         except REDIS_ERRORS as exc:
             self._up = False
             log.error("broker: Redis at %s is not reachable (%s); fan-out streams answer 503 until it is",
-                      redact(self.url), exc)
+                      self.clients.where(), exc)
         for name, coro in (("broker-publisher", self._run_publisher()), ("broker-lease", self.lease.run()),
-                           ("broker-cancels", self.cancels.listen())):
+                           ("broker-cancels", self.cancels.listen()), ("broker-primary", self.clients.watch(self._repair_all))):
             self._background.append(asyncio.create_task(coro, name=name))
 
     async def successor(self) -> bool:
@@ -208,8 +202,7 @@ class Broker(RemoteStreamsByMirror):
                 await self._flush_once()
                 await self.lease.release()
         await self.mirrors.close()
-        await self._redis.aclose()
-        await self._blocking.aclose()
+        await self.clients.aclose()
 
     # -- other replicas' transcripts (mirror and cancel_remote: RemoteStreamsByMirror) ----------------------
 

@@ -4,18 +4,24 @@ One record format for every link a mirror reads (:mod:`gateway.scaleout.mirror`)
 stream entry; a peer worker's socket carries each one as an SSE event whose data is the same fields as
 one JSON object (:func:`pack` / :func:`decode_line`).
 
-Keys:
-  ``tokenfan:s:<id>``    the stream: a Redis stream of entries, always starting with its header
-  ``tokenfan:k:<id>``    "this id existed" marker, outlives the stream so an expired id answers 410
-  ``tokenfan:gw:<gid>``  a gateway's lease, refreshed while it runs (a mirror's owner is alive): ``1`` serves,
-                         ``1p`` serves and is present on ``tokenfan:p:<gid>``, ``draining``
-  ``tokenfan:p:<gid>``   pub/sub channel a gateway subscribes to while it runs: a killed gateway's connection
-                         closes at once, so ``PUBSUB NUMSUB`` 0 says it is gone without waiting for its lease
-  ``tokenfan:e:<id>``    the stream's fencing epoch (:mod:`gateway.scaleout.redis_fence`)
-  ``tokenfan:ack:<n>``   the replies to one forwarded cancel (a list; ``1`` = "I held it and cancelled")
-  ``tokenfan:t:<id>``    a finished stored response's transcript (msgpack), for ``previous_response_id``
+Keys (every key of one stream shares its hash tag ``{<id>}``, so the fencing scripts, which touch several,
+run on a Redis Cluster too; a gateway's lease and presence channel share ``{<gid>}``):
+  ``tokenfan:{<id>}:s``    the stream: a Redis stream of entries, always starting with its header
+  ``tokenfan:{<id>}:k``    "this id existed" marker, outlives the stream so an expired id answers 410
+  ``tokenfan:{<id>}:e``    the stream's fencing epoch (:mod:`gateway.scaleout.redis_fence`)
+  ``tokenfan:{<id>}:t``    a finished stored response's transcript (msgpack), for ``previous_response_id``
+  ``tokenfan:{<id>}:a:<owner>``  set (NX) by the one gateway that adopts the stream of an unfenced owner
+  ``tokenfan:gw:{<gid>}``  a gateway's lease, refreshed while it runs (a mirror's owner is alive): ``1`` serves,
+                           ``1p`` serves and is present on ``tokenfan:p:{<gid>}``, ``draining``
+  ``tokenfan:p:{<gid>}``   pub/sub channel a gateway subscribes to while it runs: a killed gateway's connection
+                           closes at once, so no subscriber says it is gone without waiting for its lease
+  ``tokenfan:ack:<n>``     the replies to one forwarded cancel (a list; ``1`` = "I held it and cancelled")
+  ``tokenfan:cancel``      the cancel channel every gateway subscribes to
 
-Entries of ``tokenfan:s:<id>`` (field names are bytes; values UTF-8):
+Before 2026-11-30 the keys had no hash tags (``tokenfan:s:<id>``, ``tokenfan:e:<id>``, ``tokenfan:gw:<gid>`` ...):
+gateways of either naming sharing one Redis do not see each other's streams (CHANGELOG.md).
+
+Entries of ``tokenfan:{<id>}:s`` (field names are bytes; values UTF-8):
   header  ``created`` = model, ``endpoint``, ``owner`` = gateway id (or worker index), ``detached`` = 1 | 0,
           ``epoch`` = the owner's fencing epoch (:mod:`gateway.scaleout.redis_fence`; absent: 0, not fenced),
           ``held`` = how many records (events, and the end) the owner's log held when it wrote the header
@@ -52,19 +58,23 @@ ACK_NO = b"0"
 
 
 def stream_key(stream_id: str) -> str:
-    return f"tokenfan:s:{stream_id}"
+    return f"tokenfan:{{{stream_id}}}:s"
 
 
 def known_key(stream_id: str) -> str:
-    return f"tokenfan:k:{stream_id}"
+    return f"tokenfan:{{{stream_id}}}:k"
+
+
+def epoch_key(stream_id: str) -> str:
+    return f"tokenfan:{{{stream_id}}}:e"
 
 
 def lease_key(gateway_id: str) -> str:
-    return f"tokenfan:gw:{gateway_id}"
+    return f"tokenfan:gw:{{{gateway_id}}}"
 
 
 def presence_channel(gateway_id: str) -> str:
-    return f"tokenfan:p:{gateway_id}"
+    return f"tokenfan:p:{{{gateway_id}}}"
 
 
 def ack_key(nonce: str) -> str:
@@ -73,11 +83,11 @@ def ack_key(nonce: str) -> str:
 
 def adopt_key(stream_id: str, owner: str) -> str:
     """Set (NX) by the one gateway that adopts ``stream_id`` from its lost owner ``owner``."""
-    return f"tokenfan:adopt:{stream_id}:{owner}"
+    return f"tokenfan:{{{stream_id}}}:a:{owner}"
 
 
 def transcript_key(response_id: str) -> str:
-    return f"tokenfan:t:{response_id}"
+    return f"tokenfan:{{{response_id}}}:t"
 
 
 class CodecError(ValueError):

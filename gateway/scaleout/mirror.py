@@ -1,7 +1,7 @@
 """The one mirror: a local :class:`Stream` that follows another gateway's log, record by record.
 
     Link.open(id) ──► header, async iterator of records ──► Mirror.run ──► Stream.append / finish
-      RedisLink (gateway.scaleout.redis_link): XREAD of tokenfan:s:<id>          (--broker, across replicas)
+      RedisLink (gateway.scaleout.redis_link): XREAD of tokenfan:{<id>}:s         (--broker, across replicas)
       PeerLink  (gateway.scaleout.peers): the owner worker's socket, SSE events     (--workers, on one machine)
 
 Both links carry :mod:`gateway.scaleout.broker_codec` records; what the mirror does with them is the same and

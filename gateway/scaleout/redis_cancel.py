@@ -9,10 +9,10 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from gateway.config import BrokerTimings
 from gateway.scaleout import broker_codec as codec
+from gateway.scaleout.redis_clients import Clients
 from gateway.scaleout.redis_support import (
     ACK_TTL_S,
     REDIS_ERRORS,
@@ -28,9 +28,9 @@ class CancelRpc:
     """Cancels across replicas over pub/sub. ``local_cancel(id)`` cancels a generation this gateway runs
     and says whether it did; ``running_here(id)``: a mirror of it here has not ended (worth asking again)."""
 
-    def __init__(self, redis: Any, blocking: Any, t: BrokerTimings, local_cancel: Callable[[str], bool],
+    def __init__(self, clients: Clients, t: BrokerTimings, local_cancel: Callable[[str], bool],
                  running_here: Callable[[str], bool]) -> None:
-        self.redis, self.blocking, self.t = redis, blocking, t
+        self.clients, self.redis, self.blocking, self.t = clients, clients.redis, clients.blocking, t
         self.local_cancel, self.running_here = local_cancel, running_here
 
     async def ask(self, stream_id: str) -> bool:
@@ -40,7 +40,7 @@ class CancelRpc:
         deadline = time.monotonic() + self.t.cancel_timeout
         try:
             while True:
-                listeners = await self.redis.publish(codec.CANCEL_CHANNEL, codec.encode_cancel(req))
+                listeners = await self.clients.publish(codec.CANCEL_CHANNEL, codec.encode_cancel(req))
                 answers = 0
                 while answers < listeners:
                     left = deadline - time.monotonic()
@@ -65,24 +65,26 @@ class CancelRpc:
         backoff = Backoff(self.t.backoff_max)
         lost = False
         while not cancel_requested():
-            pubsub = self.redis.pubsub()
+            sub = self.clients.subscription(codec.CANCEL_CHANNEL)
             try:
-                await pubsub.subscribe(codec.CANCEL_CHANNEL)
+                if lost:
+                    await self.clients.refresh()
+                await sub.open()
                 if lost:
                     log.warning("broker: cancel listener resubscribed")
                 lost = False
                 backoff.reset()
                 while not cancel_requested():
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=self.t.block)
-                    if msg is not None and msg.get("type") == "message":
-                        await self._answer(msg["data"])
+                    data = await sub.get(self.t.block)
+                    if data is not None:
+                        await self._answer(data)
             except REDIS_ERRORS as exc:
                 if not lost:
                     log.warning("broker: cancel listener lost Redis (%s); resubscribing", exc)
                 lost = True
             finally:
                 with contextlib.suppress(*REDIS_ERRORS):
-                    await pubsub.aclose()
+                    await sub.aclose()
             await asyncio.sleep(backoff.next())
 
     async def _answer(self, data: bytes) -> None:

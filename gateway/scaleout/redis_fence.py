@@ -1,13 +1,13 @@
 """Fencing (``--broker``): every write to a listed stream's Redis key carries its owner's epoch, and Redis
 refuses the write of a stale owner (one function each: compare, then write; no interleaving is possible).
 
-Each ownership of a stream has an epoch in ``tokenfan:e:<id>``: 1 for the gateway that created it, one more
+Each ownership of a stream has an epoch in ``tokenfan:{<id>}:e``: 1 for the gateway that created it, one more
 for each gateway that adopted it (:func:`take`, which succeeds for exactly one adopter of a given epoch). A
 gateway cut off from Redis while another adopts its stream finds, once it can write again, that its epoch
 is gone: :func:`append` answers :data:`FENCED` and writes nothing, so its late events never land beside the
 adopter's (the Redlock critique: a lock without a fencing token checked by the store is not safe).
 
-Redis runs each script atomically. A Redis that restarts without persistence loses the epochs with the
+Redis runs each script atomically; its KEYS are one stream's, in one hash slot (a Redis Cluster runs it). A Redis that restarts without persistence loses the epochs with the
 streams: then the owner writes its stream anew (``create``), which sets the epoch it holds.
 """
 
@@ -75,9 +75,7 @@ return 1
 """
 
 
-def epoch_key(stream_id: str) -> str:
-    return f"tokenfan:e:{stream_id}"
-
+epoch_key = codec.epoch_key
 
 class Fence:
     """The three scripts, registered once on one client (redis-py loads them again after a Redis restart)."""
@@ -96,9 +94,10 @@ class Fence:
             for k, v in fields.items():
                 args += (k, v)
         # queued like any pipelined command, by its SHA: not registered on the pipeline, which would ask Redis
-        # SCRIPT EXISTS before every execute (a round trip per flush); :meth:`load` after NOSCRIPT
-        pipe.evalsha(self._append.sha, 3, codec.stream_key(stream_id), epoch_key(stream_id),
-                     codec.known_key(stream_id), *args)
+        # SCRIPT EXISTS before every execute (a round trip per flush); :meth:`load` after NOSCRIPT. Through
+        # execute_command: redis-py's cluster pipeline refuses pipe.evalsha, though it routes EVALSHA by its keys
+        pipe.execute_command("EVALSHA", self._append.sha, 3, codec.stream_key(stream_id), epoch_key(stream_id),
+                             codec.known_key(stream_id), *args)
 
     async def load(self, redis: Any) -> None:
         """Load the scripts into Redis (at start, and after a NOSCRIPT: a restarted Redis has none)."""

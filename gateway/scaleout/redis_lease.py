@@ -6,7 +6,7 @@ handed over to it).
 Two ways an owner is found gone, for two kinds of fault:
 
 - **Killed** (SIGKILL, OOM, a node that stops): its connections close at once, so its subscription to its
-  presence channel (``tokenfan:p:<gid>``) is gone from Redis's ``PUBSUB NUMSUB`` within a round trip. Mirrors
+  presence channel (``tokenfan:p:{<gid>}``) is gone from Redis's ``PUBSUB NUMSUB`` within a round trip. Mirrors
   check it after a short quiet (``--broker-presence-check``): failover in a fraction of a second.
 - **Partitioned** (its link to Redis holds bytes; nothing is closed, so Redis still counts its subscription):
   its lease is not refreshed and expires after ``--broker-lease-ttl``. The owner *fences itself* before that
@@ -26,10 +26,10 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from gateway.config import BrokerTimings
 from gateway.scaleout import broker_codec as codec
+from gateway.scaleout.redis_clients import Clients
 from gateway.scaleout.redis_support import REDIS_ERRORS, Backoff, cancel_requested
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,9 @@ class OwnerLease:
     ``on_fenced(True)`` when it went unconfirmed so long that it may expire, ``on_fenced(False)`` when it is
     confirmed again (see the module docstring)."""
 
-    def __init__(self, redis: Any, t: BrokerTimings, on_lost: Callable[[], None],
+    def __init__(self, clients: Clients, t: BrokerTimings, on_lost: Callable[[], None],
                  on_fenced: Callable[[bool], None] | None = None, gateway_id: str | None = None) -> None:
-        self.redis, self.t, self.on_lost, self.on_fenced = redis, t, on_lost, on_fenced
+        self.clients, self.redis, self.t, self.on_lost, self.on_fenced = clients, clients.redis, t, on_lost, on_fenced
         self.gateway_id = gateway_id or uuid.uuid4().hex[:16]
         self.draining = False
         self.fenced = False  # the lease went unconfirmed past valid_until, and no refresh was confirmed since
@@ -133,21 +133,28 @@ class OwnerLease:
     async def _stay_present(self) -> None:
         """Subscribe to this gateway's presence channel (again after an error)."""
         backoff = Backoff(self.t.backoff_max)
+        lost = False
         while not cancel_requested():
-            pubsub = self.redis.pubsub()
+            sub = self.clients.subscription(codec.presence_channel(self.gateway_id))
             try:
-                await pubsub.subscribe(codec.presence_channel(self.gateway_id))
+                if lost:
+                    await self.clients.refresh()
+                await sub.open()
                 self.present_as = self.gateway_id
                 self._changed.set()
+                lost = False
                 backoff.reset()
                 while not cancel_requested():
-                    await pubsub.get_message(timeout=min(self.t.block, 0.5))
+                    await sub.get(min(self.t.block, 0.5))
             except REDIS_ERRORS as exc:
                 log.info("broker: presence subscription lost (%s); subscribing again", exc)
+                lost = True
             finally:
-                self.present_as = None
+                if self.present_as is not None:  # the lease says so at once, not at its next refresh
+                    self.present_as = None
+                    self._changed.set()
                 with contextlib.suppress(*REDIS_ERRORS):
-                    await pubsub.aclose()
+                    await sub.aclose()
             await asyncio.sleep(backoff.next())
 
     async def drain(self) -> None:
@@ -161,7 +168,10 @@ class OwnerLease:
         async for key in self.redis.scan_iter(match=codec.lease_key("*"), count=1000):
             if key != mine:
                 keys.append(key)
-        values = await self.redis.mget(keys) if keys else []
+        pipe = self.redis.pipeline(transaction=False)  # not MGET: on a cluster the leases are in many slots
+        for key in keys:
+            pipe.get(key)
+        values = await pipe.execute() if keys else []
         return sum(v is not None and v.startswith(b"1") for v in values)
 
     async def release(self) -> None:

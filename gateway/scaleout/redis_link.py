@@ -8,7 +8,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
 
 from gateway.config import BrokerTimings
 from gateway.core.streams import Stream
@@ -16,6 +15,7 @@ from gateway.errors import APIError, stream_expired, stream_lost, stream_not_fou
 from gateway.scaleout import broker_codec as codec
 from gateway.scaleout.mirror import Item, Lease, Opened, Quiet
 from gateway.scaleout.redis_cancel import CancelRpc
+from gateway.scaleout.redis_clients import Clients
 from gateway.scaleout.redis_fence import Fence
 from gateway.scaleout.redis_support import REDIS_ERRORS, Backoff, broker_unavailable, cancel_requested
 
@@ -27,12 +27,15 @@ LEASE_CACHE_S = 0.05  # an owner's lease, as asked by one mirror, answers the ot
 class RedisLink:
     """The mirror's link through Redis (:class:`gateway.scaleout.mirror.Link`)."""
 
-    def __init__(self, redis: Any, blocking: Any, t: BrokerTimings, cancels: CancelRpc,
+    def __init__(self, clients: Clients, t: BrokerTimings, cancels: CancelRpc,
                  finished_ttl: Callable[[], float], fence: Fence) -> None:
-        self.redis, self.blocking, self.t, self.cancels = redis, blocking, t, cancels
+        self.clients, self.redis, self.blocking, self.t, self.cancels = clients, clients.redis, clients.blocking, t, cancels
         self.finished_ttl = finished_ttl
         self.fence = fence
         self._leases: dict[str, tuple[float, Lease]] = {}  # owner -> (monotonic time asked, answer): shared
+        # until then a closed presence subscription proves nothing: this link just lost Redis (a restart, a
+        # failover), and an owner's subscription may still be on its way to the server that answers now
+        self._unsettled_until = 0.0
 
     async def open(self, stream_id: str) -> Opened:
         key = codec.stream_key(stream_id)
@@ -67,6 +70,7 @@ class RedisLink:
                 if unreachable is None:
                     log.info("broker: mirror of %s lost Redis (%s); reconnecting", stream_id, exc)
                 unreachable = exc
+                self._unsettled_until = time.monotonic() + self.t.lease_ttl
                 # Read again from the start once back: the owner may have rewritten the stream (a
                 # restart without persistence); the mirror skips the repeats.
                 last_id = b"0-0"
@@ -96,12 +100,16 @@ class RedisLink:
         pipe = self.redis.pipeline(transaction=False)
         pipe.pttl(codec.lease_key(owner))
         pipe.get(codec.lease_key(owner))
-        pipe.pubsub_numsub(codec.presence_channel(owner))
+        if not self.clients.sharded:  # on a cluster PUBSUB goes to the channel's primary, not in a pipeline
+            pipe.pubsub_numsub(codec.presence_channel(owner))
         try:
-            ttl_ms, value, numsub = await pipe.execute()
+            ttl_ms, value, *numsub = await pipe.execute()
+            if value == b"1p":
+                subscribers = int(numsub[0][0][1]) if numsub else await self.clients.numsub(codec.presence_channel(owner))
         except REDIS_ERRORS:
+            self._unsettled_until = time.monotonic() + self.t.lease_ttl
             return Lease("unknown")
-        present = int(numsub[0][1]) > 0 if value == b"1p" else None
+        present = subscribers > 0 if value == b"1p" and now >= self._unsettled_until else None
         if int(ttl_ms) == -1:  # held without an expiry (set by hand)
             lease = Lease("held", present=present)
         else:

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError, ResponseError
 
 from gateway.errors import APIError, StreamError
 
@@ -24,7 +24,8 @@ KNOWN_TTL_S = 24 * 3600  # the 410-vs-404 marker, and the bound on a key whose o
 ACK_TTL_S = 30
 
 
-REDIS_ERRORS = (RedisError, OSError, TimeoutError)  # redis-py's errors; sockets; asyncio timeouts
+# redis-py's errors (a cluster none of whose nodes answers raises RedisClusterException); sockets; asyncio timeouts
+REDIS_ERRORS = (RedisError, RedisClusterException, OSError, TimeoutError)
 
 
 class _ClosedIsLost:

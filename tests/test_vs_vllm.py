@@ -171,3 +171,9 @@ def test_isolate_engine_starts_both_arms_under_taskset_with_the_same_binding(tmp
         assert v.server_env(spec, ns)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     plain = v.parser().parse_args([])
     assert v.server_command(v.ServerSpec("vllm", "vllm"), model, plain, 8000)[0] != "taskset"
+
+
+def test_the_placement_record_counts_each_process_threads_per_cpu_list() -> None:
+    rec = v.placement_record([*_tree("vllm"), v.Placed(90, 93, "model_worker", "0-1")])
+    assert rec[-1] == {"pid": 90, "role": "model_worker", "cpus": "0", "threads": {"0": 2, "0-1": 1}}
+    assert rec[0] == {"pid": 10, "role": "api_server", "cpus": "1", "threads": {"1": 1}}

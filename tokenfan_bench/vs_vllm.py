@@ -509,6 +509,17 @@ def placed(root_pid: int, kind: str) -> list[Placed]:
     return out
 
 
+def placement_record(threads: list[Placed]) -> list[dict[str, Any]]:
+    """Per process: pid, role, its main thread's CPUs and how many of its threads are on each CPU list."""
+    out: dict[int, dict[str, Any]] = {}
+    for t in threads:
+        row = out.setdefault(t.pid, {"pid": t.pid, "role": t.role, "cpus": None, "threads": {}})
+        if t.tid == t.pid:
+            row["cpus"] = t.cpus
+        row["threads"][t.cpus] = row["threads"].get(t.cpus, 0) + 1
+    return list(out.values())
+
+
 def _cpus_allowed(status: str) -> str:
     for line in Path(status).read_text().splitlines():
         if line.startswith("Cpus_allowed_list:"):
@@ -524,7 +535,7 @@ def isolate_engine(srv: Running) -> None:
         if p.role == "model_worker":
             with contextlib.suppress(OSError):  # a thread that ended meanwhile
                 os.sched_setaffinity(p.tid, parse_cpu_list(MODEL_CPUS))
-    srv.placement = {"as_started": [vars(p) for p in before if p.tid == p.pid or p.role == "model_worker"]}
+    srv.placement = {"as_started": placement_record(before)}
     check_placement(srv, "after its start")
 
 
@@ -533,7 +544,7 @@ def check_placement(srv: Running, when: str) -> None:
     now = placed(srv.proc.pid, srv.spec.kind)
     errors = placement_errors(now, srv.spec.kind)
     assert srv.placement is not None
-    srv.placement["checked"] = [vars(p) for p in now if p.tid == p.pid or p.role == "model_worker"]
+    srv.placement["checked"] = placement_record(now)
     if errors:
         raise SystemExit(f"--isolate-engine: {srv.spec.label} is not placed as asked {when}; no figures reported:\n  "
                          + "\n  ".join(errors))

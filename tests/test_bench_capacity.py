@@ -23,6 +23,7 @@ def test_a_level_holds_only_within_the_bound_without_errors_and_with_the_offered
     assert "offered" in (gateway_cost.why_not_held(10.0, 0, 9_400.0, 10_000.0, 50.0) or "")
     assert gateway_cost.why_not_held(None, 0, 10_000.0, 10_000.0, 50.0) == "no event timed"
     assert gateway_cost.held(50.0, 0, 9_500.0, 10_000.0, 50.0)  # both bounds are inclusive
+    assert gateway_cost.why_not_held(10.0, 0, 100.0, 10_000.0, 50.0, min_delivered=0.0) is None
 
 
 def test_the_capacity_is_the_best_level_that_held_and_reports_that_level() -> None:

@@ -140,16 +140,16 @@ def _tokens(level: dict[str, Any]) -> float:
 
 
 def why_not_held(p99_ms: float | None, errors: int, tokens_per_s: float, offered: float,
-                 threshold_ms: float) -> str | None:
+                 threshold_ms: float, min_delivered: float = 0.95) -> str | None:
     """None if a level held, else the first reason it did not: no latencies, p99 over the bound, an error,
-    or less than 95 % of the offered tokens delivered (lost, or late past the window)."""
+    or less than ``min_delivered`` of the offered tokens delivered (lost, or late past the window)."""
     if p99_ms is None:
         return "no event timed"
     if p99_ms > threshold_ms:
         return f"p99 {p99_ms:.1f} ms > {threshold_ms:g} ms"
     if errors:
         return f"{errors} error(s)"
-    if tokens_per_s < 0.95 * offered:
+    if tokens_per_s < min_delivered * offered:
         return f"{tokens_per_s:,.0f} of {offered:,.0f} offered tokens/s delivered"
     return None
 
@@ -359,7 +359,8 @@ async def capacity_level(srv: Server, ns: argparse.Namespace, mode: str, streams
     p99 = float(np.percentile(lat, 99)) if lat.size else None
     events_per_s = w["events_per_s"] or 0.0
     tokens_per_s = events_per_s * interval
-    verdict = why_not_held(p99, errors, tokens_per_s, offered, ns.threshold_ms if threshold_ms is None else threshold_ms)
+    verdict = why_not_held(p99, errors, tokens_per_s, offered, ns.threshold_ms if threshold_ms is None else threshold_ms,
+                           getattr(ns, "min_delivered", 0.95))
     dt = b.t - a.t
     return {**base, "events_per_s": events_per_s, "tokens_per_s": tokens_per_s,
             "delivery_ms": {"p50": float(np.percentile(lat, 50)) if lat.size else None,

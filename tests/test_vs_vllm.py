@@ -123,3 +123,57 @@ def test_a_model_with_serving_hints_is_served_through_a_view_without_them(tmp_pa
     assert sorted(p.name for p in raw.path.iterdir()) == ["config.json", "transcript.jinja"]
     hinted = v.resolve_bench_model(str(model), tmp_path / "cache", None, hints=True)
     assert hinted.path == model and hinted.stop == ("\n\n",) and hinted.chat_template == model / "transcript.jinja"
+
+
+# -- --isolate-engine -----------------------------------------------------------------------------
+
+
+def _tree(kind: str, model: str = "0", others: str = "1") -> list[v.Placed]:
+    front = ["gateway", "engine_worker"] if kind == "tokenfan" else ["api_server"]
+    procs = [v.Placed(10 + i, 10 + i, role, others) for i, role in enumerate([*front, "engine_core"])]
+    return [*procs, v.Placed(90, 90, "model_worker", model), v.Placed(90, 91, "model_worker", model)]
+
+
+def test_cpu_lists_parse_as_proc_and_taskset_write_them() -> None:
+    assert v.parse_cpu_list("0-2,5") == {0, 1, 2, 5}
+    assert v.parse_cpu_list("1") == {1} and v.parse_cpu_list(" 0 ") == {0}
+
+
+@pytest.mark.parametrize("kind", ["tokenfan", "vllm"])
+def test_isolate_engine_accepts_the_model_worker_on_cpu_0_and_everything_else_on_cpu_1(kind: str) -> None:
+    assert v.placement_errors(_tree(kind), kind) == []
+
+
+@pytest.mark.parametrize("kind", ["tokenfan", "vllm"])
+def test_isolate_engine_refuses_any_process_or_model_thread_off_its_cpus(kind: str) -> None:
+    assert v.placement_errors(_tree(kind, model="1"), kind)  # vLLM's binding did not take
+    assert v.placement_errors(_tree(kind, others="0-1"), kind)  # the front end not confined
+    stray = [*_tree(kind), v.Placed(90, 92, "model_worker", "0-1")]  # one thread of the model worker
+    (err,) = v.placement_errors(stray, kind)
+    assert "thread 92" in err
+    other_thread = [*_tree(kind), v.Placed(10, 12, _tree(kind)[0].role, "0-1")]
+    assert v.placement_errors(other_thread, kind) == []  # only the model worker's threads are pinned each
+
+
+@pytest.mark.parametrize("kind", ["tokenfan", "vllm"])
+def test_isolate_engine_refuses_a_tree_without_its_model_worker(kind: str) -> None:
+    # a tree whose model worker is not there yet (or was not recognised) would pass any placement check
+    (err,) = v.placement_errors([p for p in _tree(kind) if p.role != "model_worker"], kind)
+    assert "no model_worker" in err
+
+
+def test_isolate_engine_starts_both_arms_under_taskset_with_the_same_binding(tmp_path: Path) -> None:
+    ns = v.parser().parse_args(["--isolate-engine"])
+    model = v.Model(tmp_path, "m")
+    for kind in v.KINDS:
+        spec = v.ServerSpec(kind, kind)
+        assert v.server_command(spec, model, ns, 8000)[:3] == ["taskset", "-c", "1"]
+        assert v.server_env(spec, ns)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    plain = v.parser().parse_args([])
+    assert v.server_command(v.ServerSpec("vllm", "vllm"), model, plain, 8000)[0] != "taskset"
+
+
+def test_the_placement_record_counts_each_process_threads_per_cpu_list() -> None:
+    rec = v.placement_record([*_tree("vllm"), v.Placed(90, 93, "model_worker", "0-1")])
+    assert rec[-1] == {"pid": 90, "role": "model_worker", "cpus": "0", "threads": {"0": 2, "0-1": 1}}
+    assert rec[0] == {"pid": 10, "role": "api_server", "cpus": "1", "threads": {"1": 1}}

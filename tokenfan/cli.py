@@ -101,6 +101,7 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     from engine_worker.probe import parser as probe_parser
     from gateway.http.certs import parser as certs_parser
     from tokenfan_bench.cli import parser as bench_parser
+    from tokenfan_bench.cpu.capacity import parser as capacity_parser
     from tokenfan_bench.cpu.gateway_cost import parser as cpu_parser
     from tokenfan_bench.cpu.step_pass_cost import parser as pass_parser
     from tokenfan_bench.failover import parser as failover_parser
@@ -113,7 +114,7 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
             "tokenfan bench vs-vllm": vs_vllm_parser(), "tokenfan bench cpu": cpu_parser(),
             "tokenfan bench pass": pass_parser(), "tokenfan bench failover": failover_parser(),
             "tokenfan bench page-levels": page_levels_parser(), "tokenfan bench fanout": fanout_parser(),
-            "tokenfan bench sizing": sizing_parser(),
+            "tokenfan bench sizing": sizing_parser(), "tokenfan bench capacity": capacity_parser(),
             "tokenfan prepare-model": models_parser("tokenfan prepare-model"), "tokenfan certs": certs_parser()}
 
 

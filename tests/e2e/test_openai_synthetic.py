@@ -85,6 +85,35 @@ def test_websocket_multiplexes_and_carries_the_same_chunks(gateway_url: str, cli
         assert got[cid][-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_tokenfan_timing_adds_the_timing_object_to_post_sse_and_ws_chunks_only_when_asked(gateway_url: str) -> None:
+    body = {"model": "synthetic", "messages": [{"role": "user", "content": "timed"}], "max_tokens": 4, "seed": 5,
+            "stream": True}
+
+    def post(query: str) -> list[dict]:
+        r = httpx.post(gateway_url + "/v1/chat/completions" + query, json=body, timeout=30)
+        assert r.status_code == 200
+        return [json.loads(e["data"]) for e in sse_events(r.text) if e["data"] != "[DONE]"]
+
+    async def ws(query: str) -> list[dict]:
+        async with websockets.connect(gateway_url.replace("http", "ws") + "/v1/ws" + query) as conn:
+            await conn.send(json.dumps({"type": "request", "id": "t", "body": body}))
+            got = []
+            while (msg := json.loads(await conn.recv()))["type"] == "chunk":
+                got.append(msg["data"])
+            assert msg["type"] == "done", msg
+            return got
+
+    for timed, plain in ((post("?tokenfan_timing=1"), post("")),
+                         (asyncio.run(ws("?tokenfan_timing=1")), asyncio.run(ws("")))):
+        assert timed and plain and not any("tokenfan" in c for c in plain)
+        assert [c["tokenfan"]["seq"] for c in timed] == list(range(len(timed)))
+        assert all(c["tokenfan"]["emit_ns"] > 0 and c["tokenfan"]["sent_ns"] >= c["tokenfan"]["emit_ns"]
+                   for c in timed)
+        # the chunks themselves are unchanged: the timing object is one key more
+        assert all(set(c) - {"tokenfan"} == set(plain[0]) for c in timed)
+        assert "".join(map(chunk_text, timed)) == "".join(map(chunk_text, plain))
+
+
 def test_websocket_bad_messages_get_errors_and_the_socket_survives(gateway_url: str) -> None:
     async def run() -> list[dict]:
         out = []

@@ -127,16 +127,46 @@ def setup_figures(cpu_s: float, engine_s: float | None, client_s: float, generat
 
 
 def capacity_of(levels: list[dict[str, Any]], threshold_ms: float) -> dict[str, Any]:
-    """The most delivered events/s among the levels that held (p99 ≤ threshold, no errors, ≥ 95 % of the
-    offered events delivered)."""
+    """The most delivered tokens/s among the levels that held (p99 ≤ threshold, no errors, ≥ 95 % of the
+    offered tokens delivered), the level it came from (``best``) and every level."""
     held = [lv for lv in levels if lv["held"]]
-    best = max(held, key=lambda lv: lv["events_per_s"]) if held else None
-    return {"threshold_ms": threshold_ms, "tokens_per_s": best["events_per_s"] if best else None,
-            "streams": best["streams"] if best else None, "levels": levels}
+    best = max(held, key=_tokens) if held else None
+    return {"threshold_ms": threshold_ms, "tokens_per_s": _tokens(best) if best else None,
+            "streams": best["streams"] if best else None, "best": best, "levels": levels}
+
+
+def _tokens(level: dict[str, Any]) -> float:
+    return float(level.get("tokens_per_s", level.get("events_per_s")) or 0.0)
+
+
+def why_not_held(p99_ms: float | None, errors: int, tokens_per_s: float, offered: float,
+                 threshold_ms: float, min_delivered: float = 0.95) -> str | None:
+    """None if a level held, else the first reason it did not: no latencies, p99 over the bound, an error,
+    or less than ``min_delivered`` of the offered tokens delivered (lost, or late past the window)."""
+    if p99_ms is None:
+        return "no event timed"
+    if p99_ms > threshold_ms:
+        return f"p99 {p99_ms:.1f} ms > {threshold_ms:g} ms"
+    if errors:
+        return f"{errors} error(s)"
+    if tokens_per_s < min_delivered * offered:
+        return f"{tokens_per_s:,.0f} of {offered:,.0f} offered tokens/s delivered"
+    return None
 
 
 def held(p99_ms: float | None, errors: int, events_per_s: float, offered: float, threshold_ms: float) -> bool:
-    return p99_ms is not None and p99_ms <= threshold_ms and errors == 0 and events_per_s >= 0.95 * offered
+    return why_not_held(p99_ms, errors, events_per_s, offered, threshold_ms) is None
+
+
+def hold_ms(interval: int, tokens_per_s: float) -> float:
+    """How long an event of ``interval`` tokens holds its oldest one (its ``emit_ns``, as the engine stamps a
+    merged delta): the delivery bound of a level grows by it, the transport's share stays the threshold."""
+    return (interval - 1) / tokens_per_s * 1000.0
+
+
+def tokens_per_core(tokens_per_s: float | None, cpu_util: float | None) -> float | None:
+    """Tokens/s per CPU core the server used (tokens/s ÷ its CPU seconds per second)."""
+    return None if tokens_per_s is None or not cpu_util else tokens_per_s / cpu_util
 
 
 # -- processes -----------------------------------------------------------------------------------
@@ -176,16 +206,18 @@ class Server:
 
 
 @contextlib.contextmanager
-def spawned(kind: str, ns: argparse.Namespace, out: Path, workers: int = 1) -> Iterator[Server]:
+def spawned(kind: str, ns: argparse.Namespace, out: Path, workers: int = 1, interval: int = 1) -> Iterator[Server]:
+    """The synthetic engine + gateway (``--workers``), or the raw floor; ``interval``: tokens per event."""
     if kind == "raw":
-        with processes.spawn_raw(ns.tokens_per_s, ns.ttft_ms, out / "logs", ns.steps) as raw:
+        with processes.spawn_raw(ns.tokens_per_s, ns.ttft_ms, out / "logs", ns.steps, interval) as raw:
             yield Server("raw", raw.url, ProcCpu(raw.server_pid), None)
         return
     gw_args = ["--max-tokens-cap", str(10 * steady_tokens(ns)), "--ws-max-in-flight", str(max(32, ns.per_connection)),
                *ns.gateway_arg,
                *(["--workers", str(workers)] if workers > 1 else [])]
     with processes.spawn_synthetic(ns.tokens_per_s, ns.ttft_ms, out / "logs", gw_args,
-                               engine_args=["--max-model-len", "1000000", "--synthetic-steps", ns.steps]) as s:
+                               engine_args=["--max-model-len", "1000000", "--synthetic-steps", ns.steps,
+                                            *(["--stream-interval", str(interval)] if interval > 1 else [])]) as s:
         yield Server("gateway", s.url, ProcCpu(s.server_pid), ProcCpu(s.procs[0].pid, tree=False))
 
 
@@ -271,42 +303,75 @@ async def measure_modes(srv: Server, ns: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-async def capacity(srv: Server, ns: argparse.Namespace) -> dict[str, Any]:
-    levels = []
-    for streams in ns.capacity_levels:
-        load = Load(srv.url, "b", generations=streams, readers=1, max_tokens=steady_tokens(ns), ramp=ns.ramp,
-                    timing=True, seed=ns.seed)
-        offered = streams * ns.tokens_per_s
-        try:
-            await load.open()
-            await load.wait_started(ns.start_timeout)
-            await asyncio.sleep(ns.warmup)
-            assert load.tally.latencies_ns is not None
+async def capacity(srv: Server, ns: argparse.Namespace, mode: str = "b", levels: list[int] | None = None,
+                   interval: int = 1, on_level: LevelHook | None = None) -> dict[str, Any]:
+    """Levels of ``levels`` (default ``--capacity-levels``) streams of ``mode``, ascending until one does not
+    hold; ``interval``: the engine's tokens per event (its ``--stream-interval``). ``on_level`` runs beside each
+    level's measured window (a profiler)."""
+    threshold = ns.threshold_ms + hold_ms(interval, ns.tokens_per_s)
+    done: list[dict[str, Any]] = []
+    for streams in levels or ns.capacity_levels:
+        row = await capacity_level(srv, ns, mode, streams, interval, on_level, threshold)
+        done.append(row)
+        if "error" in row:
+            print(f"  {srv.kind} {MODE_NAMES[mode]} {streams} streams: {row['error']}", file=sys.stderr)
+        else:
+            print(f"  {srv.kind} {MODE_NAMES[mode]} {streams} streams: {row['tokens_per_s']:,.0f} tok/s, p99 "
+                  f"{_fmt(row['delivery_ms']['p99'])} ms, errors {row['errors']}, CPU {_fmt(row['server_cpu_util'], 2)}"
+                  f" -> {'held' if row['held'] else 'NOT held'}", file=sys.stderr)
+        if not row["held"]:
+            break
+    return capacity_of(done, threshold)
+
+
+LevelHook = Any  # (Server, mode, streams, seconds) -> a context manager around the measured window
+
+
+async def capacity_level(srv: Server, ns: argparse.Namespace, mode: str, streams: int, interval: int = 1,
+                         on_level: LevelHook | None = None, threshold_ms: float | None = None) -> dict[str, Any]:
+    """One level: ``streams`` generations of ``mode`` (fan-out: one SSE reader each; ``/v1/ws``:
+    ``--per-connection`` per socket), each event's delivery latency (receive - engine emit), CPU over the window."""
+    load = Load(srv.url, mode, generations=streams, readers=1, per_connection=ns.per_connection,
+                max_tokens=steady_tokens(ns), ramp=ns.ramp, timing=True, seed=ns.seed)
+    offered = streams * ns.tokens_per_s  # tokens/s
+    seconds = ns.window * ns.repeats
+    base: dict[str, Any] = {"streams": streams, "mode": mode, "stream_interval": interval,
+                            "offered_tokens_per_s": offered}
+    try:
+        await load.open()
+        await load.wait_started(ns.start_timeout)
+        await asyncio.sleep(ns.warmup)
+        assert load.tally.latencies_ns is not None
+        with on_level(srv, mode, streams, seconds) if on_level is not None else contextlib.nullcontext():
             load.tally.latencies_ns.clear()
             a = srv.snapshot(load.tally.events)
-            await asyncio.sleep(ns.window * ns.repeats)
+            await asyncio.sleep(seconds)
             b = srv.snapshot(load.tally.events)
             lat = np.array(load.tally.latencies_ns, dtype=np.float64) / 1e6
-            await load.aclose()
-        except TimeoutError as exc:
-            await load.aclose()
-            levels.append({"streams": streams, "offered_tokens_per_s": offered, "held": False, "error": str(exc)})
-            break
+            errors = len(load.tally.errors)
+    except TimeoutError as exc:
+        await load.aclose()
         await asyncio.sleep(ns.settle)
-        w = window(a, b)
-        p99 = float(np.percentile(lat, 99)) if lat.size else None
-        errors = len(load.tally.errors)
-        ok = held(p99, errors, w["events_per_s"] or 0.0, offered, ns.threshold_ms)
-        levels.append({"streams": streams, "offered_tokens_per_s": offered, "events_per_s": w["events_per_s"],
-                       "delivery_ms": {"p50": float(np.percentile(lat, 50)) if lat.size else None, "p99": p99},
-                       "errors": errors, "held": ok, **{k: w[k] for k in (
-                           "server_us_per_event", "engine_us_per_event", "client_us_per_event",
-                           "server_cpu_util", "client_cpu_util")}})
-        print(f"  capacity {streams} streams: {w['events_per_s']:,.0f} tok/s, p99 {p99} ms, errors {errors}"
-              f" -> {'held' if ok else 'NOT held'}", file=sys.stderr)
-        if not ok:
-            break
-    return capacity_of(levels, ns.threshold_ms)
+        return {**base, "held": False, "error": str(exc)}
+    await load.aclose()
+    await asyncio.sleep(ns.settle)
+    w = window(a, b)
+    p99 = float(np.percentile(lat, 99)) if lat.size else None
+    events_per_s = w["events_per_s"] or 0.0
+    tokens_per_s = events_per_s * interval
+    verdict = why_not_held(p99, errors, tokens_per_s, offered, ns.threshold_ms if threshold_ms is None else threshold_ms,
+                           getattr(ns, "min_delivered", 0.95))
+    dt = b.t - a.t
+    return {**base, "events_per_s": events_per_s, "tokens_per_s": tokens_per_s,
+            "delivery_ms": {"p50": float(np.percentile(lat, 50)) if lat.size else None,
+                            "p90": float(np.percentile(lat, 90)) if lat.size else None, "p99": p99,
+                            "max": float(lat.max()) if lat.size else None, "n": int(lat.size)},
+            "errors": errors, "error_examples": sorted(set(load.tally.errors))[:3], "held": verdict is None,
+            "why_not": verdict,
+            "engine_cpu_util": w["engine_cpu_s"] / dt if w["engine_cpu_s"] is not None and dt > 0 else None,
+            "tokens_per_server_core": tokens_per_core(tokens_per_s, w["server_cpu_util"]),
+            **{k: w[k] for k in ("server_us_per_event", "engine_us_per_event", "client_us_per_event",
+                                 "server_cpu_util", "client_cpu_util")}}
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -315,9 +380,9 @@ async def capacity(srv: Server, ns: argparse.Namespace) -> dict[str, Any]:
 def run(ns: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     out: Path = ns.out
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"meta": {**run_outputs.meta(["cpu", *argv], ns.seed), "settings": _settings(ns)},
+    results: dict[str, Any] = {"meta": {**run_outputs.meta(["cpu", *argv], ns.seed), "settings": settings_of(ns)},
                                "gateway": {}, "raw": {}}
-    runner = _runner()
+    runner = loop_runner()
     if ns.modes:
         for kind in ("gateway", "raw"):
             with spawned(kind, ns, out) as srv:
@@ -423,11 +488,11 @@ def _brief(st: dict[str, Any]) -> str:
             f"{_fmt(median_of(st['client_us_per_event']))}, errors {st['errors']}")
 
 
-def _settings(ns: argparse.Namespace) -> dict[str, Any]:
+def settings_of(ns: argparse.Namespace) -> dict[str, Any]:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items()}
 
 
-def _runner() -> Any:
+def loop_runner() -> Any:
     try:
         import uvloop
 

@@ -6,7 +6,8 @@ occurrences of its mode's event marker in the raw bytes (``data: {`` for chat ch
 ``response.output_text.delta`` event line for the Responses API, one chunk message per WebSocket frame),
 carrying the marker's length - 1 bytes over from one read to the next so a marker split by a read is
 counted once. Only the capacity readers also take each event's ``emit_ns`` (one regular expression per
-read) to compute delivery latency, as :mod:`tokenfan_bench.stats.metrics` defines it.
+read) to compute delivery latency, as :mod:`tokenfan_bench.stats.metrics` defines it: fan-out chunks always
+carry it, POST SSE and ``/v1/ws`` chunks when asked with ``?tokenfan_timing=1``.
 
 Modes (the issue's names):
 
@@ -141,9 +142,10 @@ class SseReader(asyncio.Protocol):
 class MuxReader(picows.WSListener):  # type: ignore[misc]
     """One ``/v1/ws`` connection: counts chunk messages; ``done`` / ``error`` messages end a request."""
 
-    def __init__(self, tally: Tally) -> None:
+    def __init__(self, tally: Tally, timing: bool = False) -> None:
         super().__init__()
         self.tally = tally
+        self.timing = timing and tally.latencies_ns is not None
         self.transport: picows.WSTransport | None = None
         self.seen: set[bytes] = set()  # request ids that received their first chunk
         self.closing = False
@@ -159,6 +161,10 @@ class MuxReader(picows.WSListener):  # type: ignore[misc]
         payload = frame.get_payload_as_bytes()
         if payload.startswith(WS_CHUNK):
             self.tally.events += 1
+            if self.timing:
+                m = _EMIT.search(payload)
+                if m is not None:
+                    self.tally.latencies_ns.append(time_ns() - int(m.group(1)))  # type: ignore[union-attr]
             if len(self.seen) < 1_000_000:
                 rid = payload[payload.find(b'"id":') + 5:payload.find(b',"data"')]
                 if rid not in self.seen:
@@ -233,8 +239,9 @@ class Load:
         seed = self.seed * 1_000_003 + i
         if self.mode == "a":
             body = orjson.dumps({**chat_body(self.max_tokens, seed), "stream": True})
-            await self._connect(SseReader(self.tally, self.target.request("POST", "/v1/chat/completions", body),
-                                          CHAT_EVENT, _ENDS["chat"]))
+            path = "/v1/chat/completions" + ("?tokenfan_timing=1" if self.timing else "")
+            await self._connect(SseReader(self.tally, self.target.request("POST", path, body),
+                                          CHAT_EVENT, _ENDS["chat"], self.timing))
         elif self.mode == "d":
             body = orjson.dumps({"model": "synthetic", "input": "tokenfan bench", "stream": True,
                                  "max_output_tokens": self.max_tokens})
@@ -269,9 +276,9 @@ class Load:
 
     async def _mux(self, i: int, n: int, when: float) -> None:
         await self._at(when)
-        ws_url = "ws" + self.url[self.url.index(":"):] + "/v1/ws"
+        ws_url = "ws" + self.url[self.url.index(":"):] + "/v1/ws" + ("?tokenfan_timing=1" if self.timing else "")
         try:
-            transport, listener = await picows.ws_connect(lambda: MuxReader(self.tally), ws_url,
+            transport, listener = await picows.ws_connect(lambda: MuxReader(self.tally, self.timing), ws_url,
                                                           websocket_handshake_timeout=30, enable_auto_pong=True)
         except (OSError, picows.WSError) as exc:
             self.tally.fail(f"ws connect: {exc}")

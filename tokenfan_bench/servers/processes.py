@@ -201,14 +201,15 @@ def spawn_synthetic(tokens_per_s: float, ttft_ms: float, log_dir: Path, gateway_
     return spawned
 
 
-def spawn_raw(tokens_per_s: float, ttft_ms: float, log_dir: Path, steps: str = "per-stream") -> Spawned:
+def spawn_raw(tokens_per_s: float, ttft_ms: float, log_dir: Path, steps: str = "per-stream",
+              stream_interval: int = 1) -> Spawned:
     """The raw floor server (:mod:`tokenfan_bench.servers.raw_floor`) on a free port."""
     port = free_port()
     spawned = Spawned(f"http://127.0.0.1:{port}")
     try:
         spawned.procs.append(spawn(["-m", "tokenfan_bench.servers.raw_floor", "--port", str(port),
                                     "--tokens-per-s", str(tokens_per_s), "--ttft-ms", str(ttft_ms),
-                                    "--steps", steps], log_dir / f"raw-{tokens_per_s:g}tps-{port}.log"))
+                                    "--steps", steps, "--stream-interval", str(stream_interval)], log_dir / f"raw-{tokens_per_s:g}tps-{port}.log"))
         wait_healthy(spawned.url, spawned.procs, 30.0)
     except BaseException:
         spawned.stop()

@@ -8,7 +8,9 @@ and paces every stream like the synthetic engine (TTFT, then one token every ``1
 For ``tokenfan bench cpu`` (:mod:`tokenfan_bench.cpu.gateway_cost`) also the per-request paths, minimally:
 ``POST /v1/chat/completions`` and ``POST /v1/responses`` with ``stream: true`` (the chunks, resp. the
 ``response.created`` / ``response.output_text.delta`` / ``response.completed`` events, nothing else) and
-``/v1/ws`` (``request`` messages multiplexed on one socket; ``chunk`` and ``done`` messages back).
+``/v1/ws`` (``request`` messages multiplexed on one socket; ``chunk`` and ``done`` messages back); with
+``?tokenfan_timing=1`` their chunks carry the ``tokenfan`` timing object too, as the gateway's do.
+``--stream-interval N`` sends N tokens per event, one event every N steps (the engine's ``--stream-interval``).
 
 One timer heap drives every stream. When tokens are due, each is formatted once (a byte template
 with the numbers spliced in), framed once per wire format (an HTTP chunk holding the SSE event, a
@@ -84,6 +86,7 @@ class RawStream:
     mux: list[tuple[asyncio.Transport, bytes]] = field(default_factory=list)  # /v1/ws: (socket, JSON of the id)
     finished: bool = False
     fanout: bool = True  # keep frames for late joiners (the per-request paths have no late joiners)
+    timing: bool = False  # the per-request paths' chunks carry the timing object (?tokenfan_timing=1)
 
 
 def respond(transport: asyncio.Transport, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
@@ -93,8 +96,11 @@ def respond(transport: asyncio.Transport, status: int, body: bytes, ctype: bytes
 
 
 class RawServer:
-    def __init__(self, tokens_per_s: float, ttft_ms: float, host: str, port: int, shared_steps: bool = False) -> None:
-        self.interval = 1.0 / tokens_per_s
+    def __init__(self, tokens_per_s: float, ttft_ms: float, host: str, port: int, shared_steps: bool = False,
+                 stream_interval: int = 1) -> None:
+        self.stream_interval = stream_interval  # tokens per event
+        self.interval = stream_interval / tokens_per_s
+        self.hold_ns = int((stream_interval - 1) / tokens_per_s * 1e9)  # a merged event's oldest token: this old
         self.shared_steps = shared_steps
         self._mux_out: dict[asyncio.Transport, list[bytes]] = {}  # /v1/ws frames of this tick, per socket
         self.ttft = ttft_ms / 1000.0
@@ -112,13 +118,14 @@ class RawServer:
         seq = s.next_seq
         s.next_seq += 1
         now = time.time_ns()
+        emit = now - self.hold_ns if seq > 1 else now  # a merged event's oldest token, as the engine stamps it
         if seq == 0:
             delta, finish = b'"role":"assistant","content":""', b"null"
         else:
-            delta = b'"content":"%b"' % WORDS[(seq - 1) % len(WORDS)]
+            delta = b'"content":"%b"' % self.text(seq)
             finish = b'"length"' if seq == s.max_tokens else b"null"
         if s.fanout:
-            data = CHUNK % (s.id.encode(), now // 1_000_000_000, delta, finish, seq, now, now)
+            data = CHUNK % (s.id.encode(), now // 1_000_000_000, delta, finish, seq, emit, now)
             sse = http_chunk(b"id: %d\ndata: %b\n\n" % (seq, data))
             ws = ws_frame(OP_TEXT, b'{"type":"chunk","seq":%d,"data":%b}' % (seq, data))
             s.sse_frames.append(sse)
@@ -130,7 +137,8 @@ class RawServer:
             self.sent["sse"] += len(s.sse)
             self.sent["ws"] += len(s.ws)
         if s.posts or s.mux:
-            plain = PLAIN_CHUNK % (s.id.encode(), now // 1_000_000_000, delta, finish)
+            plain = (CHUNK % (s.id.encode(), now // 1_000_000_000, delta, finish, seq, emit, now) if s.timing
+                     else PLAIN_CHUNK % (s.id.encode(), now // 1_000_000_000, delta, finish))
             if s.posts:
                 frame = http_chunk(b"data: %b\n\n" % plain)
                 for t in s.posts:
@@ -139,11 +147,21 @@ class RawServer:
                 self._mux_out.setdefault(t, []).append(
                     ws_frame(OP_TEXT, b'{"type":"chunk","id":%b,"data":%b}' % (cid, plain)))
         if s.responses and seq > 0:
-            frame = http_chunk(RESP_DELTA % (s.id.encode(), WORDS[(seq - 1) % len(WORDS)], seq))
+            frame = http_chunk(RESP_DELTA % (s.id.encode(), self.text(seq), seq))
             for t in s.responses:
                 t.write(frame)
         if seq == s.max_tokens:
             self.finish(s)
+
+    def text(self, seq: int) -> bytes:
+        """The text of content event ``seq`` (> 0): ``--stream-interval`` words."""
+        n = self.stream_interval
+        return b"".join(WORDS[((seq - 1) * n + i) % len(WORDS)] for i in range(n)) if n > 1 \
+            else WORDS[(seq - 1) % len(WORDS)]
+
+    def events(self, max_tokens: int) -> int:
+        """Content events of a generation of ``max_tokens`` tokens."""
+        return -(-max_tokens // self.stream_interval)
 
     def finish(self, s: RawStream) -> None:
         s.finished = True
@@ -212,12 +230,12 @@ class RawServer:
             at = math.ceil(at / self.interval) * self.interval
         self.schedule(s, at)
 
-    def generate(self, body: bytes, transport: asyncio.Transport, path: str) -> RawStream:
+    def generate(self, body: bytes, transport: asyncio.Transport, path: str, timing: bool = False) -> RawStream:
         """``POST /v1/chat/completions`` or ``/v1/responses`` with ``stream: true``: this response only."""
         req = orjson.loads(body or b"{}")
-        s = RawStream(id="raw-" + uuid.uuid4().hex, max_tokens=int(req.get("max_tokens")
-                                                                    or req.get("max_output_tokens") or 16),
-                      fanout=False)
+        s = RawStream(id="raw-" + uuid.uuid4().hex, max_tokens=self.events(int(req.get("max_tokens")
+                                                                                or req.get("max_output_tokens") or 16)),
+                      fanout=False, timing=timing)
         transport.write(SSE_HEAD)
         if path == "/v1/responses":
             transport.write(http_chunk(b'event: response.created\ndata: {"type":"response.created",'
@@ -229,17 +247,18 @@ class RawServer:
         self.start(s)
         return s
 
-    def mux_request(self, msg: dict[str, Any], transport: asyncio.Transport) -> RawStream:
+    def mux_request(self, msg: dict[str, Any], transport: asyncio.Transport, timing: bool = False) -> RawStream:
         """A ``/v1/ws`` ``request`` message: chunks tagged with its ``id`` on this socket."""
         body = msg.get("body") or {}
-        s = RawStream(id="raw-" + uuid.uuid4().hex, max_tokens=int(body.get("max_tokens", 16)), fanout=False)
+        s = RawStream(id="raw-" + uuid.uuid4().hex, max_tokens=self.events(int(body.get("max_tokens", 16))),
+                      fanout=False, timing=timing)
         s.mux.append((transport, orjson.dumps(str(msg.get("id")))))
         self.start(s)
         return s
 
     def create(self, body: bytes, transport: asyncio.Transport) -> None:
         req = orjson.loads(body or b"{}")
-        s = RawStream(id="raw-" + uuid.uuid4().hex, max_tokens=int(req.get("max_tokens", 16)))
+        s = RawStream(id="raw-" + uuid.uuid4().hex, max_tokens=self.events(int(req.get("max_tokens", 16))))
         self.start(s)
         respond(transport, 201, orjson.dumps({
             "id": s.id, "object": "tokenfan.stream",
@@ -299,6 +318,7 @@ class RawConnection(asyncio.Protocol):
         self.buf = b""
         self.ws: WsDecoder | None = None
         self.mux = False  # a /v1/ws socket (requests come as messages)
+        self.timing = False  # /v1/ws?tokenfan_timing=1
         self.sids: list[str] = []  # the streams this connection reads
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -332,20 +352,21 @@ class RawConnection(asyncio.Protocol):
                 respond(self.transport, 400, b'{"error":"bad request line"}')
                 self.transport.close()
                 return
-            self.route(method, urlsplit(target).path, headers, body)
+            url = urlsplit(target)
+            self.route(method, url.path, headers, body, "tokenfan_timing=1" in url.query)
             if self.ws is not None:
                 return
 
-    def route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> None:
+    def route(self, method: str, path: str, headers: dict[str, str], body: bytes, timing: bool = False) -> None:
         srv, t = self.server, self.transport
         assert t is not None
         parts = path.split("/")  # "", "v1", "streams", id, "events" | "ws"
         if method == "POST" and path == "/v1/streams":
             srv.create(body, t)
         elif method == "POST" and path in ("/v1/chat/completions", "/v1/responses"):
-            self.sids.append(srv.generate(body, t, path).id)
+            self.sids.append(srv.generate(body, t, path, timing).id)
         elif method == "GET" and path == "/v1/ws" and "sec-websocket-key" in headers:
-            self.ws, self.mux = WsDecoder(), True
+            self.ws, self.mux, self.timing = WsDecoder(), True, timing
             accept = base64.b64encode(hashlib.sha1(headers["sec-websocket-key"].encode() + WS_GUID).digest())
             t.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
                     b"sec-websocket-accept: %b\r\n\r\n" % accept)
@@ -388,7 +409,7 @@ class RawConnection(asyncio.Protocol):
             elif f.opcode == OP_TEXT and self.mux:
                 msg = orjson.loads(f.payload)
                 if msg.get("type") == "request":
-                    self.sids.append(self.server.mux_request(msg, self.transport).id)
+                    self.sids.append(self.server.mux_request(msg, self.transport, self.timing).id)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,8 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-ms", type=float, default=20.0)
     ap.add_argument("--steps", choices=("per-stream", "shared"), default="per-stream",
                     help="pace like the synthetic engine's --synthetic-steps")
+    ap.add_argument("--stream-interval", type=int, default=1, help="tokens per event, like the engine's")
     ns = ap.parse_args(argv)
-    server = RawServer(ns.tokens_per_s, ns.ttft_ms, ns.host, ns.port, ns.steps == "shared")
+    server = RawServer(ns.tokens_per_s, ns.ttft_ms, ns.host, ns.port, ns.steps == "shared", ns.stream_interval)
     try:
         import uvloop
 

@@ -2,11 +2,15 @@
 
   framing            event                                   normal end            failure / cancel
   ``openai_sse``     ``data: {chunk}``                        ``data: [DONE]``      ``event: error``
+  (``+timing``)      ``data: {chunk+tokenfan}``
   ``fanout_sse``     ``id: seq`` + ``data: {chunk+tokenfan}``  ``data: [DONE]``      ``event: error`` / ``event: end``
   ``fanout_ws``      ``{"type":"chunk","seq","data"}``        ``{"type":"done"}``   ``{"type":"error"}``, close 1011
   ``mux_ws``         ``{"type":"chunk","id","data"}``         ``{"type":"done","id"}``  ``{"type":"error","id"}``
 
 A lagging reader gets content chunks merged by :data:`gateway.api.chat_render.CHUNK_MERGE`.
+``+timing`` (``?tokenfan_timing=1`` on ``POST /v1/chat/completions`` / ``/v1/completions`` and on ``/v1/ws``, for
+benchmarks): each chunk also carries tokenfan's timing object as fan-out chunks do (``"tokenfan"``: ``seq``,
+``emit_ns``, ``sent_ns``), which OpenAI clients ignore; without it nothing changes on the token path.
 """
 
 from __future__ import annotations
@@ -42,6 +46,15 @@ class OpenAISse(Framing):
         return Ending(sse.DONE)
 
 
+class OpenAISseTiming(OpenAISse):
+    """:class:`OpenAISse` whose chunks carry the ``tokenfan`` timing object (``?tokenfan_timing=1``)."""
+
+    name = "openai_sse+timing"
+
+    def build(self, ev: Event) -> bytes:
+        return sse.data(timed_json(ev))
+
+
 class FanoutSse(OpenAISse):
     """``GET /v1/streams/{id}/events``: numbered events for ``Last-Event-ID`` resume."""
 
@@ -52,12 +65,18 @@ class FanoutSse(OpenAISse):
         return _fanout_frames(ev)[0]
 
 
+def timed_json(ev: Event) -> bytes:
+    """The chunk's JSON with the ``tokenfan`` timing object, as ``orjson.dumps(ev.timed_payload)`` gives it: spliced
+    in before the closing brace of the chunk's own JSON, never parsed."""
+    payload = ev.json
+    return payload[:-1] + b',"tokenfan":' + orjson.dumps(ev.timing) + b"}" if len(payload) > 2 \
+        else orjson.dumps(ev.timed_payload)
+
+
 def _fanout_frames(ev: Event) -> tuple[bytes, bytes]:
     """Both fan-out frames from one serialization (readers of both transports are the common case); the
     WebSocket one is kept as UTF-8 bytes, what the direct write sends, and decoded only for the slow path."""
-    payload = ev.json  # a JSON object: the timing object is spliced in before its closing brace
-    data = payload[:-1] + b',"tokenfan":' + orjson.dumps(ev.timing) + b"}" if len(payload) > 2 \
-        else orjson.dumps(ev.timed_payload)
+    data = timed_json(ev)
     sse_frame = ev.frames[FanoutSse.name] = sse.numbered(ev.seq, data)
     ws_frame = ev.frames[FanoutWs.name] = b'{"type":"chunk","seq":%d,"data":%b}' % (ev.seq, data)
     return sse_frame, ws_frame
@@ -116,11 +135,19 @@ class MuxWs(Framing):
         return Ending(orjson.dumps({"type": "done", "id": self.cid}).decode(), last=False)
 
 
+class MuxWsTiming(MuxWs):
+    """:class:`MuxWs` whose chunks carry the ``tokenfan`` timing object (the socket's ``?tokenfan_timing=1``)."""
+
+    def frame_bytes(self, ev: Event) -> bytes:
+        return b'{"type":"chunk","id":%b,"data":%b}' % (self._id_bytes, timed_json(ev))
+
+
 def mux_cancelled(cid: str) -> str:
     """``/v1/ws``'s final message of a cancelled request."""
     return orjson.dumps({"type": "done", "id": cid, "cancelled": True}).decode()
 
 
 OPENAI_SSE = OpenAISse()
+OPENAI_SSE_TIMING = OpenAISseTiming()
 FANOUT_SSE = FanoutSse()
 FANOUT_WS = FanoutWs()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 
 from engine_worker import protocol as p
@@ -17,7 +17,7 @@ from gateway.api.chat_render import chunk_events
 from gateway.api.chat_request import ChunkBuilder, Endpoint, dumps, parse_request
 from gateway.api.edge import error_response, gateway_of, read_body
 from gateway.api.generations import open_request, start_generation
-from gateway.api.openai.framing import OPENAI_SSE
+from gateway.api.openai.framing import OPENAI_SSE, OPENAI_SSE_TIMING
 from gateway.core.delivery import SseResponse
 from gateway.errors import TokenfanError, engine_unavailable, to_api_error
 from gateway.state import Gateway
@@ -37,9 +37,16 @@ def completions_route(endpoint: Endpoint) -> Any:
             return await full_response(handle, builder)
         stream = await start_generation(gw, parsed, request.scope, listed=False)
         gw.metrics.requests.labels(name, "200").inc()
-        return SseResponse(gw.delivery, stream, OPENAI_SSE, -1, t0=t0)
+        return SseResponse(gw.delivery, stream, OPENAI_SSE_TIMING if wants_timing(request) else OPENAI_SSE, -1, t0=t0)
 
     return handler
+
+
+def wants_timing(conn: HTTPConnection) -> bool:
+    """``?tokenfan_timing=1``: chunks carry tokenfan's timing object (benchmarks; OpenAI clients ignore it). The
+    query string is parsed only if it names the parameter."""
+    return b"tokenfan_timing" in conn.scope.get("query_string", b"") and \
+        conn.query_params.get("tokenfan_timing") in ("1", "true")
 
 
 async def full_response(handle: Any, builder: ChunkBuilder) -> Response:

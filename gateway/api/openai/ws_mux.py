@@ -4,7 +4,8 @@ Client -> server messages (parsed by the pure :func:`parse_message`):
   ``{"type":"request","id":ID,"endpoint":"chat.completions"|"completions","body":{OpenAI request}}``
   ``{"type":"cancel","id":ID}``
 Server -> client: ``{"type":"chunk","id","data"}``, ``{"type":"done","id"[,"cancelled":true]}``,
-``{"type":"error","id","error"}``.
+``{"type":"error","id","error"}``. ``/v1/ws?tokenfan_timing=1`` (benchmarks): each chunk's ``data`` also carries
+tokenfan's timing object (``"tokenfan"``), as fan-out chunks do.
 
 Each request is a single-reader view of an unlisted stream (:mod:`gateway.core.delivery`); all of them
 write to the one socket. A write blocked past ``--send-timeout`` cuts the whole socket with close 1013
@@ -33,7 +34,8 @@ from gateway.api.chat_request import Endpoint, parse_request
 from gateway.api.edge import gateway_of
 from gateway.api.generations import start_generation
 from gateway.api.lanes import Lanes, WsClientError
-from gateway.api.openai.framing import MuxWs, mux_cancelled
+from gateway.api.openai.framing import MuxWs, MuxWsTiming, mux_cancelled
+from gateway.api.openai.routes import wants_timing
 from gateway.api.ws_session import WsSession
 from gateway.core.delivery import read, release
 from gateway.errors import APIError, ClientError, Refusal, TokenfanError, to_api_error
@@ -109,6 +111,7 @@ class Session(WsSession):
         active, queued = cfg.ws_max_in_flight, cfg.ws_max_queued
         self.lanes: Lanes[Request] = Lanes(active, active + queued + 1, queued, keep_idle=False,
                                            pending_error=queue_full)
+        self.framing = MuxWsTiming if wants_timing(ws) else MuxWs  # ?tokenfan_timing=1: benchmarks
 
     def on_message(self, raw: bytes) -> None:
         try:
@@ -158,7 +161,7 @@ class Session(WsSession):
 
     async def generate(self, req: Request) -> None:
         gw = self.gw
-        framing = MuxWs(req.id)
+        framing = self.framing(req.id)
         stream = None
         cut = False
         try:

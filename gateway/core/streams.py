@@ -194,6 +194,7 @@ class Follower(Protocol):
     parked: bool
     reader: LiveWriter | None
     last_write: float
+    rolled_back: bool  # it read past the point a new owner continues the log from (:meth:`Stream.continue_at`)
 
     @property
     def waiter(self) -> Waker: ...
@@ -299,6 +300,21 @@ class Stream:
         if sealed and not self.pending and self.finished and not self.sealed:
             self.sealed = True
             self._wake(len(self.events))
+
+    def continue_at(self, seq: int) -> None:
+        """A new owner continues the log at ``seq`` (it adopted the stream from a log of ``seq`` events): events
+        from ``seq`` on, read from a store that lost them since, are dropped, and every reader already past
+        ``seq`` is marked :attr:`Follower.rolled_back` (it ends with ``stream_rolled_back``, never reading the
+        new owner's events as the rest of what it read)."""
+        if seq < self.next_seq:
+            kept = (self.events + self.pending)[:seq]
+            self.events, self.pending = kept[:len(self.events)], kept[len(self.events):]
+            self.size = sum(e.size for e in self.events)
+        for group in (self._relays, self._waiters["sse"], self._waiters["ws"]):
+            for sub in group:
+                if sub.cursor > seq:
+                    sub.rolled_back = True
+                    sub.waiter.set()
 
     def pause(self, paused: bool) -> None:
         """While paused, every reader (new ones too, after what is committed) ends with the resume-elsewhere

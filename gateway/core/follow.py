@@ -82,7 +82,7 @@ class Subscription:
     last_write: float = field(default_factory=time.monotonic)
     ping_due: bool = False
     slow: bool = False
-    rolled_back: bool = False  # see Stream.continue_at
+    rolled_back: int | None = None  # see Stream.continue_at
 
 
 class Watchdog:
@@ -146,7 +146,9 @@ async def follow(
 
     A resume point beyond the log (a mirror still reading it, or a store that lost what the reader read) waits
     up to :data:`BEYOND_WAIT_S` for the log to reach it. Raises :class:`RolledBack` when it does not, when the
-    stream ends short of it, or when a new owner continues the log from before it (:meth:`Stream.continue_at`).
+    stream ends short of it, or when a new owner continues the log from before it (:meth:`Stream.continue_at`);
+    at once when nothing can bring the log to it: the stream is this gateway's own and its whole log (committed
+    or not) is shorter, or its latest owner continued it from before the resume point.
     """
     # Lagging = more than coalesce_after events were published while our last write was in progress:
     # the client is the bottleneck, so merge. Events that were already there when a write started
@@ -174,10 +176,15 @@ async def follow(
 
     beyond_until = time.monotonic() + BEYOND_WAIT_S if sub.cursor > len(stream.events) else None
     try:
+        if beyond_until is not None:
+            if stream.continued_at is not None and sub.cursor > stream.continued_at:
+                raise RolledBack(sub.cursor, stream.continued_at)
+            if not stream.mirrored and sub.cursor > stream.next_seq:
+                raise RolledBack(sub.cursor, stream.next_seq)
         while True:
             sub.waiter.clear()
-            if sub.rolled_back:
-                raise RolledBack(sub.cursor, stream.next_seq)
+            if sub.rolled_back is not None:
+                raise RolledBack(sub.cursor, sub.rolled_back)
             if sub.cursor < len(stream.events):
                 batch = policy.plan(stream.events, sub.cursor, lagging,
                                     live and stream.state in ("error", "cancelled"), merge)

@@ -153,7 +153,7 @@ class Broker(RemoteStreamsByMirror):
         try:
             await self._redis.ping()
             await self.fence.load(self._redis)
-            await self.replicas.refresh()
+            await self.replicas.check()
             log.info("broker: Redis Streams at %s (gateway id %s)", redact(self.url), self.gateway_id)
         except REDIS_ERRORS as exc:
             self._up = False
@@ -469,10 +469,7 @@ class Broker(RemoteStreamsByMirror):
         events below that seq, and whether the end."""
         log_ = stream.events + stream.pending
         records: list[codec.Fields] = []
-        try:
-            have = 0 if last is None else codec.held(last)
-        except ValueError:
-            have = 0  # unreadable: the append is refused and the stream repaired again next round
+        have = 0 if last is None else codec.held(last)
         if last is None:  # the key is gone (a Redis restart without persistence): write it anew
             records.append(codec.encode_header_of(stream, self.gateway_id))
             self._owed.pop(stream.id, None)

@@ -259,10 +259,11 @@ def place(seq: int, have: int) -> Placement:
 def held(newest_first: list[Fields]) -> int:
     """The events a log holds, from its last entries (newest first, as ``XREVRANGE`` returns them): its last
     event's ``seq`` + 1, read back over headers (an adopter's follows the events it adopted); -1 once it holds
-    an end; 0 for headers only. The fenced append's script reads a log the same way
+    an end; 0 for headers only (records that are not ours are read past). The fenced append's script reads a
+    log the same way
     (:data:`gateway.scaleout.redis_fence.APPEND`)."""
     for fields in newest_first:
-        if b"seq" in fields:
+        if fields.get(b"seq", b"").isdigit():
             return int(fields[b"seq"]) + 1
         if b"end" in fields:
             return -1

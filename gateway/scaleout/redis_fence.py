@@ -30,7 +30,7 @@ OK, GONE, FENCED, NO_EPOCH, ELSEWHERE = 1, 0, -1, -2, -3
 SCAN = 16  # entries a script reads back from the end of a log for its last event (headers skipped)
 
 # The events a log holds: its last event's seq + 1, reading back over headers (an adopter's follows the events
-# it adopted); -1 once it holds an end. (The same rule in Python: :func:`gateway.scaleout.broker_codec.held`.)
+# it adopted) and records that are not ours; -1 once it holds an end. (The same rule in Python: :func:`gateway.scaleout.broker_codec.held`.)
 _HELD = """
 local function held(key)
   for _, count in ipairs({1, SCAN}) do
@@ -38,7 +38,7 @@ local function held(key)
     for _, entry in ipairs(entries) do
       local f = entry[2]
       for j = 1, #f, 2 do
-        if f[j] == 'seq' then return tonumber(f[j + 1]) + 1 end
+        if f[j] == 'seq' and tonumber(f[j + 1]) then return tonumber(f[j + 1]) + 1 end
         if f[j] == 'end' then return -1 end
       end
     end

@@ -17,7 +17,6 @@ failover may still promote a replica that lacks an acknowledged write): the stor
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
@@ -45,6 +44,7 @@ class Replicas:
         self.redis, self.setting, self.timeout = redis, setting, timeout
         self.online = 0  # as last read (auto)
         self.holding = False  # a WAIT fell short and delivery is held (logged once per episode)
+        self._failing = False  # INFO failed last time (logged once per streak)
 
     @property
     def needed(self) -> int:
@@ -63,13 +63,24 @@ class Replicas:
             log.info("broker: the Redis primary has %d replicas online: each pipeline waits for %d", n, n)
         self.online = n
 
+    async def check(self) -> None:
+        """:meth:`refresh`, an error logged once per streak (and the last answer kept): a Redis that refuses
+        ``INFO`` (an ACL) leaves ``auto`` waiting for no replica, so say how to ask for them."""
+        try:
+            await self.refresh()
+            self._failing = False
+        except REDIS_ERRORS as exc:
+            if not self._failing:
+                log.warning("broker: INFO replication failed (%s): --broker-replicas auto waits for %d replicas "
+                            "until it answers (set --broker-replicas N where INFO is not allowed)", exc, self.online)
+            self._failing = True
+
     async def run(self) -> None:
-        """``auto``: read ``INFO replication`` every :data:`CHECK_S` (an error keeps the last answer)."""
+        """``auto``: :meth:`check` every :data:`CHECK_S`."""
         if self.setting is not None:
             return
         while not cancel_requested():
-            with contextlib.suppress(*REDIS_ERRORS):
-                await self.refresh()
+            await self.check()
             await asyncio.sleep(CHECK_S)
 
     def acked(self, replies: int | None) -> bool:

@@ -191,3 +191,26 @@ def test_a_fenced_append_is_refused_where_the_log_holds_another_count(pair: Pair
     assert fence.status(append(2, 2)) == (fence.OK, 1)
     assert log_seqs(pair.primary.port, sid) == [0, 1, 2]
     assert codec.held([f for _, f in reversed(r.xrange(key))]) == 3
+
+
+def test_a_redis_that_refuses_info_leaves_auto_waiting_for_none_and_says_so(
+        pair: Pair, caplog: pytest.LogCaptureFixture) -> None:
+    """An ACL without INFO (some managed Redis): the broker still serves; auto waits for no replica, and the log
+    says to set --broker-replicas N."""
+    r = redis.Redis(port=pair.primary.port)
+    r.execute_command("ACL", "SETUSER", "tf", "on", ">pw", "~*", "&*", "+@all", "-info")
+
+    async def main() -> None:
+        a = Replica(f"redis://tf:pw@127.0.0.1:{pair.endpoint.port}/0", timings=FAST)
+        await a.broker.start()
+        try:
+            assert a.broker.serving() and a.broker.replicas.needed == 0
+            s = await a.own()
+            s.gated = True
+            a.emit(s, "one")
+            await until(lambda: len(s.events) == 1, 5, "the event was never committed")
+        finally:
+            await a.broker.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert "set --broker-replicas N" in caplog.text

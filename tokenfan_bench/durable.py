@@ -80,6 +80,14 @@ def _online(port: int) -> int:
     return info.count("state=online")
 
 
+def _waits(port: int) -> int:
+    """How many ``WAIT`` the Redis at ``port`` ran: each replica arm's pipelines wait, the others' do not."""
+    stats = subprocess.run(["redis-cli", "-p", str(port), "info", "commandstats"], capture_output=True, text=True,
+                           check=False).stdout
+    line = next((x for x in stats.splitlines() if x.startswith("cmdstat_wait:")), "")
+    return int(line.split("calls=")[1].split(",")[0]) if line else 0
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     logs = args.out / "logs"
@@ -120,6 +128,7 @@ def main(argv: list[str]) -> int:
             for _ in range(args.rounds):
                 for arm in (*ARMS, *reversed(ARMS)):
                     lat[arm] += asyncio.run(_arm(urls[arm], args.streams, args.tokens))
+            waits = {"redis": _waits(rport), "replica": _waits(p_lo), "replica-1ms": _waits(p_far)}
         finally:
             stop_all(procs)
             shaper.close()
@@ -127,7 +136,7 @@ def main(argv: list[str]) -> int:
                 server.terminate()
                 server.wait(10)
     command = "tokenfan bench durable " + " ".join(argv)
-    results: dict[str, Any] = {"command": command, "redis_path_probe": probe, "arms": {}}
+    results: dict[str, Any] = {"command": command, "redis_path_probe": probe, "waits": waits, "arms": {}}
     base = float(np.median(lat["memory"])) if lat["memory"] else 0.0
     lines = ["# tokenfan bench durable", "", f"`{command}`", "",
              (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "

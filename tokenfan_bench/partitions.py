@@ -465,8 +465,8 @@ def failover_scenario(engine: str, tmp: Path, logs: Path, *, streams: int, token
         procs.append(spawn([*args, "--port", str(port_a)], logs / "redis-failover-gateway-a.log", env=env))
         procs.append(spawn([*args, "--port", str(port_b)], logs / "redis-failover-gateway-b.log", env=env))
         url_a, url_b = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
-        wait_healthy(url_a, procs[:1], 120)
-        wait_healthy(url_b, procs[1:], 120)
+        wait_healthy(url_a, procs[:1], 480)  # (healthy once the engine is: a vLLM boot took 244 s at load 17)
+        wait_healthy(url_b, procs[1:], 480)
         notes: dict[str, Any] = {"lag_s": lag, "broker_replicas": replicas or "auto"}
 
         async def fault() -> None:

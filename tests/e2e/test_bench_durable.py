@@ -26,4 +26,7 @@ def test_the_durable_bench_measures_every_event_of_its_five_arms(tmp_path: Path)
     # 2 streams x 8 tokens, twice (A B C D E E D C B A): every content event of each arm has a latency
     assert all(a["events"] >= 2 * 2 * 7 and a["ms"]["50"] > 0 for a in arms.values()), arms
     assert results["redis_path_probe"]["rtt_ms"] >= 1.0  # the 1 ms arm really goes through a 1 ms path
+    # the replica arms' pipelines wait for their replica (auto: one online); a primary without one is not asked
+    waits = results["waits"]
+    assert waits["redis"] == 0 and waits["replica"] > 0 and waits["replica-1ms"] > 0, waits
     assert "| redis-1ms |" in (out / "summary.md").read_text() and "| replica-1ms |" in (out / "summary.md").read_text()

@@ -214,3 +214,42 @@ def test_a_redis_that_refuses_info_leaves_auto_waiting_for_none_and_says_so(
 
     asyncio.run(asyncio.wait_for(main(), 60))
     assert "set --broker-replicas N" in caplog.text
+
+
+def test_when_the_store_lost_a_streams_epoch_no_adopter_claims_it_and_only_its_owner_writes_it_anew(
+        pair: Pair) -> None:
+    """The rule that keeps two owners apart when the promoted replica lacks the stream and its epoch (created
+    while the replica was behind, replicas=0): a claim of the header's epoch fails (a missing epoch is never
+    taken), the owner writes the stream anew with its epoch, and a second writer of it anew is refused."""
+    async def main() -> None:
+        a = Replica(pair.endpoint.url, timings=_with(FAST, replicas=0))
+        b = Replica(pair.endpoint.url, timings=_with(FAST, replicas=0))
+        await a.broker.start()
+        await b.broker.start()
+        try:
+            pair.link.hold()
+            s = await a.own()
+            s.gated = True
+            a.emit(s, "e0", "e1")
+            await until(lambda: len(s.events) == 2, 5, "the events were never committed")
+            header = codec.decode(redis.Redis(port=pair.primary.port).xrange(codec.stream_key(s.id))[0][1])
+            assert isinstance(header, codec.Header) and header.epoch == 1
+            pair.fail_over()
+            r = redis.Redis(port=pair.replica.port)
+            assert not r.exists(codec.stream_key(s.id)) and r.get(fence.epoch_key(s.id)) is None
+            mirror = b.hub.create("completions", "m", s.id)
+            mirror.mirrored = True
+            assert not await b.broker.claim(mirror, header)  # no epoch to take: nobody adopts
+            a.emit(s, "e2")
+            await until(lambda: len(s.events) == 3 and log_seqs(pair.replica.port, s.id) == [0, 1, 2], 10,
+                        "the owner never wrote its stream anew")
+            assert r.get(fence.epoch_key(s.id)) == b"1"
+            pipe = r.pipeline(transaction=False)
+            b.broker.fence.append(pipe, s.id, 2, [codec.encode_header("completions", "m", "other", epoch=2)],
+                                  create=True)
+            assert fence.status((await asyncio.to_thread(pipe.execute))[0]) == (fence.FENCED, 1)
+        finally:
+            await a.broker.close()
+            await b.broker.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))

@@ -279,10 +279,10 @@ class Reader:
         self.meter.wrote(len(batch), any(e.text for e in batch), batch[-1].emit_ns, now, wall_ns)
 
 
-def failed_view(stream: Stream, err: APIError) -> Stream:
+def failed_view(stream: Stream, err: APIError, events: list[Event]) -> Stream:
     """What one reader's framing ends with when its reading fails alone (the stream goes on for the others): the
-    stream as if it had failed with ``err``."""
-    return Stream(id=stream.id, endpoint=stream.endpoint, model=stream.model, events=stream.events, state="error",
+    stream as if it had failed with ``err`` after ``events``."""
+    return Stream(id=stream.id, endpoint=stream.endpoint, model=stream.model, events=events, state="error",
                   error=err, listed=stream.listed, meta=stream.meta)
 
 
@@ -331,7 +331,10 @@ async def read(delivery: Delivery, stream: Stream, framing: Framing, after: int,
         err = stream_rolled_back(stream.id, rb.seq, rb.held)
         log.warning("reader of %s: %s", stream.id, err.message, extra={"trace": stream.trace})
         m.errors.labels(error_class(err)).inc()
-        return Outcome(framing.ending(failed_view(stream, err)), False, rb.seq - 1)
+        # the view ends where the reader's reading and the log part at the latest, never with the log's own end
+        # (a reader past it did not read it: an API whose ending looks for a terminal event must not find one)
+        shared = min(rb.held, len(stream.events) - 1 if stream.finished else len(stream.events))
+        return Outcome(framing.ending(failed_view(stream, err, stream.events[:max(0, shared)])), False, rb.seq - 1)
     finally:
         active.dec()
         if trace is not None:

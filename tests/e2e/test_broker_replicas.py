@@ -7,20 +7,26 @@ switched."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis
+import websockets
 
 from gateway.config import BrokerTimings
 from gateway.scaleout import broker_codec as codec
 from gateway.scaleout import redis_fence as fence
 from gateway.scaleout.redis_replicas import online
+from tests.e2e.helpers import sse_events, wait_until
 from tests.e2e.test_broker import Replica, texts
+from tests.procs import start_engine, start_gateway
 from tests.system import require
 from tokenfan_bench.network.endpoint import Endpoint
 from tokenfan_bench.partitions import RedisProc
@@ -253,3 +259,46 @@ def test_when_the_store_lost_a_streams_epoch_no_adopter_claims_it_and_only_its_o
             await b.broker.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_resume_point_past_what_the_stream_holds_is_stream_rolled_back_on_every_reader_route(
+        ipc_dir: Path, pair: Pair) -> None:
+    """A finished fan-out stream and background response (the synthetic engine): resuming at the end is the
+    normal end (204, or nothing more); past it, a reader of events the log does not hold gets the error
+    ``stream_rolled_back``: SSE ``event: error``, WebSocket error message and close 1011, a Responses error
+    event; never the end of an answer it did not read."""
+    address = f"ipc://{ipc_dir / 'rb.sock'}"
+    engine = start_engine(address, "--engine", "synthetic", "--synthetic-tokens-per-s", "200", name="engine-rb")
+    gw, url = start_gateway(address, "--broker", pair.endpoint.url, name="gateway-rb")
+    try:
+        sid = httpx.post(url + "/v1/streams", json={"messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 8}, timeout=30).json()["id"]
+        events = sse_events(httpx.get(f"{url}/v1/streams/{sid}/events", timeout=30).text)
+        last = max(int(e["id"]) for e in events if e.get("id"))
+        assert httpx.get(f"{url}/v1/streams/{sid}/events", headers={"Last-Event-ID": str(last)}).status_code == 204
+        past = sse_events(httpx.get(f"{url}/v1/streams/{sid}/events", timeout=30,
+                                    headers={"Last-Event-ID": str(last + 5)}).text)
+        assert past[-1]["event"] == "error" and json.loads(past[-1]["data"])["error"]["code"] == "stream_rolled_back"
+
+        async def ws() -> tuple[dict[str, Any], int | None]:
+            async with websockets.connect(f"{url.replace('http', 'ws')}/v1/streams/{sid}/ws?after={last + 5}") as w:
+                msg = json.loads(await w.recv())
+                with contextlib.suppress(websockets.ConnectionClosed):
+                    await w.recv()
+                return msg, w.close_code
+
+        msg, code = asyncio.run(ws())
+        assert msg["type"] == "error" and msg["error"]["code"] == "stream_rolled_back" and code == 1011
+
+        rid = httpx.post(url + "/v1/responses", json={"input": "hi", "background": True, "store": True, "max_output_tokens": 8},
+                         timeout=30).json()["id"]
+        wait_until(lambda: httpx.get(f"{url}/v1/responses/{rid}").json()["status"] in ("completed", "incomplete"), 30, "done")
+        seqs = [json.loads(e["data"])["sequence_number"] for e in
+                sse_events(httpx.get(f"{url}/v1/responses/{rid}?stream=true", timeout=30).text) if e.get("data")]
+        tail = sse_events(httpx.get(f"{url}/v1/responses/{rid}?stream=true&starting_after={max(seqs) + 5}",
+                                    timeout=30).text)
+        err = json.loads(tail[-1]["data"])
+        assert err["type"] == "error" and err.get("code", (err.get("error") or {}).get("code")) == "stream_rolled_back"
+    finally:
+        gw.stop()
+        engine.stop()

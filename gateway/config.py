@@ -39,6 +39,8 @@ class BrokerTimings:
     presence_check: float = 0.15  # a mirror quiet this long asks whether its owner's connection is open (0: never)
     cancel_timeout: float = 3.0  # how long cancel_remote waits for the owner's answer
     max_pending: int = 65_536  # entries queued for the next pipeline; beyond, streams are repaired later
+    replicas: int | None = None  # replicas that must acknowledge each pipeline (None: every online one)
+    replica_timeout: float = 0.5  # how long one WAIT for them blocks
 
     def __post_init__(self) -> None:
         if min(self.op_timeout, self.block, self.backoff_max, self.lease_interval, self.cancel_timeout) <= 0:
@@ -54,6 +56,10 @@ class BrokerTimings:
             raise ValueError("--broker-presence-check must be 0 (off) or positive")
         if self.max_pending < 1:
             raise ValueError("--broker-max-pending must be at least 1")
+        if self.replicas is not None and self.replicas < 0:
+            raise ValueError("--broker-replicas must be auto or a count >= 0")
+        if self.replica_timeout <= 0:
+            raise ValueError("--broker-replica-timeout must be positive")
 
 
 class TrustedProxies:

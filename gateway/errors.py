@@ -164,6 +164,14 @@ def stream_lost(stream_id: str, detail: str, *, status: int = 502) -> StreamErro
                     param="id" if status == 410 else None)
 
 
+def stream_rolled_back(stream_id: str, seq: int, held: int) -> StreamError:
+    """The reader read events the stream's log no longer holds (its store lost them, and the stream goes on
+    from before them): its reading cannot go on as one answer."""
+    return StreamError(502, f"Stream {stream_id} was rolled back: this reader read up to event {seq - 1}, and the "
+                       f"stream goes on from {held} events (its broker lost the rest); read it again from the "
+                       "start (?after=-1) or start a new generation.", type="server_error", code="stream_rolled_back")
+
+
 def owner_lost(stream_id: str, detail: str) -> StreamError:
     """The gateway (replica or worker) that ran the stream is gone before its end."""
     return StreamError(502, f"The gateway running stream {stream_id} is gone: {detail}.", type="server_error",

@@ -108,3 +108,20 @@ def test_backoff_grows_to_its_cap_and_resets() -> None:
 def test_redact_hides_only_the_password() -> None:
     assert redact("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
     assert redact("redis://redis:6379/0") == "redis://redis:6379/0"
+
+
+def test_an_adopters_header_names_where_it_continues_and_a_creators_does_not() -> None:
+    adopter = codec.decode(codec.encode_header("completions", "m", "gw-b", epoch=2, at=17))
+    creator = codec.decode(codec.encode_header("completions", "m", "gw-a", epoch=1))
+    assert isinstance(adopter, codec.Header) and adopter.at == 17
+    assert isinstance(creator, codec.Header) and creator.at is None
+
+
+def test_held_reads_the_events_a_log_holds_back_over_headers() -> None:
+    header = codec.encode_header("completions", "m", "gw")
+    ev = codec.encode_event(4, {}, "x", None)
+    end = codec.encode_end("done", 5, None)
+    assert codec.held([]) == 0 and codec.held([header]) == 0
+    assert codec.held([ev, header]) == 5
+    assert codec.held([header, header, ev]) == 5  # an adopter's header (or two) after the events it adopted
+    assert codec.held([end, ev]) == -1

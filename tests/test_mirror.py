@@ -273,3 +273,22 @@ def test_a_closed_owner_connection_that_comes_back_is_not_owner_lost() -> None:
     assert idle.check(0.4, Lease("held", 1.4, present=False), "s") is None  # one miss again, not two in a row
     # an owner that does not say it keeps a presence subscription (present None): only its lease counts
     assert idle.check(0.5, Lease("held", 1.4), "s") is None and idle.deadline == 0.5 + 1.4 + 0.05
+
+
+def test_a_new_owner_continuing_a_shorter_log_rolls_the_mirror_back_never_splices() -> None:
+    """The mirror read events 0-3 from a primary; the store it reads again after a failover lost 2-3, and an
+    adopter continued from 2 events (its header says at=2): the mirror drops its 2-3 and reads the adopter's
+    2, 3, 4 as its own, not as repeats."""
+    adopter = codec.encode_header("completions", "m", "owner-2", epoch=2, at=2)
+    link = ScriptedLink([HEADER, event(0), event(1), event(2, "old"), event(3, "old"), HEADER, event(0), event(1),
+                         adopter, event(2, "new"), event(3, "new"), event(4, "new"), codec.encode_end("done", 5, None)])
+    stream, ending = follow(link)
+    assert ending is None and stream.state == "done"
+    assert texts(stream) == ["0", "1", "new", "new", "new"] and [e.seq for e in stream.events] == [0, 1, 2, 3, 4]
+
+
+def test_a_new_owners_header_at_the_mirrors_length_changes_nothing() -> None:
+    adopter = codec.encode_header("completions", "m", "owner-2", epoch=2, at=2)
+    link = ScriptedLink([HEADER, event(0), event(1), adopter, event(2), codec.encode_end("done", 3, None)])
+    stream, ending = follow(link)
+    assert ending is None and texts(stream) == ["0", "1", "2"]

@@ -26,6 +26,7 @@ from tokenfan_settings import (
     HELP_GROUPS,
     INT,
     PATH,
+    REPLICAS,
     SETTINGS,
     SETTINGS_DOC,
     TABLE_END,
@@ -56,6 +57,8 @@ def sample(s: Setting) -> Any:
         return next(c for c in s.choices if c != s.default)
     if s.kind is TRANSPORT_DELAY:
         return {"sse": 0.002, "ws": 0.5}
+    if s.kind is REPLICAS:
+        return 2
     if s.repeat:
         return "ipc:///tmp/a.sock,ipc:///tmp/b.sock" if s.name == "engine_address" else ("one", "two")
     if s.kind is BOOL:
@@ -93,6 +96,8 @@ def test_flag_wins_over_environment_and_environment_over_default(command: str, s
     env = {setting.env_var: ",".join(setting.raw(setting.default_value())) or "x"}
     if setting.kind is TRANSPORT_DELAY:
         env = {setting.env_var: "ws:9"}
+    if setting.kind is REPLICAS:
+        env = {setting.env_var: "1"}
     argv = [x for raw in setting.raw(value) for x in (setting.option, raw)]
     assert parse(command, argv, env)[setting.name] == value
     assert parse(command, [])[setting.name] == setting.default_value()
@@ -252,3 +257,13 @@ def test_serve_gives_its_engine_a_private_socket_per_port_unless_told(monkeypatc
     cli.main(["serve", "--engine-address", "ipc:///tmp/mine.sock"])
     assert seen[0]["engine_address"].endswith("/engine-8123.sock")
     assert seen[1]["engine_address"] == "ipc:///tmp/mine.sock"
+
+
+def test_broker_replicas_is_auto_or_a_count() -> None:
+    assert parse("gateway", [])["broker_replicas"] is None
+    assert parse("gateway", ["--broker-replicas", "auto"])["broker_replicas"] is None
+    assert parse("gateway", ["--broker-replicas", "0"])["broker_replicas"] == 0
+    assert parse("gateway", [], {"TOKENFAN_BROKER_REPLICAS": "2"})["broker_replicas"] == 2
+    for bad in ("-1", "some"):
+        with pytest.raises(SettingError):
+            parse("gateway", ["--broker-replicas", bad])

@@ -11,7 +11,7 @@ from gateway.api.chat_render import CHUNK_MERGE
 from gateway.api.chat_request import ChunkBuilder
 from gateway.api.openai.framing import FANOUT_SSE, FANOUT_WS
 from gateway.core.backpressure import SlowConsumerPolicy
-from gateway.core.follow import Watchdog
+from gateway.core.follow import RolledBack, Watchdog
 from gateway.core.follow import follow as _follow
 from gateway.core.merge import coalesce
 from gateway.core.streams import ChunkEvent, Event, Retention, StreamHub
@@ -327,5 +327,102 @@ def test_a_paused_stream_sends_its_readers_away_and_a_relinquished_one_drops_wha
         s.pause(False)
         s.relinquish()  # another gateway owns it: the uncommitted "b" is never shown
         assert s.state == "moved" and s.pending == [] and texts(s.events) == "a" and s.over
+
+    asyncio.run(main())
+
+
+def test_a_resume_point_beyond_the_log_waits_for_the_log_to_reach_it() -> None:
+    """A mirror still reading its log: the reader waits and reads on from its resume point."""
+    async def main() -> list[int]:
+        s = StreamHub(Retention()).create("chat.completions", "m")
+        s.mirrored = True
+        publish_text(s, ["a", "b"])
+        got: list[Event] = []
+
+        async def w(batch: list[Event]) -> None:
+            got.extend(batch)
+
+        t = asyncio.create_task(follow(s, "sse", 3, w, SlowConsumerPolicy()))
+        await asyncio.sleep(0.01)
+        publish_text(s, ["c", "d", "e"])
+        s.finish("done")
+        assert await t == 4
+        return [e.seq for e in got]
+
+    assert asyncio.run(main()) == [4]
+
+
+def test_a_reader_past_the_point_a_new_owner_continues_from_ends_rolled_back_never_carried_past_it() -> None:
+    """The store lost events a reader read (a replica promoted while behind), and an adopter continues the log from
+    before them: that reader ends with RolledBack (stream_rolled_back), before the first new event; a reader at or
+    before the point reads the new owner's events; a mirror that held the lost events drops them."""
+    async def main() -> tuple[list[str], list[str]]:
+        s = StreamHub(Retention()).create("chat.completions", "m")
+        s.mirrored = True  # the adopter's mirror, before it adopts
+        publish_text(s, ["a", "b", "c", "d"])  # d: what the store lost
+        behind: list[Event] = []
+
+        async def w(batch: list[Event]) -> None:
+            behind.extend(batch)
+
+        policy = SlowConsumerPolicy()
+        never: list[Event] = []
+
+        async def w_past(batch: list[Event]) -> None:
+            never.extend(batch)
+
+        past = asyncio.create_task(follow(s, "sse", 4, w_past, policy))  # it read a, b, c, d and one more
+        await asyncio.sleep(0.01)
+        s.continue_at(3)  # the new owner's log: a, b, c
+        assert texts(s.events) == "abc"
+        at = asyncio.create_task(follow(s, "ws", 2, w, policy))  # it read a, b, c (elsewhere)
+        await asyncio.sleep(0.01)
+        publish_text(s, ["x", "y"])
+        s.finish("done")
+        with pytest.raises(RolledBack) as rb:
+            await past
+        assert (rb.value.seq, rb.value.held) == (5, 3) and never == []
+        assert await at == 4
+        return [e.text for e in behind], [e.text for e in s.events]
+
+    assert asyncio.run(main()) == (["x", "y"], ["a", "b", "c", "x", "y"])
+
+
+def test_a_resume_point_beyond_a_normal_end_is_rolled_back_not_done() -> None:
+    async def main() -> None:
+        s = StreamHub(Retention()).create("chat.completions", "m")
+        publish_text(s, ["a", "b"])
+        s.finish("done")
+
+        async def w(batch: list[Event]) -> None:
+            pass
+
+        with pytest.raises(RolledBack):
+            await follow(s, "sse", 4, w, SlowConsumerPolicy())
+        assert await follow(s, "sse", 1, w, SlowConsumerPolicy()) == 1  # all read: a normal end
+
+    asyncio.run(main())
+
+
+def test_a_resume_point_beyond_an_owners_log_or_past_its_continuation_is_rolled_back_at_once() -> None:
+    """Nothing can bring the log to it: the stream is this gateway's own (its whole log is shorter), or a new
+    owner continued it from before the resume point (a reader coming back after the adoption)."""
+    async def main() -> None:
+        hub = StreamHub(Retention())
+        own = hub.create("chat.completions", "m")
+        publish_text(own, ["a", "b"])
+
+        async def w(batch: list[Event]) -> None:
+            pass
+
+        with pytest.raises(RolledBack):
+            await asyncio.wait_for(follow(own, "sse", 5, w, SlowConsumerPolicy()), 1)
+        mirror = hub.create("chat.completions", "m", "str-mirror")
+        mirror.mirrored = True
+        publish_text(mirror, ["a", "b", "c"])
+        mirror.continue_at(2)
+        with pytest.raises(RolledBack) as rb:
+            await asyncio.wait_for(follow(mirror, "ws", 3, w, SlowConsumerPolicy()), 1)
+        assert rb.value.held == 2
 
     asyncio.run(main())

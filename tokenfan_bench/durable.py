@@ -1,10 +1,12 @@
 """``tokenfan bench durable``: what durable delivery costs a listed stream's readers (docs/failures.md).
 
 With ``--broker`` an event of a listed stream reaches its readers only once Redis holds it (a reader never
-reads what an adopter would not). Three arms on one synthetic engine, run in turn (A B C C B A, so a drift of
-the machine falls on every arm alike): a gateway without a broker (``memory``), one with Redis on loopback
-(``redis``), and one whose Redis is behind a 1 ms round trip (``redis-1ms``, the bench's shaping proxy:
-:mod:`tokenfan_bench.network.shaping_proxy`). Each arm: ``--streams`` fan-out streams at ``--tokens-per-s``,
+reads what an adopter would not), and, where the primary has replicas, once they acknowledged it (``WAIT``,
+``--broker-replicas``). Five arms on one synthetic engine, run in turn (A B C D E E D C B A, so a drift of the
+machine falls on every arm alike): a gateway without a broker (``memory``), one with Redis on loopback
+(``redis``), one whose Redis is behind a 1 ms round trip (``redis-1ms``, the bench's shaping proxy:
+:mod:`tokenfan_bench.network.shaping_proxy`), one whose Redis primary has a replica on loopback (``replica``),
+and one whose primary and its replica's link to it are both behind 1 ms (``replica-1ms``). Each arm: ``--streams`` fan-out streams at ``--tokens-per-s``,
 one SSE reader each; the delivery latency of every event is its arrival (the wall clock) minus the engine's
 emit time in its ``tokenfan`` object. Reported per arm: p50, p90, p99 and p99.9, and each arm's median over
 ``memory``'s.
@@ -29,7 +31,7 @@ import numpy as np
 from tokenfan_bench.network.shaping_proxy import Shaper, parse_profile
 from tokenfan_bench.servers.processes import free_port, spawn, stop_all, wait_healthy
 
-ARMS = ("memory", "redis", "redis-1ms")
+ARMS = ("memory", "redis", "redis-1ms", "replica", "replica-1ms")
 
 
 async def _arm(url: str, streams: int, tokens: int) -> list[float]:
@@ -60,9 +62,30 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--streams", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=100, help="max_tokens of each stream")
     ap.add_argument("--tokens-per-s", type=float, default=20.0)
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of A B C C B A")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of A B C D E E D C B A")
     ap.add_argument("--out", type=Path, default=Path("bench-results/durable"))
     return ap
+
+
+def _redis(tmp: Path, name: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
+    (tmp / name).mkdir()
+    return subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                             "no", "--dir", str(tmp / name), "--repl-diskless-sync-delay", "0", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _online(port: int) -> int:
+    info = subprocess.run(["redis-cli", "-p", str(port), "info", "replication"], capture_output=True, text=True,
+                          check=False).stdout
+    return info.count("state=online")
+
+
+def _waits(port: int) -> int:
+    """How many ``WAIT`` the Redis at ``port`` ran: each replica arm's pipelines wait, the others' do not."""
+    stats = subprocess.run(["redis-cli", "-p", str(port), "info", "commandstats"], capture_output=True, text=True,
+                           check=False).stdout
+    line = next((x for x in stats.splitlines() if x.startswith("cmdstat_wait:")), "")
+    return int(line.split("calls=")[1].split(",")[0]) if line else 0
 
 
 def main(argv: list[str]) -> int:
@@ -72,11 +95,12 @@ def main(argv: list[str]) -> int:
     lat: dict[str, list[float]] = {a: [] for a in ARMS}
     with tempfile.TemporaryDirectory(prefix="tokenfan-durable-") as d:
         tmp = Path(d)
-        rport = free_port()
-        redis = subprocess.Popen(["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
-                                  "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL)
-        shaper = Shaper(parse_profile("rtt=1ms"), [f"redis://127.0.0.1:{rport}"])
+        rport, p_lo, p_far = free_port(), free_port(), free_port()  # alone; primaries of the two replicas
+        servers = [_redis(tmp, "alone", rport), _redis(tmp, "primary-lo", p_lo), _redis(tmp, "primary-far", p_far)]
+        # routes: redis-1ms's Redis; replica-1ms's primary, for its gateway and for its replica's link
+        shaper = Shaper(parse_profile("rtt=1ms"), [f"redis://127.0.0.1:{p}" for p in (rport, p_far, p_far)])
+        servers += [_redis(tmp, "replica-lo", free_port(), "--replicaof", "127.0.0.1", str(p_lo)),
+                    _redis(tmp, "replica-far", free_port(), "--replicaof", "127.0.0.1", str(shaper.ports[2]))]
         address = f"ipc://{tmp / 'engine.sock'}"
         procs = [spawn(["-m", "engine_worker", "--engine-address", address, "--engine", "synthetic",
                         "--synthetic-tokens-per-s", str(args.tokens_per_s), "--log-level", "warning"],
@@ -84,7 +108,14 @@ def main(argv: list[str]) -> int:
         urls = {}
         try:
             brokers = {"memory": [], "redis": ["--broker", f"redis://127.0.0.1:{rport}/0"],
-                       "redis-1ms": ["--broker", f"redis://127.0.0.1:{shaper.ports[0]}/0"]}
+                       "redis-1ms": ["--broker", f"redis://127.0.0.1:{shaper.ports[0]}/0"],
+                       "replica": ["--broker", f"redis://127.0.0.1:{p_lo}/0"],
+                       "replica-1ms": ["--broker", f"redis://127.0.0.1:{shaper.ports[1]}/0"]}
+            deadline = time.monotonic() + 30
+            while _online(p_lo) < 1 or _online(p_far) < 1:  # each gateway reads its primary's replicas at start
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the replicas never came online")
+                time.sleep(0.05)
             for arm in ARMS:
                 port = free_port()
                 procs.append(spawn(["-m", "tokenfan.cli", "gateway", "--engine-address", address, "--port", str(port),
@@ -97,13 +128,15 @@ def main(argv: list[str]) -> int:
             for _ in range(args.rounds):
                 for arm in (*ARMS, *reversed(ARMS)):
                     lat[arm] += asyncio.run(_arm(urls[arm], args.streams, args.tokens))
+            waits = {"redis": _waits(rport), "replica": _waits(p_lo), "replica-1ms": _waits(p_far)}
         finally:
             stop_all(procs)
             shaper.close()
-            redis.terminate()
-            redis.wait(10)
+            for server in servers:
+                server.terminate()
+                server.wait(10)
     command = "tokenfan bench durable " + " ".join(argv)
-    results: dict[str, Any] = {"command": command, "redis_path_probe": probe, "arms": {}}
+    results: dict[str, Any] = {"command": command, "redis_path_probe": probe, "waits": waits, "arms": {}}
     base = float(np.median(lat["memory"])) if lat["memory"] else 0.0
     lines = ["# tokenfan bench durable", "", f"`{command}`", "",
              (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "

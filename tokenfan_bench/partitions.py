@@ -10,6 +10,13 @@ Scenarios (each with its own processes; the engine is shared):
   its readers), then healed.
 - ``redis-restart``: the same without the island; Redis is killed and started again, empty, on its port, after
   ``--cut`` × the lease TTL.
+- ``redis-failover``: a Redis primary with one replica (replicating through a link the bench can hold) and
+  gateways A and B reaching Redis through one switchable endpoint (:mod:`tokenfan_bench.network.endpoint`,
+  a managed Redis endpoint); N fan-out streams created on A, each read by two readers starting on A. The
+  replication link is held for ``--lag`` seconds (the replica falls that far behind, its connection open),
+  then the primary and gateway A are SIGKILLed together, the replica is promoted (``REPLICAOF NO ONE``) and
+  the endpoint leads to it; A's readers resume on B, and one more reader per stream starts on B after the
+  failover from the first event.
 - ``engine-cut``: gateway A (in an island) on two engines: one over ``tcp://`` with CURVE, whose link is cut for
   longer than ``--heartbeat-timeout`` (A migrates its requests to the other) and than the engine's
   ``--gateway-grace`` (the engine aborts them), then healed. Synthetic engines: their text is a function of
@@ -31,6 +38,7 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,10 +51,12 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tokenfan_bench.network.endpoint import Endpoint
 from tokenfan_bench.network.partition import Island, available
 from tokenfan_bench.servers.processes import Proc, free_port, spawn, stop_all, wait_healthy
 
-SCENARIOS = ("redis-cut", "redis-restart", "engine-cut")
+SCENARIOS = ("redis-cut", "redis-restart", "redis-failover", "engine-cut")
+NEEDS_ISLANDS = ("redis-cut", "engine-cut")
 LEASE = ["--broker-lease-interval", "0.2", "--broker-lease-ttl", "0.8"]
 OPEN = ["--max-generations-per-client", "0", "--max-subscriptions-per-client", "0", "--max-connections-per-client",
         "0", "--log-level", "warning"]
@@ -227,17 +237,19 @@ class Run:
 
 
 class RedisProc:
-    """A ``redis-server`` without persistence on ``port``, on loopback and the given extra addresses."""
+    """A ``redis-server`` without persistence on ``port``, on loopback and the given extra addresses (``extra``:
+    more arguments, e.g. ``--replicaof``)."""
 
-    def __init__(self, workdir: Path, binds: list[str]) -> None:
-        self.port, self.workdir, self.binds = free_port(), workdir, binds
+    def __init__(self, workdir: Path, binds: list[str], extra: list[str] | None = None) -> None:
+        self.port, self.workdir, self.binds, self.extra = free_port(), workdir, binds, extra or []
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         # (protected mode off: the extra address is an island's private veth, see tokenfan_bench.network.partition)
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", *self.binds,
                                       "--protected-mode", "no" if self.binds else "yes", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.workdir)],
+                                      "--appendonly", "no", "--dir", str(self.workdir), *self.extra],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while subprocess.run(["redis-cli", "-p", str(self.port), "ping"], check=False,
@@ -251,6 +263,13 @@ class RedisProc:
             self.proc.kill()
             self.proc.wait(10)
 
+    def cli(self, *args: str) -> str:
+        return subprocess.run(["redis-cli", "-p", str(self.port), *args], check=True, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+
+    def replicas_online(self) -> int:
+        return self.cli("info", "replication").count("state=online")
+
 
 def engine_running(url: str) -> int:
     """Requests running and waiting on the engines a gateway sees (their heartbeats)."""
@@ -259,10 +278,11 @@ def engine_running(url: str) -> int:
 
 
 async def _drive(create: str, urls: list[list[str]], n: int, tokens: int, warm: int, fault: Any,
-                 deadline_s: float, responses: int = 0) -> Driven:
+                 deadline_s: float, responses: int = 0, late: list[list[str]] | None = None) -> Driven:
     """Create ``n`` fan-out streams (and ``responses`` background responses) on ``create``, one reader per URL
     list each; once every stream has ``warm`` events on its owner, ``await fault()`` (returns when the fault
-    ends); then wait for the readers."""
+    ends); then start one reader per ``late`` URL list on each fan-out stream (from its first event), and wait
+    for the readers."""
     stop = asyncio.Event()
     async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=5), limits=httpx.Limits(max_connections=4 * n + 8)) \
             as c:
@@ -298,6 +318,11 @@ async def _drive(create: str, urls: list[list[str]], n: int, tokens: int, warm: 
         t0 = time.monotonic()
         await fault()
         t1 = time.monotonic()
+        for sid in ids:
+            for u in late or ():
+                h = History(list(u))
+                streams[sid].append(h)
+                jobs.append(asyncio.create_task(read(c, sid, h, stop)))
         _, pending = await asyncio.wait(jobs, timeout=deadline_s)
         stop.set()
         if pending:
@@ -413,6 +438,57 @@ def redis_scenario(kind: str, engine: str, tmp: Path, logs: Path, *, streams: in
     return Run(kind, histories, problems, t1 - t0, _recovery(histories, t1), idle, notes)
 
 
+def failover_scenario(engine: str, tmp: Path, logs: Path, *, streams: int, tokens: int, lag: float,
+                      lease: list[str], replicas: str | None = None, env: dict[str, str] | None = None) -> Run:
+    """``redis-failover`` on the engine at ``engine`` (see the module docstring); ``replicas``: the gateways'
+    ``--broker-replicas`` (None: their default, ``auto``)."""
+    primary = RedisProc(tmp / "primary", [], ["--repl-diskless-sync-delay", "0"])
+    with contextlib.ExitStack() as stack:
+        primary.start()
+        stack.callback(primary.stop)
+        link = Endpoint(primary.port)  # the replication link, which the fault holds
+        stack.callback(link.close)
+        replica = RedisProc(tmp / "replica", [], ["--replicaof", "127.0.0.1", str(link.port)])
+        replica.start()
+        stack.callback(replica.stop)
+        deadline = time.monotonic() + 30
+        while primary.replicas_online() < 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the replica never came online")
+            time.sleep(0.05)
+        endpoint = Endpoint(primary.port)  # what every gateway reaches Redis at
+        stack.callback(endpoint.close)
+        procs = stack.enter_context(_procs())
+        port_a, port_b = free_port(), free_port()
+        args = ["-m", "tokenfan.cli", "gateway", "--engine-address", engine, "--broker", endpoint.url, *lease, *OPEN,
+                *(["--broker-replicas", replicas] if replicas is not None else [])]
+        procs.append(spawn([*args, "--port", str(port_a)], logs / "redis-failover-gateway-a.log", env=env))
+        procs.append(spawn([*args, "--port", str(port_b)], logs / "redis-failover-gateway-b.log", env=env))
+        url_a, url_b = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
+        wait_healthy(url_a, procs[:1], 480)  # (healthy once the engine is: a vLLM boot took 244 s at load 17)
+        wait_healthy(url_b, procs[1:], 480)
+        notes: dict[str, Any] = {"lag_s": lag, "broker_replicas": replicas or "auto"}
+
+        async def fault() -> None:
+            link.hold()
+            await asyncio.sleep(lag)
+            primary.stop()  # SIGKILL, and gateway A with it
+            procs[0].signal_group(signal.SIGKILL)
+            link.close()  # what it held dies with the primary
+            replica.cli("replicaof", "no", "one")
+            endpoint.switch(replica.port)
+            notes["replica_role"] = replica.cli("role").split()[0]
+
+        driven = asyncio.run(_drive(url_a, [[url_a, url_b], [url_a, url_b]], streams, tokens, 3, fault, 120,
+                                    late=[[url_b]]))
+        histories, t0, t1 = driven.streams, driven.t0, driven.t1
+        notes["running_at_fault"] = driven.running
+        idle = _wait_idle(url_b, 30)
+        notes["adopted_b"] = _sample(url_b, "tokenfan_adoptions_total", outcome="adopted")
+    problems = check(histories) + _still_ran(driven, "the replica fell behind")
+    return Run("redis-failover", histories, problems, t1 - t0, _recovery(histories, t1), idle, notes)
+
+
 def engine_scenario(tmp: Path, logs: Path, *, streams: int, tokens: int, cut: float, env: dict[str, str] | None = None
                     ) -> Run:
     """``engine-cut`` (see the module docstring): synthetic engines, one over tcp:// with CURVE."""
@@ -491,6 +567,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=600, help="max_tokens of each stream")
     ap.add_argument("--cut", type=float, default=3.0, help="the fault lasts this many lease TTLs (engine: "
                     "heartbeat timeouts or gateway graces, the longer)")
+    ap.add_argument("--lag", type=float, default=2.0, help="redis-failover: seconds the replica falls behind "
+                    "before the primary dies")
+    ap.add_argument("--broker-replicas", default=None, help="redis-failover: the gateways' --broker-replicas "
+                    "(default: theirs, auto; 0 shows what a failover does without replicated delivery)")
     ap.add_argument("--lease-ttl", type=float, default=0.8, help="--broker-lease-ttl of the gateways "
                     "(--broker-lease-interval is a quarter of it)")
     ap.add_argument("--model", type=Path, default=None, help="the engine's model for the Redis scenarios "
@@ -511,11 +591,11 @@ def _vllm_engine(args: argparse.Namespace, tmp: Path, logs: Path) -> tuple[Proc,
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
     why = available()
-    if why:
+    if why and any(s in NEEDS_ISLANDS for s in scenarios):
         print(f"tokenfan bench partitions: {why}", file=sys.stderr)
         return 2
-    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
     logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     lease = ["--broker-lease-interval", f"{args.lease_ttl / 4:g}", "--broker-lease-ttl", f"{args.lease_ttl:g}"]
@@ -528,8 +608,12 @@ def main(argv: list[str]) -> int:
                 if s.startswith("redis"):
                     if engine is None:
                         engine, address = _vllm_engine(args, tmp, logs)
-                    runs.append(redis_scenario(s, address, tmp, logs, streams=args.streams, tokens=args.tokens,
-                                               cut=args.cut, lease=lease))
+                    if s == "redis-failover":
+                        runs.append(failover_scenario(address, tmp, logs, streams=args.streams, tokens=args.tokens,
+                                                      lag=args.lag, lease=lease, replicas=args.broker_replicas))
+                    else:
+                        runs.append(redis_scenario(s, address, tmp, logs, streams=args.streams, tokens=args.tokens,
+                                                   cut=args.cut, lease=lease))
                 else:
                     runs.append(engine_scenario(tmp, logs, streams=args.streams, tokens=args.tokens, cut=args.cut))
         finally:

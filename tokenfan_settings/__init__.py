@@ -93,6 +93,17 @@ INT = Kind("int", "N", int)
 FLOAT = Kind("float", "X", float)
 PATH = Kind("path", "PATH", Path)
 BOOL = Kind("bool", "BOOL", parse_bool, lambda v: "true" if v else "false")
+def parse_replicas(raw: str) -> int | None:
+    """``"auto"`` -> None (as many as the primary has online); else a count >= 0."""
+    if raw.strip().lower() == "auto":
+        return None
+    n = int(raw)
+    if n < 0:
+        raise ValueError(raw)
+    return n
+
+
+REPLICAS = Kind("auto|N", "auto|N", parse_replicas, lambda v: "auto" if v is None else str(v))
 TRANSPORT_DELAY = Kind("TRANSPORT:MS", "TRANSPORT:MS", parse_transport_delay, lambda kv: f"{kv[0]}:{kv[1] * 1000:g}")
 
 
@@ -325,6 +336,13 @@ SETTINGS: tuple[Setting, ...] = (
         field="broker.cancel_timeout"),
     _gw("broker_max_pending", INT, 65_536, "stream entries queued for the next Redis pipeline; beyond, the "
         "streams are repaired from the owner's log later", field="broker.max_pending"),
+    _gw("broker_replicas", REPLICAS, None, "with --broker, a listed stream's event reaches readers once this many "
+        "Redis replicas acknowledged it (WAIT after each pipeline), so a promoted replica holds whatever a reader "
+        "saw; auto: every replica the primary has online (INFO replication, checked every second; none: no "
+        "wait); 0: never wait (docs/failures.md)", field="broker.replicas", doc_default="`auto`"),
+    _gw("broker_replica_timeout", FLOAT, 0.5, "how long one WAIT for --broker-replicas blocks; replicas that do not "
+        "answer in time hold delivery (nothing unreplicated reaches a reader) and the wait is retried; at most "
+        "half of --broker-op-timeout", field="broker.replica_timeout"),
     _gw("handover", BOOL, True, "on SIGTERM with --broker, hand the listed streams (fan-out, background) to the "
         "other replicas, which continue them from the log, instead of draining them for --shutdown-grace"),
     _gw("migration_limit", INT, 3, "continuations of one request on another engine when its engine is lost "

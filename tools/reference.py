@@ -164,6 +164,10 @@ ERRORS: dict[str, tuple[str, str, str]] = {
     "internal_error": ("500", "a bug in the gateway (logged with its traceback)", "retry; report it"),
     "owner_lost": ("502", "the gateway that ran a listed stream died before its end and no one adopted it",
                    "resume (`Last-Event-ID`, `?after=`) or start again"),
+    "stream_rolled_back": ("502", ("`--broker`: this reader read events its stream's Redis no longer holds (a "
+                                   "replica promoted while behind, a restart) and the stream goes on from before "
+                                   "them: never read as one answer (docs/failures.md)"),
+                           "read it again from the start (`?after=-1`) or start a new generation"),
     "stream_lost": ("502, 410", "part of a stream is gone (a mirror missed events that no replica still holds)",
                     "start a new generation"),
     "engine_unavailable": ("503", ("no engine answers heartbeats, or the engine running the request died and it "

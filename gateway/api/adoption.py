@@ -140,6 +140,9 @@ class Adopter:
             log.error("stream %s lost its owner %s: adoption failed (%s)", stream.id, header.owner, exc)
             return "no"
         renderer = make(stream, options)
+        # never splice: a reader here already past this log (it read, elsewhere, what the store lost since) ends
+        # with stream_rolled_back before the first event of the continuation
+        stream.continue_at(len(stream.events))
         stream.mirrored = False
         stream.request, stream.options = header.request, header.options or {}
         stream.trace = trace or stream.trace

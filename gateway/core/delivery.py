@@ -36,11 +36,11 @@ from gateway.core import sse
 from gateway.core.backpressure import SlowConsumer, SlowConsumerPolicy
 from gateway.core.bare import BareConn, BareSse, BareWs, detach_http, detachable_http, run_detached
 from gateway.core.conn import HttpConn, WsConn
-from gateway.core.follow import Subscription, Watchdog, follow
+from gateway.core.follow import RolledBack, Subscription, Watchdog, follow
 from gateway.core.framing import Ending, Framing
 from gateway.core.generation import Generation, Renderer
 from gateway.core.streams import Event, Stream, StreamHub
-from gateway.errors import APIError, bad_resume_point, error_class
+from gateway.errors import APIError, bad_resume_point, error_class, stream_rolled_back
 
 if TYPE_CHECKING:
     from gateway.core.metrics import HotHistogram, Metrics, TransportMetrics
@@ -287,6 +287,13 @@ class Reader:
         self.meter.wrote(len(batch), any(e.text for e in batch), batch[-1].emit_ns, now, wall_ns)
 
 
+def failed_view(stream: Stream, err: APIError, events: list[Event]) -> Stream:
+    """What one reader's framing ends with when its reading fails alone (the stream goes on for the others): the
+    stream as if it had failed with ``err`` after ``events``."""
+    return Stream(id=stream.id, endpoint=stream.endpoint, model=stream.model, events=events, state="error",
+                  error=err, listed=stream.listed, meta=stream.meta)
+
+
 @dataclass(slots=True)
 class Outcome:
     """How a reader ended: the ending to write, whether it was cut, the last seq it sent."""
@@ -328,6 +335,14 @@ async def read(delivery: Delivery, stream: Stream, framing: Framing, after: int,
         if trace is not None:
             trace.cut(delivery.policy.send_timeout)
         return Outcome(framing.cut(delivery.policy.send_timeout), True, last)
+    except RolledBack as rb:
+        err = stream_rolled_back(stream.id, rb.seq, rb.held)
+        log.warning("reader of %s: %s", stream.id, err.message, extra={"trace": stream.trace})
+        m.errors.labels(error_class(err)).inc()
+        # the view ends where the reader's reading and the log part at the latest, never with the log's own end
+        # (a reader past it did not read it: an API whose ending looks for a terminal event must not find one)
+        shared = min(rb.held, len(stream.events) - 1 if stream.finished else len(stream.events))
+        return Outcome(framing.ending(failed_view(stream, err, stream.events[:max(0, shared)])), False, rb.seq - 1)
     finally:
         active.dec()
         if trace is not None:

@@ -18,6 +18,18 @@ from gateway.core.backpressure import SlowConsumer, SlowConsumerPolicy
 from gateway.core.merge import MergeRules
 from gateway.core.streams import Event, LiveWriter, Stream, Transport
 
+BEYOND_WAIT_S = 10.0  # longest wait of a reader whose resume point lies beyond the log for the log to reach it
+
+
+class RolledBack(Exception):
+    """The reader read events the log no longer holds (a store that lost them, and a new owner that continues
+    the log from before them): it ends with ``stream_rolled_back``, never skipping to the new owner's events."""
+
+    def __init__(self, seq: int, held: int) -> None:
+        super().__init__(f"the reader read up to event {seq - 1}, the log now holds {held}")
+        self.seq, self.held = seq, held
+
+
 # Writers: the transport-specific half of a subscriber.
 WriteEvents = Callable[[list[Event]], Awaitable[None]]
 WriteIdle = Callable[[], Awaitable[None]]
@@ -70,6 +82,7 @@ class Subscription:
     last_write: float = field(default_factory=time.monotonic)
     ping_due: bool = False
     slow: bool = False
+    rolled_back: int | None = None  # see Stream.continue_at
 
 
 class Watchdog:
@@ -130,6 +143,12 @@ async def follow(
     what that could not write (replay, a full buffer, the end). ``merge``: the API's rules for merging
     the content events of a reader that lags (None: never merged). ``relay``: it feeds another worker's
     mirror (written first in every pass). The caller writes the stream's ending.
+
+    A resume point beyond the log (a mirror still reading it, or a store that lost what the reader read) waits
+    up to :data:`BEYOND_WAIT_S` for the log to reach it. Raises :class:`RolledBack` when it does not, when the
+    stream ends short of it, or when a new owner continues the log from before it (:meth:`Stream.continue_at`);
+    at once when nothing can bring the log to it: the stream is this gateway's own and its whole log (committed
+    or not) is shorter, or its latest owner continued it from before the resume point.
     """
     # Lagging = more than coalesce_after events were published while our last write was in progress:
     # the client is the bottleneck, so merge. Events that were already there when a write started
@@ -155,9 +174,17 @@ async def follow(
         sub.busy_since = None
         sub.last_write = time.monotonic()
 
+    beyond_until = time.monotonic() + BEYOND_WAIT_S if sub.cursor > len(stream.events) else None
     try:
+        if beyond_until is not None:
+            if stream.continued_at is not None and sub.cursor > stream.continued_at:
+                raise RolledBack(sub.cursor, stream.continued_at)
+            if not stream.mirrored and sub.cursor > stream.next_seq:
+                raise RolledBack(sub.cursor, stream.next_seq)
         while True:
             sub.waiter.clear()
+            if sub.rolled_back is not None:
+                raise RolledBack(sub.cursor, sub.rolled_back)
             if sub.cursor < len(stream.events):
                 batch = policy.plan(stream.events, sub.cursor, lagging,
                                     live and stream.state in ("error", "cancelled"), merge)
@@ -167,6 +194,8 @@ async def follow(
                 lagging = len(stream.events) - head > policy.coalesce_after
                 continue
             lagging = False
+            if sub.cursor > len(stream.events) and stream.over and stream.state in ("done", "cancelled"):
+                raise RolledBack(sub.cursor, len(stream.events))  # a normal end short of what it read
             if stream.over or stream.paused:
                 return sub.cursor - 1
             if sub.ping_due:
@@ -178,9 +207,18 @@ async def follow(
                 continue
             sub.parked = True
             try:
-                await sub.waiter.wait()
+                if beyond_until is None:
+                    await sub.waiter.wait()
+                else:
+                    async with asyncio.timeout_at(asyncio.get_running_loop().time()
+                                                  + max(0.0, beyond_until - time.monotonic())):
+                        await sub.waiter.wait()
+            except TimeoutError:
+                raise RolledBack(sub.cursor, len(stream.events)) from None
             finally:
                 sub.parked = False
+            if beyond_until is not None and sub.cursor <= len(stream.events):
+                beyond_until = None  # the log reached it
     finally:
         stream.remove_follower(sub)
         watchdog.remove(sub)

@@ -27,6 +27,11 @@ the owner lease, the cancel RPC, the transcripts, the mirrors' link). Faults, an
   (it ends ``moved`` here, its readers resume where it goes on). Its readers never saw anything Redis does not
   hold: a listed stream is *gated* (:meth:`gateway.core.streams.Stream.commit`), its events reach readers
   once Redis took them. A gateway whose lease went unconfirmed fences itself first (:mod:`~gateway.scaleout.redis_lease`).
+- **Failover.** Where the primary has replicas, "Redis took them" means its replicas acknowledged them too
+  (``WAIT`` after each pipeline, :mod:`gateway.scaleout.redis_replicas`), so a promoted replica holds what any
+  reader here read. Never splice: every append names the log it continues and Redis refuses it on a log of
+  another length (:mod:`gateway.scaleout.redis_fence`); after any outage every stream of this gateway is
+  compared with its log and written back before anything new is appended (:meth:`Broker._repair`).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from gateway.scaleout.mirror import MirrorSet, RemoteStreamsByMirror, stop_tasks
 from gateway.scaleout.redis_cancel import CancelRpc
 from gateway.scaleout.redis_lease import OwnerLease
 from gateway.scaleout.redis_link import RedisLink
+from gateway.scaleout.redis_replicas import Replicas
 from gateway.scaleout.redis_support import (
     KNOWN_TTL_S,
     REDIS_ERRORS,
@@ -78,9 +84,11 @@ class _Out:
 
     stream: Stream
     records: list[codec.Fields] = field(default_factory=list)
+    after: int = 0  # the events the log holds before the records (the fenced append checks it)
     upto: int = 0  # its events below this seq are among the records
     end: bool = False  # so is its end record
     expire_s: int = 0  # the key expires this long after the records (0: not set here)
+    header: bool = False  # an adopter's header is among them
 
 
 class Broker(RemoteStreamsByMirror):
@@ -113,7 +121,12 @@ class Broker(RemoteStreamsByMirror):
         self.mirrors = MirrorSet(hub, link, idle_timeout=idle_timeout, recheck=t.lease_interval,
                                on_owner_lost=link.record_owner_lost, lease_check=t.lease_ttl,
                                presence_check=t.presence_check or None)
+        # (a WAIT's reply must come within the socket timeout: at most half of it)
+        self.replicas = Replicas(self._redis, t.replicas, min(t.replica_timeout, t.op_timeout / 2))
         self._pending: dict[str, _Out] = {}  # owner side: by stream id, in the order first queued
+        # written and in Redis, not yet acknowledged by its replicas: (upto, end) to commit once they are
+        self._unacked: dict[str, tuple[Stream, int, bool]] = {}
+        self._owed: dict[str, int] = {}  # adopted streams whose header is not in Redis yet: the events it follows
         self._queued = 0  # records in _pending
         self._dirty: set[str] = set()  # own streams Redis may be behind on: repaired from the log
         self._up = True
@@ -161,13 +174,16 @@ class Broker(RemoteStreamsByMirror):
             async with asyncio.timeout(self.t.op_timeout):
                 await self._redis.ping()
                 await self.fence.load(self._redis)
+                await self.replicas.check()
             log.info("broker: Redis Streams at %s (gateway id %s)", self.clients.where(), self.gateway_id)
         except REDIS_ERRORS as exc:
             self._up = False
             log.error("broker: Redis at %s is not reachable (%s); fan-out streams answer 503 until it is",
                       self.clients.where(), exc)
         for name, coro in (("broker-publisher", self._run_publisher()), ("broker-lease", self.lease.run()),
-                           ("broker-cancels", self.cancels.listen()), ("broker-primary", self.clients.watch(self._repair_all))):
+                           ("broker-cancels", self.cancels.listen()),
+                           ("broker-primary", self.clients.watch(self._repair_all)),
+                           ("broker-replicas", self.replicas.run())):
             self._background.append(asyncio.create_task(coro, name=name))
 
     async def successor(self) -> bool:
@@ -262,26 +278,29 @@ class Broker(RemoteStreamsByMirror):
         """This gateway owns ``stream`` from now on: its header again, naming this gateway and its epoch (other
         replicas' mirrors then check this gateway's lease), then its events as they come, gated."""
         stream.gated = True
-        self._queue(stream, codec.encode_header_of(stream, self.gateway_id))
+        at = stream.next_seq  # the header names the log it continues (a mirror that held more rolls back)
+        self._owed[stream.id] = at
+        self._queue(stream, codec.encode_header_of(stream, self.gateway_id, at=at), after=at, header=True)
 
     def published(self, stream: Stream, event: Event) -> None:
         """Queue one event of a local stream for the next pipeline."""
-        self._queue(stream, codec.encode_event_of(event), upto=event.seq + 1)
+        self._queue(stream, codec.encode_event_of(event), after=event.seq, upto=event.seq + 1)
 
     def ended(self, stream: Stream) -> None:
         """Queue the end of a local stream; its key then expires with the stream's retention."""
-        self._queue(stream, codec.encode_end_of(stream), end=True,
+        self._queue(stream, codec.encode_end_of(stream), after=stream.next_seq, end=True,
                     expire_s=max(1, int(self.hub.retention.finished_ttl)))
 
-    def _queue(self, stream: Stream, fields: codec.Fields, *, upto: int = 0, end: bool = False,
-               expire_s: int = 0) -> None:
+    def _queue(self, stream: Stream, fields: codec.Fields, *, after: int, upto: int = 0, end: bool = False,
+               expire_s: int = 0, header: bool = False) -> None:
         if self._up and stream.id not in self._dirty and self._queued < self.t.max_pending:
             out = self._pending.get(stream.id)
             if out is None:
-                out = self._pending[stream.id] = _Out(stream)
+                out = self._pending[stream.id] = _Out(stream, after=after)
             out.records.append(fields)
             out.upto = max(out.upto, upto)
             out.end = out.end or end
+            out.header = out.header or header
             out.expire_s = expire_s or out.expire_s
             self._queued += 1
         else:
@@ -317,14 +336,19 @@ class Broker(RemoteStreamsByMirror):
                 continue
             if is_oom(self.lease.error):  # it answers, but refuses writes: back once the lease is written
                 continue
+            # Every stream is compared with its log, not only those written during the outage: a replica
+            # promoted in the primary's place (or a restarted Redis) may lack what was written before it.
+            self._dirty.update(s.id for s in self.hub.streams.values() if not s.mirrored and s.epoch)
             log.warning("broker: Redis reachable again; repairing %d streams", len(self._dirty))
             self._up = True
             self._wake.set()
             return
 
     async def _flush_once(self) -> None:
-        """Send what is queued, then repair dirty streams; raises the Redis error if either fails."""
+        """Send what is queued, then repair dirty streams, then (if replicas still owe an acknowledgement and
+        nothing else waited for them) wait for them again; raises the Redis error if any fails."""
         batch, self._pending, self._queued = self._pending, {}, 0
+        retry = bool(self._unacked) and not batch and not self._dirty
         if batch:
             try:
                 missing = await self._send(list(batch.values()))
@@ -336,25 +360,62 @@ class Broker(RemoteStreamsByMirror):
                 self._dirty.update(missing)
         if self._dirty:
             await self._repair()
+        if retry:
+            await self._wait_again()
+
+    async def _wait_again(self) -> None:
+        """Replicas owe an acknowledgement and nothing else is to be written: ask them again (a ``PUBLISH``
+        then ``WAIT``, :mod:`gateway.scaleout.redis_replicas`; the ``WAIT`` blocks up to its timeout, which
+        paces the retries)."""
+        pipe = self._redis.pipeline(transaction=False)
+        waited = self.replicas.queue_wait(pipe, self.gateway_id, write=True)
+        replies = await pipe.execute() if waited else []
+        self._acked(replies[-1] if waited else None)
+
+    def _acked(self, wait_reply: int | None, held: list[tuple[Stream, int, bool]] | None = None) -> None:
+        """A pipeline's ``WAIT`` answered (None: none was needed): if enough replicas hold it, everything written
+        so far reaches readers (the replication stream is ordered: an acknowledgement covers every earlier
+        write); else ``held`` waits with the rest for the next acknowledgement."""
+        for stream, upto, end in held or ():
+            was = self._unacked.get(stream.id)
+            if was is not None:
+                upto, end = max(upto, was[1]), end or was[2]
+            self._unacked[stream.id] = (stream, upto, end)
+        if not self.replicas.acked(wait_reply):
+            self._wake.set()  # the publisher retries the WAIT (if nothing else waits for them first)
+            return
+        unacked, self._unacked = self._unacked, {}
+        for stream, upto, end in unacked.values():
+            stream.commit(upto, sealed=end)
 
     async def _send(self, outs: list[_Out]) -> set[str]:
-        """One pipeline: each stream's records in one fenced append; then each stream's events (and end) that
-        Redis took reach its readers. The ids of streams whose key (or epoch) was gone: they are repaired."""
+        """One pipeline: each stream's records in one fenced append, then ``WAIT`` for the replicas; each stream's
+        events (and end) that Redis (and they) took reach its readers. The ids of streams whose key (or epoch)
+        was gone, or whose log in Redis is not the one the records continue: they are repaired."""
         def queue(pipe: Any) -> None:
             for out in outs:
-                self.fence.append(pipe, out.stream.id, out.stream.epoch, out.records, expire_s=out.expire_s)
+                self.fence.append(pipe, out.stream.id, out.stream.epoch, out.records, expire_s=out.expire_s,
+                                  after=out.after)
 
-        replies = await self._fenced(queue)
+        replies, wait_reply = await self._fenced(queue)
         missing: set[str] = set()
+        held: list[tuple[Stream, int, bool]] = []
         for out, reply in zip(outs, replies, strict=True):
             st, current = fence.status(reply)
             if st == fence.OK:
-                out.stream.commit(out.upto, sealed=out.end)
+                if out.header:
+                    self._owed.pop(out.stream.id, None)
+                held.append((out.stream, out.upto, out.end))
             elif st == fence.FENCED:
                 self._give_up(out.stream, f"its epoch {out.stream.epoch} was refused: another gateway owns it "
                                           f"(epoch {current})")
             else:
+                if st == fence.ELSEWHERE:
+                    log.warning("broker: Redis holds %d events of stream %s where %d were expected (a failover to "
+                                "a replica that was behind?): writing back what it lacks first", fence.held(reply),
+                                out.stream.id, out.after)
                 missing.add(out.stream.id)
+        self._acked(wait_reply, held)
         return missing
 
     async def _repair(self) -> None:
@@ -370,40 +431,56 @@ class Broker(RemoteStreamsByMirror):
                 part = [s for sid in ids[i:i + 256] if (s := self._own(sid)) is not None]
                 pipe = self._redis.pipeline(transaction=False)
                 for s in part:
-                    pipe.xrevrange(codec.stream_key(s.id), count=1)
+                    pipe.xrevrange(codec.stream_key(s.id), count=fence.SCAN)
                 lasts = await pipe.execute()
-                wanted = [(s, last[0][1] if last else None) for s, last in zip(part, lasts, strict=True)]
+                wanted = [(s, [e[1] for e in last] if last else None) for s, last in zip(part, lasts, strict=True)]
 
-                def queue(pipe: Any, wanted: list[tuple[Stream, codec.Fields | None]] = wanted) -> None:
-                    for s, fields in wanted:
-                        self._repair_one(pipe, s, fields)
+                written: list[tuple[int, bool]] = []  # each stream's log as queued (it may grow meanwhile)
 
-                replies = await self._fenced(queue) if part else []
-                for s, reply in zip(part, replies, strict=True):
+                def queue(pipe: Any, wanted: list[tuple[Stream, list[codec.Fields] | None]] = wanted,
+                          written: list[tuple[int, bool]] = written) -> None:
+                    written.clear()
+                    written.extend(self._repair_one(pipe, s, entries) for s, entries in wanted)
+
+                if not part:
+                    continue
+                replies, wait_reply = await self._fenced(queue)
+                held: list[tuple[Stream, int, bool]] = []
+                for s, reply, (upto, end) in zip(part, replies, written, strict=True):
                     st, current = fence.status(reply)
                     if st == fence.OK:
-                        s.commit(s.next_seq, sealed=s.finished)
+                        self._owed.pop(s.id, None)
+                        held.append((s, upto, end))
                     elif st == fence.FENCED:
                         self._give_up(s, f"its epoch {s.epoch} was refused after an outage: another gateway "
                                          f"adopted it (epoch {current})")
-                    else:  # gone again meanwhile: next round
+                    else:  # gone again, or written meanwhile: next round
                         self._dirty.add(s.id)
+                self._acked(wait_reply, held)
         except BaseException:
             self._dirty.update(ids)
             raise
 
-    async def _fenced(self, queue: Callable[[Any], None]) -> list[Any]:
-        """Run a pipeline of fenced appends (``queue(pipe)`` queues them); once more after loading the scripts
-        if Redis has none (NOSCRIPT: it restarted; nothing of the pipeline ran)."""
+    async def _fenced(self, queue: Callable[[Any], None]) -> tuple[list[Any], int | None]:
+        """Run a pipeline of fenced appends (``queue(pipe)`` queues them), then ``WAIT`` for the replicas if any
+        are needed (a ``PUBLISH`` first while earlier writes wait for them: this pipeline's appends may all be
+        refused); once more after loading the scripts if Redis has none (NOSCRIPT: it restarted; nothing of the
+        pipeline ran). The appends' replies, and the ``WAIT``'s (None: none sent)."""
         for attempt in (0, 1):
             pipe = self._redis.pipeline(transaction=False)
             queue(pipe)
+            publish = bool(self._unacked)
+            waited = self.replicas.queue_wait(pipe, self.gateway_id, write=publish)
             try:
-                return list(await pipe.execute())
+                replies = list(await pipe.execute())
             except NoScriptError:
                 if attempt:
                     raise
                 await self.fence.load(self._redis)
+                continue
+            if not waited:
+                return replies, None
+            return replies[:-2] if publish else replies[:-1], int(replies[-1])
         raise AssertionError("unreachable")
 
     def _own(self, stream_id: str) -> Stream | None:
@@ -413,22 +490,29 @@ class Broker(RemoteStreamsByMirror):
             return None  # evicted, a mirror, handed over, or given up: nothing of ours to write
         return stream
 
-    def _repair_one(self, pipe: Any, stream: Stream, last_fields: codec.Fields | None) -> None:
-        """Queue on ``pipe`` one fenced append of what Redis lacks of ``stream``, given its last entry there (a
-        key that is gone is written anew, header first)."""
-        last: codec.Entry | None = None
-        if last_fields is not None:
-            try:
-                last = codec.decode(last_fields)
-            except codec.CodecError:
-                last = None  # unreadable: write every event again, readers skip the repeats
+    def _repair_one(self, pipe: Any, stream: Stream, last: list[codec.Fields] | None) -> tuple[int, bool]:
+        """Queue on ``pipe`` one fenced append of what Redis lacks of ``stream``, given its last entries there,
+        newest first (None: the key is gone, and is written anew, header first). The append continues the log
+        Redis holds (refused if another write changed it meanwhile: the next round reads it again); an adopter's
+        header still owed goes where its log continues the one it adopted. Returns what it makes durable: the
+        events below that seq, and whether the end."""
         log_ = stream.events + stream.pending
         records: list[codec.Fields] = []
-        if last_fields is None:  # the key is gone (a Redis restart without persistence): write it anew
+        have = 0 if last is None else codec.held(last)
+        if last is None:  # the key is gone (a Redis restart without persistence): write it anew
             records.append(codec.encode_header_of(stream, self.gateway_id))
-        if not isinstance(last, codec.EndEntry):
-            start = last.seq + 1 if isinstance(last, codec.EventEntry) else 0
-            records += [codec.encode_event_of(ev) for ev in log_[start:]]
+            self._owed.pop(stream.id, None)
+        if have >= 0:
+            if have > len(log_):
+                log.warning("broker: Redis holds %d events of stream %s, this gateway's log %d", have, stream.id,
+                            len(log_))
+            at = self._owed.get(stream.id)
+            if at is not None and at >= have:
+                records += [codec.encode_event_of(ev) for ev in log_[have:at]]
+                records.append(codec.encode_header_of(stream, self.gateway_id, at=at))
+                records += [codec.encode_event_of(ev) for ev in log_[at:]]
+            else:
+                records += [codec.encode_event_of(ev) for ev in log_[have:]]
             if stream.finished:
                 records.append(codec.encode_end_of(stream))
         expire = 0
@@ -437,7 +521,9 @@ class Broker(RemoteStreamsByMirror):
             if stream.finished_at is not None:
                 ttl -= time.monotonic() - stream.finished_at
             expire = max(1, int(ttl))
-        self.fence.append(pipe, stream.id, stream.epoch, records, expire_s=expire, create=last_fields is None)
+        self.fence.append(pipe, stream.id, stream.epoch, records, expire_s=expire, create=last is None,
+                          after=None if have < 0 else have)
+        return len(log_), stream.finished
 
     def _repair_all(self) -> None:
         self._dirty.update(s.id for s in self.hub.streams.values() if not s.mirrored and s.epoch)
@@ -454,6 +540,8 @@ class Broker(RemoteStreamsByMirror):
         if self.on_fenced is not None:
             self.on_fenced(stream, "fenced")
         self._dirty.discard(stream.id)
+        self._unacked.pop(stream.id, None)
+        self._owed.pop(stream.id, None)
         out = self._pending.pop(stream.id, None)
         if out is not None:
             self._queued -= len(out.records)

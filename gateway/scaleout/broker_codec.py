@@ -25,7 +25,8 @@ Entries of ``tokenfan:{<id>}:s`` (field names are bytes; values UTF-8):
   header  ``created`` = model, ``endpoint``, ``owner`` = gateway id (or worker index), ``detached`` = 1 | 0,
           ``epoch`` = the owner's fencing epoch (:mod:`gateway.scaleout.redis_fence`; absent: 0, not fenced),
           ``held`` = how many records (events, and the end) the owner's log held when it wrote the header
-          (0 in Redis, written at creation; a peer writes one per connection: the mirror waits for those)
+          (0 in Redis, written at creation; a peer writes one per connection: the mirror waits for those),
+          ``at`` = an adopter's: how many events it continues the log from (events past it are not its log)
   event   ``seq``, ``data`` = the chunk JSON with its ``tokenfan`` object, ``text``, ``fin`` = finish reason or ""
   end     ``end`` = done | error | cancelled, ``events`` = how many events the stream has,
           ``error`` = {"status": n, "error": {message, type, param, code}} or ""
@@ -104,6 +105,7 @@ class Header:
     request: bytes = b""  # the engine request (msgpack Submit) a gateway that adopts the stream continues
     options: dict[str, Any] | None = None  # the API's renderer options, for that gateway
     epoch: int = 0  # the owner's fencing epoch (0: an unfenced owner's, e.g. a peer worker's)
+    at: int | None = None  # an adopter's: the events it continues the log from (None: the stream's creator)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,21 +128,25 @@ Entry = Header | EventEntry | EndEntry
 
 
 def encode_header(endpoint: str, model: str, owner: str, *, detached: bool = True, held: int = 0,
-                  request: bytes = b"", options: dict[str, Any] | None = None, epoch: int = 0) -> Fields:
-    """A stream's header: written when it is created, and again by a gateway that adopts it (its new owner)."""
+                  request: bytes = b"", options: dict[str, Any] | None = None, epoch: int = 0,
+                  at: int | None = None) -> Fields:
+    """A stream's header: written when it is created, and again by a gateway that adopts it (its new owner;
+    ``at``: the events it continues from)."""
     fields = {b"created": model.encode(), b"endpoint": endpoint.encode(), b"owner": owner.encode(),
               b"detached": b"1" if detached else b"0", b"held": b"%d" % held}
     if epoch:
         fields[b"epoch"] = b"%d" % epoch
+    if at is not None:
+        fields[b"at"] = b"%d" % at
     if request:
         fields[b"request"] = request
         fields[b"options"] = orjson.dumps(options or {})
     return fields
 
 
-def encode_header_of(stream: Stream, owner: str) -> Fields:
+def encode_header_of(stream: Stream, owner: str, at: int | None = None) -> Fields:
     return encode_header(stream.endpoint, stream.model, owner, detached=stream.detached, request=stream.request,
-                         options=stream.options, epoch=stream.epoch)
+                         options=stream.options, epoch=stream.epoch, at=at)
 
 
 def encode_event(seq: int, chunk: dict[str, Any], text: str, finish_reason: str | None,
@@ -183,7 +189,7 @@ def decode(fields: Fields) -> Entry:
                           fields.get(b"owner", b"").decode(), fields.get(b"detached", b"1") != b"0",
                           int(fields.get(b"held") or 0), fields.get(b"request", b""),
                           orjson.loads(fields[b"options"]) if fields.get(b"options") else None,
-                          int(fields.get(b"epoch") or 0))
+                          int(fields.get(b"epoch") or 0), int(fields[b"at"]) if fields.get(b"at") else None)
     except (KeyError, ValueError, TypeError) as exc:  # UnicodeDecodeError and orjson's error are ValueErrors
         raise CodecError(f"malformed broker entry ({exc!r}): {sorted(fields)}") from exc
     raise CodecError(f"unknown broker entry with fields {sorted(fields)}")
@@ -258,6 +264,20 @@ def place(seq: int, have: int) -> Placement:
     if seq < have:
         return "repeat"
     return "append" if seq == have else "hole"
+
+
+def held(newest_first: list[Fields]) -> int:
+    """The events a log holds, from its last entries (newest first, as ``XREVRANGE`` returns them): its last
+    event's ``seq`` + 1, read back over headers (an adopter's follows the events it adopted); -1 once it holds
+    an end; 0 for headers only (records that are not ours are read past). The fenced append's script reads a
+    log the same way
+    (:data:`gateway.scaleout.redis_fence.APPEND`)."""
+    for fields in newest_first:
+        if fields.get(b"seq", b"").isdigit():
+            return int(fields[b"seq"]) + 1
+        if b"end" in fields:
+            return -1
+    return 0
 
 
 def end_is_complete(end: EndEntry, have: int) -> bool:

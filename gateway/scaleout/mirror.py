@@ -19,6 +19,9 @@ coalescing and slow readers work on it exactly as on the owner.
   :mod:`gateway.api.adoption`; the others keep mirroring what it writes, under its header), and ends it
   with ``owner_lost`` only if nobody can. A link that could not read for ``idle_timeout`` ends it with
   ``broker_unavailable``; a link whose iterator ends (the owner worker's socket refuses) with ``owner_lost``.
+- A new owner's header names the events it continues from (``at``): a mirror that held more (read from a
+  store that lost them since) drops them, and its readers past that point end with ``stream_rolled_back``
+  (:meth:`gateway.core.streams.Stream.continue_at`), never reading the new owner's events as the rest.
 - Every exit finishes the stream before :meth:`StreamHub.mark_finished`, so a mirror never blocks
   eviction.
 """
@@ -239,6 +242,12 @@ class Mirror:
             self.idle.heard(now)
             if isinstance(item, codec.Header):
                 self.header = item  # a new owner (it adopted the stream)
+                if item.at is not None and item.at < stream.next_seq:
+                    # it continues a log shorter than this mirror's (its store lost what this mirror read
+                    # before): what follows is its log, and readers past it cannot read on as one answer
+                    log.warning("mirror of %s: its new owner continues from %d events, this mirror held %d",
+                                stream.id, item.at, stream.next_seq)
+                    stream.continue_at(item.at)
                 continue
             ending = apply(stream, item)
             if ending is not None or stream.finished:

@@ -1,5 +1,6 @@
-"""``tokenfan bench durable`` runs its three arms (no broker, Redis on loopback, Redis behind 1 ms) and reports
-every event of each (its figures are not asserted: docs/failures.md has them)."""
+"""``tokenfan bench durable`` runs its five arms (no broker, Redis on loopback, Redis behind 1 ms, a primary with a
+replica on loopback, and both behind 1 ms) and reports every event of each (its figures are not asserted:
+docs/failures.md has them)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.procs import ROOT
 from tests.system import require
 
 
-def test_the_durable_bench_measures_every_event_of_its_three_arms(tmp_path: Path) -> None:
+def test_the_durable_bench_measures_every_event_of_its_five_arms(tmp_path: Path) -> None:
     require("redis-server")
     out = tmp_path / "durable"
     r = subprocess.run([sys.executable, "-m", "tokenfan.cli", "bench", "durable", "--streams", "2", "--tokens", "8",
@@ -21,8 +22,11 @@ def test_the_durable_bench_measures_every_event_of_its_three_arms(tmp_path: Path
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     arms = results["arms"]
-    assert set(arms) == {"memory", "redis", "redis-1ms"}
-    # 2 streams x 8 tokens, twice (A B C C B A): every content event of each arm has a latency
+    assert set(arms) == {"memory", "redis", "redis-1ms", "replica", "replica-1ms"}
+    # 2 streams x 8 tokens, twice (A B C D E E D C B A): every content event of each arm has a latency
     assert all(a["events"] >= 2 * 2 * 7 and a["ms"]["50"] > 0 for a in arms.values()), arms
     assert results["redis_path_probe"]["rtt_ms"] >= 1.0  # the 1 ms arm really goes through a 1 ms path
-    assert "| redis-1ms |" in (out / "summary.md").read_text()
+    # the replica arms' pipelines wait for their replica (auto: one online); a primary without one is not asked
+    waits = results["waits"]
+    assert waits["redis"] == 0 and waits["replica"] > 0 and waits["replica-1ms"] > 0, waits
+    assert "| redis-1ms |" in (out / "summary.md").read_text() and "| replica-1ms |" in (out / "summary.md").read_text()

@@ -9,8 +9,8 @@ Endings, per transport:
   cancelled  SSE ``event: end`` {"reason":"cancelled"} + [DONE]   WS ``{"type":"done","reason":"cancelled"}``
   failed     SSE ``event: error`` {"error":{...}}          WS ``{"type":"error","error":{...}}``, close 1011
   too slow   SSE ``event: error`` code slow_consumer       WS close 1013
-A resume point at or past the end of a finished stream answers 204, which also tells a browser
-``EventSource`` to stop reconnecting.
+A resume point at the end of a finished stream answers 204, which also tells a browser ``EventSource`` to stop
+reconnecting; one past its end is a reader of events the log does not hold (``stream_rolled_back``).
 
 Resume, the same on every reader route and transport (SSE over HTTP/1.1, HTTP/2, HTTP/3 and WebTransport, and the
 WebSocket route): the ``Last-Event-ID`` header (what ``EventSource`` sends by itself on reconnect) or the query
@@ -139,7 +139,7 @@ async def _stream_events(request: Request) -> Any:
     gw: Gateway = gateway_of(request)
     after = resume_after(request.headers, request.query_params)
     stream = await _subscribe_check(gw, request.path_params["id"])
-    if stream.over and after >= len(stream.events) - 1 and stream.state == "done":
+    if stream.over and after == len(stream.events) - 1 and stream.state == "done":
         return Response(status_code=204)
     preamble = sse.comment("tokenfan stream " + stream.id) + sse.retry(gw.config.sse_retry_ms)
     return _Subscriber(SseResponse(gw.delivery, stream, FANOUT_SSE, after, preamble=preamble, detachable=True), gw)

@@ -128,6 +128,8 @@ class GatewayConfig:
     curve_dir: Path | None = declared("curve_dir")
     broker_url: str | None = declared("broker_url")
     broker_idle_timeout: float = declared("broker_idle_timeout")
+    standby_timeout: float = declared("standby_timeout")  # --workers: the hold on events the standby lacks
+    relay_delay: float = declared("relay_delay")  # diagnostic: the standby relay's writes delayed
     broker: BrokerTimings = field(default_factory=BrokerTimings)  # filled through dotted fields
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)  # likewise
     max_loop_lag: float = declared("max_loop_lag")

@@ -62,6 +62,7 @@ class Subscription:
     transport: Transport
     task: asyncio.Task[Any] | None
     relay: bool = False  # it feeds another worker's mirror (see Stream._wake)
+    standby: bool = False  # it feeds the stream's standby: it reads the pending events too (Stream.append)
     waiter: Wake = field(default_factory=Wake)
     cursor: int = 0  # the next seq this reader sends
     parked: bool = False  # its loop waits, caught up: the publisher may write for it (``reader``)
@@ -119,7 +120,7 @@ class Watchdog:
 async def follow(
     stream: Stream, transport: Transport, after: int, write: WriteEvents, policy: SlowConsumerPolicy,
     watchdog: Watchdog, *, idle: WriteIdle | None = None, reader: LiveWriter | None = None,
-    merge: MergeRules | None = None, relay: bool = False,
+    merge: MergeRules | None = None, relay: bool = False, standby: bool = False,
 ) -> int:
     """Send every event with ``seq > after`` and then the live tail until the stream ends.
 
@@ -129,7 +130,9 @@ async def follow(
     the publisher in its one pass over the readers (:meth:`Stream.append`); this loop only wakes for
     what that could not write (replay, a full buffer, the end). ``merge``: the API's rules for merging
     the content events of a reader that lags (None: never merged). ``relay``: it feeds another worker's
-    mirror (written first in every pass). The caller writes the stream's ending.
+    mirror (written first in every pass); ``standby``: it feeds the mirror an adopter would continue from, so
+    it reads a gated stream's events before they are committed (:attr:`Stream.pending`, which wait for it) and
+    ends once the stream finished, before its end is sealed. The caller writes the stream's ending.
     """
     # Lagging = more than coalesce_after events were published while our last write was in progress:
     # the client is the bottleneck, so merge. Events that were already there when a write started
@@ -138,7 +141,7 @@ async def follow(
     # A reader that was following a running stream gets its backlog merged when the stream fails, so the
     # notice is not stuck behind it; one that joins a finished stream replays it event by event.
     live = not stream.finished
-    sub = Subscription(transport, asyncio.current_task(), relay, cursor=after + 1, reader=reader)
+    sub = Subscription(transport, asyncio.current_task(), relay, standby, cursor=after + 1, reader=reader)
     stream.add_follower(sub)
     watchdog.add(sub)
 
@@ -158,16 +161,17 @@ async def follow(
     try:
         while True:
             sub.waiter.clear()
-            if sub.cursor < len(stream.events):
-                batch = policy.plan(stream.events, sub.cursor, lagging,
-                                    live and stream.state in ("error", "cancelled"), merge)
+            events = stream.events + stream.pending if standby and stream.pending else stream.events
+            if sub.cursor < len(events):
+                batch = policy.plan(events, sub.cursor, lagging, live and stream.state in ("error", "cancelled"),
+                                    merge)
                 sub.cursor = batch[-1].seq + 1
                 head = len(stream.events)
                 await timed(write(batch))
                 lagging = len(stream.events) - head > policy.coalesce_after
                 continue
             lagging = False
-            if stream.over or stream.paused:
+            if stream.over or stream.paused or (standby and stream.finished):
                 return sub.cursor - 1
             if sub.ping_due:
                 sub.ping_due = False

@@ -71,7 +71,15 @@ class PeerFraming(Framing):
         return Ending(sse.comment("cut: too slow, resume after the last id"))
 
 
+class StandbyFraming(PeerFraming):
+    """The relay to a stream's standby: also a gated stream's pending events, which wait for its acknowledgement
+    (:class:`gateway.scaleout.peers.Peers`)."""
+
+    standby = True
+
+
 PEER = PeerFraming()
+STANDBY = StandbyFraming()
 
 
 def bind_sockets(config: GatewayConfig) -> list[Any]:

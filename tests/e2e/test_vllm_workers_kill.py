@@ -30,6 +30,7 @@ from gateway.scaleout.workers import worker_socket
 from tests.conftest import VllmBoot
 from tests.e2e.helpers import engine_core, metric, step_stopped, wait_until
 from tests.e2e.test_adoption import _worker_pid
+from tests.e2e.test_workers_standby import restarted
 from tests.procs import NO_CLIENT_LIMITS, spawn, wait_healthy
 from tokenfan_bench.servers.processes import free_port
 
@@ -170,7 +171,7 @@ def test_a_killed_workers_sampled_streams_read_as_one_answer_on_every_worker(
             answers = {reader.text for reader in mine}
             assert len(answers) == 1, (sid, [(r.reconnects, len(r.seqs), r.text[:200]) for r in mine])
             assert sum(r.reconnects for r in mine[:2]) >= 2, sid  # worker 0's readers went on at worker 1
-        wait_until(lambda: _worker_pid(server, 0) != worker0, timeout=30, what="worker 0 started again")
+        wait_until(lambda: restarted(server, worker0), timeout=30, what="worker 0 started again")
         wait_until(lambda: httpx.get(url + "/health").json()["workers"]["ready"] == 2, timeout=60,
                    what="both workers serving")
         assert metric(url, "tokenfan_adoptions_total", {"outcome": "adopted"}) == len(readers)

@@ -91,6 +91,10 @@ class PeerResponse:
                 except TimeoutError:
                     yield None
                     continue
+                except ConnectionResetError:
+                    # a peer killed with a standby's acknowledgements unread resets the connection: it dropped
+                    # (what this side read and did not acknowledge yet, no reader has seen)
+                    return
                 self._conn.receive_data(data)
             elif isinstance(ev, h11.Data):
                 yield bytes(ev.data)

@@ -9,9 +9,10 @@
   pid that wrote the header) and offers the stream for adoption once it is missing.
 - Adoption without ``--broker``: every listed stream a worker creates gets a *standby* mirror on the next
   worker (``POST /internal/standby/{id}``, :meth:`Peers.created`), so a worker's death leaves its log, the
-  engine request and the token ids on a sibling; the sibling that claims it (an ``O_EXCL`` file in the
-  runtime directory, :meth:`Peers.claim`) continues it as a ``--broker`` replica would
-  (:mod:`gateway.api.adoption`), and serves it to the others from then on.
+  engine request and the token ids on a sibling. The stream is *gated* by it: its events reach readers once the
+  standby acknowledged them (:meth:`Peers.acked`). The standby claims it (an ``O_EXCL`` file in the runtime
+  directory, :meth:`Peers.claim`), continues it as a ``--broker`` replica would (:mod:`gateway.api.adoption`),
+  and serves it to the others from then on.
 - :class:`Peers` is what the routes use (:class:`gateway.core.ports.RemoteStreams`): mirrors, cancels
   (``DELETE /internal/streams/{id}``) and transcripts (``GET /internal/transcripts/{id}``) of the peers'
   streams, and ``/metrics`` merged over every worker (:func:`merge_metrics`).

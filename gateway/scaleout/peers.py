@@ -342,7 +342,7 @@ class Peers(RemoteStreamsByMirror):
 
     def _gate(self, stream: Stream) -> None:
         stream.gated = True
-        self._gates[stream.id] = Gate(stream, time.monotonic())
+        self._gates[stream.id] = Gate(stream, None)  # (the clock starts at its first record: _unconfirmed)
         if self._holding is None or self._holding.done():
             self._holding = asyncio.get_running_loop().create_task(self._hold(), name="standby-hold")
 

@@ -26,16 +26,16 @@ from tokenfan_bench.servers.processes import free_port
 
 
 @contextmanager
-def serve_workers(name: str) -> Iterator[tuple[Proc, int]]:
+def serve_workers(name: str, workers: int = 2) -> Iterator[tuple[Proc, int]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = spawn(["-m", "tokenfan.cli", "serve", *ENGINE_ARGS, "--workers", "2", "--broker-lease-interval", "0.2",
+    server = spawn(["-m", "tokenfan.cli", "serve", *ENGINE_ARGS, "--workers", str(workers), "--broker-lease-interval", "0.2",
                     "--standby-timeout", "0.5", *NO_CLIENT_LIMITS, "--host", "127.0.0.1", "--port", str(port),
                     "--log-level", "warning"], name)
     try:
         wait_healthy(url, server, 60)
-        wait_until(lambda: httpx.get(url + "/health").json()["workers"]["ready"] == 2, timeout=60,
-                   what="both workers serving")
+        wait_until(lambda: httpx.get(url + "/health").json()["workers"]["ready"] == workers, timeout=60,
+                   what="every worker serving")
         yield server, port
     finally:
         assert server.stop() == 0, server.log()[-3000:]
@@ -52,15 +52,15 @@ def restarted(server: Proc, worker0: int) -> bool:
 class Reader:
     """One SSE reader of a stream on worker 0's socket, then (its connection dropped) on worker 1's."""
 
-    def __init__(self, sid: str, port: int) -> None:
-        self.sid, self.port = sid, port
+    def __init__(self, sid: str, port: int, places: tuple[int, ...] = (0, 1)) -> None:
+        self.sid, self.port, self.places = sid, port, places
         self.seqs: list[int] = []
         self.text = ""
         self.ended = False
         self.errors: list[dict[str, Any]] = []
 
     async def run(self) -> None:
-        for k in (0, 1):
+        for k in self.places:
             headers = {"Last-Event-ID": str(self.seqs[-1])} if self.seqs else {}
             transport = httpx.AsyncHTTPTransport(uds=str(worker_socket(self.port, k)))
             try:
@@ -87,13 +87,15 @@ class Reader:
                 return
 
 
-async def start(port: int, n: int, first: int) -> tuple[list[Reader], asyncio.Future[Any]]:
-    """``n`` listed chat streams created on worker 0 and a reader each there, once every reader has events."""
+async def start(port: int, n: int, first: int, places: tuple[tuple[int, ...], ...] = ((0, 1),)
+                ) -> tuple[list[Reader], asyncio.Future[Any]]:
+    """``n`` listed chat streams created on worker 0 and a reader each at each of ``places`` (by default on
+    worker 0, then worker 1), once every reader has events."""
     transport = httpx.AsyncHTTPTransport(uds=str(worker_socket(port, 0)))
     async with httpx.AsyncClient(transport=transport, timeout=30) as c:
         made = [await c.post("http://w/v1/streams", json=body(first + i)) for i in range(n)]
     assert all(r.status_code == 201 for r in made), [r.text for r in made]
-    readers = [Reader(r.json()["id"], port) for r in made]
+    readers = [Reader(r.json()["id"], port, where) for r in made for where in places]
     reading = asyncio.gather(*(r.run() for r in readers))
     await until(_true(lambda: all(len(r.seqs) >= 3 for r in readers)), 30, "every reader's first events")
     return readers, reading
@@ -153,3 +155,26 @@ def test_a_killed_standby_is_given_up_at_once_and_the_owners_readers_read_to_the
             assert r.seqs == list(range(len(r.seqs))) and r.text == texts[i]
         assert server.log().count("its standby's relay closed") == 2
         assert "its standby confirmed nothing" not in server.log()
+
+
+def test_of_three_workers_only_the_standby_adopts_and_the_third_reads_the_adopter() -> None:
+    """``--workers 3``: worker 1 keeps worker 0's standbys; a reader on worker 2 reads a mirror that may hold
+    less than worker 1's readers saw, so worker 2 never adopts: it reads on from worker 1."""
+    with serve_workers("serve-standby-three", workers=3) as (server, port):
+        worker0 = _worker_pid(server, 0)
+
+        async def scenario() -> list[Reader]:
+            readers, reading = await start(port, 2, 80, places=((0, 1), (2,), (1,)))
+            os.kill(worker0, signal.SIGKILL)
+            await asyncio.wait_for(reading, 60)
+            return readers
+
+        readers = asyncio.run(scenario())
+        texts, _ = controls(f"http://127.0.0.1:{port}", [body(80 + i) for i in range(2)], [])
+        for i, r in enumerate(readers):
+            assert r.ended and not r.errors, (r.places, r.errors)
+            assert r.seqs == list(range(len(r.seqs))) and r.text == texts[i // 3], r.places
+        wait_until(lambda: restarted(server, worker0), timeout=30, what="worker 0 started again")
+        url = f"http://127.0.0.1:{port}"
+        assert metric(url, "tokenfan_adoptions_total", {"outcome": "adopted"}) == 2
+        assert metric(url, "tokenfan_adoptions_total", {"outcome": "refused"}) == 0

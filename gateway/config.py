@@ -138,6 +138,8 @@ class GatewayConfig:
     broker_password: str | None = declared("broker_password")
     broker_sentinel_password: str | None = declared("broker_sentinel_password")
     broker_idle_timeout: float = declared("broker_idle_timeout")
+    standby_timeout: float = declared("standby_timeout")  # --workers: the hold on events the standby lacks
+    relay_delay: float = declared("relay_delay")  # diagnostic: the standby relay's writes delayed
     broker: BrokerTimings = field(default_factory=BrokerTimings)  # filled through dotted fields
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)  # likewise
     max_loop_lag: float = declared("max_loop_lag")

@@ -305,6 +305,43 @@ def test_a_gated_stream_shows_readers_only_what_is_committed_and_its_end_once_se
     asyncio.run(main())
 
 
+def test_a_standby_relay_reads_a_gated_streams_pending_events_and_ends_before_the_seal_it_is_asked_for() -> None:
+    """``--workers``: the relay to the standby gets each event as it is appended (the gate waits for its
+    acknowledgement), a reader only what is committed; the relay ends once the stream finished (its end is
+    what the seal waits for), the reader once it is sealed."""
+    async def main() -> None:
+        hub = StreamHub(Retention())
+        s = hub.create("chat.completions", "m")
+        s.gated = True
+        relayed: list[Event] = []
+        read: list[Event] = []
+
+        async def to_relay(batch: list[Event]) -> None:
+            relayed.extend(batch)
+
+        async def to_reader(batch: list[Event]) -> None:
+            read.extend(batch)
+
+        policy, watchdog = SlowConsumerPolicy(coalesce_after=100), Watchdog(30.0, None)
+        publish_text(s, ["a"])  # before the relay joins: replayed from pending
+        relay = asyncio.create_task(_follow(s, "sse", -1, to_relay, policy, watchdog, relay=True, standby=True))
+        reader = asyncio.create_task(follow(s, "sse", -1, to_reader, policy))
+        await asyncio.sleep(0.01)
+        publish_text(s, ["b", "c"])
+        await asyncio.sleep(0.01)
+        assert texts(relayed) == "abc" and read == [] and s.events == []
+        s.commit(2)
+        await asyncio.sleep(0.01)
+        assert texts(read) == "ab" and texts(relayed) == "abc"  # (a commit writes the relay nothing again)
+        s.finish("done")
+        assert await asyncio.wait_for(relay, 1) == 2 and not s.over  # the relay writes the end record now
+        s.commit(4, sealed=True)
+        assert await asyncio.wait_for(reader, 1) == 2 and texts(read) == "abc" and s.over
+        watchdog.stop()
+
+    asyncio.run(main())
+
+
 def test_a_paused_stream_sends_its_readers_away_and_a_relinquished_one_drops_what_was_not_durable() -> None:
     async def main() -> None:
         hub = StreamHub(Retention())

@@ -316,6 +316,12 @@ SETTINGS: tuple[Setting, ...] = (
         "a mirrored stream (--broker or --workers) with no new entry for this long checks its owner: owner_lost "
         "if that gateway is gone (its lease expired, or its worker's socket refuses), broker_unavailable if Redis "
         "was unreachable all that time"),
+    _gw("standby_timeout", FLOAT, 2.0, "--workers without --broker: how long a worker holds a listed stream's new "
+        "events from its readers while its standby (the next worker) has not confirmed them; past it the standby "
+        "is given up: the events are released and the stream can no longer be adopted (docs/failures.md)",
+        minimum=0.05),
+    _gw("relay_delay", FLOAT, 0.0, "DIAGNOSTIC (tests): every write of a worker to a standby's relay waits this "
+        "many seconds first, so the standby lags behind the worker's readers; off by default", minimum=0.0),
     _gw("broker_op_timeout", FLOAT, 2.0, "connect and reply timeout of an ordinary Redis command",
         field="broker.op_timeout"),
     _gw("broker_block", FLOAT, 2.0, "longest blocking Redis read (XREAD BLOCK / BLPOP); its socket timeout is this "

@@ -74,6 +74,9 @@ ROUTES: dict[str, tuple[str, str]] = {
     "GET /web/{path}": ("the pages' scripts and styles (`web/`)", "browser.md"),
     "GET /internal/streams/{id}": (("`--workers`: a stream owned by this worker, for a sibling's mirror (private Unix "
                                    "socket only)"), "failures.md#--workers-a-worker-that-dies"),
+    "POST /internal/streams/{id}": (("`--workers`: the same for the stream's standby, its pending events too; the "
+                                    "request body carries the standby's acknowledgements (private socket only)"),
+                                   "failures.md#--workers-a-worker-that-dies"),
     "DELETE /internal/streams/{id}": ("`--workers`: cancels a stream this worker owns (private socket)",
                                       "failures.md#--workers-a-worker-that-dies"),
     "GET /internal/transcripts/{id}": ("`--workers`: a response transcript held by this worker (private socket)",

@@ -66,6 +66,10 @@ class _Run:
     live: bool = True  # False while a continuation's replay runs: the chunks written for it are not sent
     steps: EngineSteps = field(default_factory=list)  # steps not yet reported with a chunk
     trace_headers: dict[str, str] | None = None  # the gateway's trace context: vLLM's request span joins it
+    # a continuation's suffix of its engine request id (".a1"): its id in vLLM's engine, so that aborting the
+    # request it continues (an orphan of a killed gateway, on this engine) does not abort it; chunks keep the
+    # generation's id (the serving layer's own)
+    suffix: str = ""
 
 
 _CONTINUATION = re.compile(r"(\.[am]\d+)+$")  # a continuation's suffixes: .m<k> (migrated), .a<k> (adopted)
@@ -91,6 +95,7 @@ class _ObservedEngine:
             return self._engine.generate(prompt, sampling_params, request_id, **kwargs)
         if run.trace_headers:  # the gateway's generation span: vLLM's llm_request span is its child
             kwargs["trace_headers"] = run.trace_headers
+        request_id += run.suffix
         if run.replay is not None:
             if run.accepted.done():  # a second prompt (a completions batch): one replay cannot feed two
                 raise ReplayError("a continued request has one prompt")
@@ -178,7 +183,9 @@ class OpenAILayer:
 
         Raises :class:`RequestRejected` with vllm serve's status and message."""
         request = self._validate(submit, body)
-        run = _Run(asyncio.get_running_loop().create_future(), trace_headers=trace_headers(self.config, submit))
+        continuation = _CONTINUATION.search(submit.request_id)
+        run = _Run(asyncio.get_running_loop().create_future(), trace_headers=trace_headers(self.config, submit),
+                   suffix=continuation.group(0) if continuation else "")
         if submit.resume_steps:
             try:
                 run.replay = Replay.parse(submit.resume_steps, int(getattr(request, "n", 1) or 1), self.vocab_size)

@@ -78,10 +78,12 @@ RENDERERS: dict[str, Callable[[Stream, dict[str, Any]], Renderer]] = {
 
 class Adopter:
     """The ``adopt`` of a gateway's mirrors (see the module docstring); ``claims``: the broker (Redis) or,
-    for ``--workers`` without one, the peers."""
+    for ``--workers`` without one, the peers; ``refuse``: why a stream cannot be adopted by anyone, beyond
+    what its log says (``--workers``: its owner gave its standby up), or None."""
 
-    def __init__(self, gw: Gateway, claims: Claims) -> None:
-        self.gw, self.claims = gw, claims
+    def __init__(self, gw: Gateway, claims: Claims,
+                 refuse: Callable[[Stream, Header], str | None] | None = None) -> None:
+        self.gw, self.claims, self.refuse = gw, claims, refuse
         self._n = 0
 
     async def __call__(self, stream: Stream, header: Header) -> Adoption:
@@ -90,6 +92,8 @@ class Adopter:
             return "elsewhere"
         make = RENDERERS.get(stream.endpoint)
         why = None if make is not None else f"its API ({stream.endpoint}) cannot render the rest from the log"
+        if why is None and self.refuse is not None:
+            why = self.refuse(stream, header)
         submit = msgspec.msgpack.decode(header.request, type=p.Submit) if header.request else None
         options = header.options or {}
         openai = bool(options.get("openai"))

@@ -326,7 +326,7 @@ async def read(delivery: Delivery, stream: Stream, framing: Framing, after: int,
     try:
         last = await follow(stream, framing.transport, after, reader.write, delivery.policy, delivery.watchdog, idle=idle,
                             reader=reader if one_pass else None,
-                            merge=framing.merge, relay=framing.relay)
+                            merge=framing.merge, relay=framing.relay, standby=framing.standby)
     except SlowConsumer:
         m.errors.labels("network").inc()
         log.info("reader of %s cut: a write was blocked for more than %gs", stream.id, delivery.policy.send_timeout,

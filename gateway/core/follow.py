@@ -74,6 +74,7 @@ class Subscription:
     transport: Transport
     task: asyncio.Task[Any] | None
     relay: bool = False  # it feeds another worker's mirror (see Stream._wake)
+    standby: bool = False  # it feeds the stream's standby: it reads the pending events too (Stream.append)
     waiter: Wake = field(default_factory=Wake)
     cursor: int = 0  # the next seq this reader sends
     parked: bool = False  # its loop waits, caught up: the publisher may write for it (``reader``)
@@ -132,7 +133,7 @@ class Watchdog:
 async def follow(
     stream: Stream, transport: Transport, after: int, write: WriteEvents, policy: SlowConsumerPolicy,
     watchdog: Watchdog, *, idle: WriteIdle | None = None, reader: LiveWriter | None = None,
-    merge: MergeRules | None = None, relay: bool = False,
+    merge: MergeRules | None = None, relay: bool = False, standby: bool = False,
 ) -> int:
     """Send every event with ``seq > after`` and then the live tail until the stream ends.
 
@@ -142,7 +143,9 @@ async def follow(
     the publisher in its one pass over the readers (:meth:`Stream.append`); this loop only wakes for
     what that could not write (replay, a full buffer, the end). ``merge``: the API's rules for merging
     the content events of a reader that lags (None: never merged). ``relay``: it feeds another worker's
-    mirror (written first in every pass). The caller writes the stream's ending.
+    mirror (written first in every pass); ``standby``: it feeds the mirror an adopter would continue from, so
+    it reads a gated stream's events before they are committed (:attr:`Stream.pending`, which wait for it) and
+    ends once the stream finished, before its end is sealed. The caller writes the stream's ending.
 
     A resume point beyond the log (a mirror still reading it, or a store that lost what the reader read) waits
     up to :data:`BEYOND_WAIT_S` for the log to reach it. Raises :class:`RolledBack` when it does not, when the
@@ -157,7 +160,7 @@ async def follow(
     # A reader that was following a running stream gets its backlog merged when the stream fails, so the
     # notice is not stuck behind it; one that joins a finished stream replays it event by event.
     live = not stream.finished
-    sub = Subscription(transport, asyncio.current_task(), relay, cursor=after + 1, reader=reader)
+    sub = Subscription(transport, asyncio.current_task(), relay, standby, cursor=after + 1, reader=reader)
     stream.add_follower(sub)
     watchdog.add(sub)
 
@@ -174,7 +177,10 @@ async def follow(
         sub.busy_since = None
         sub.last_write = time.monotonic()
 
-    beyond_until = time.monotonic() + BEYOND_WAIT_S if sub.cursor > len(stream.events) else None
+    def held() -> int:  # what this reader may read: a standby reads what is not committed yet too
+        return stream.next_seq if standby else len(stream.events)
+
+    beyond_until = time.monotonic() + BEYOND_WAIT_S if sub.cursor > held() else None
     try:
         if beyond_until is not None:
             if stream.continued_at is not None and sub.cursor > stream.continued_at:
@@ -185,9 +191,10 @@ async def follow(
             sub.waiter.clear()
             if sub.rolled_back is not None:
                 raise RolledBack(sub.cursor, sub.rolled_back)
-            if sub.cursor < len(stream.events):
-                batch = policy.plan(stream.events, sub.cursor, lagging,
-                                    live and stream.state in ("error", "cancelled"), merge)
+            events = stream.events + stream.pending if standby and stream.pending else stream.events
+            if sub.cursor < len(events):
+                batch = policy.plan(events, sub.cursor, lagging, live and stream.state in ("error", "cancelled"),
+                                    merge)
                 sub.cursor = batch[-1].seq + 1
                 head = len(stream.events)
                 await timed(write(batch))
@@ -196,7 +203,7 @@ async def follow(
             lagging = False
             if sub.cursor > len(stream.events) and stream.over and stream.state in ("done", "cancelled"):
                 raise RolledBack(sub.cursor, len(stream.events))  # a normal end short of what it read
-            if stream.over or stream.paused:
+            if stream.over or stream.paused or (standby and stream.finished):
                 return sub.cursor - 1
             if sub.ping_due:
                 sub.ping_due = False
@@ -217,7 +224,7 @@ async def follow(
                 raise RolledBack(sub.cursor, len(stream.events)) from None
             finally:
                 sub.parked = False
-            if beyond_until is not None and sub.cursor <= len(stream.events):
+            if beyond_until is not None and sub.cursor <= held():
                 beyond_until = None  # the log reached it
     finally:
         stream.remove_follower(sub)

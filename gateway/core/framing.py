@@ -39,6 +39,7 @@ class Framing:
     resumable = False
     merge: MergeRules | None = None  # how a lagging reader's content events merge (None: each on its own)
     relay = False  # its reader feeds another worker's mirror: written first in every pass (Stream._wake)
+    standby = False  # it feeds the stream's standby: it reads a gated stream's pending events too (Stream.append)
 
     def frame(self, ev: Event) -> bytes | str:
         cached = ev.frames.get(self.name)

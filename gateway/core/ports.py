@@ -22,7 +22,8 @@ class Publisher(Protocol):
     """The owner's side: what the pump tells the other gateways about a listed stream it runs.
 
     ``durable``: its listed streams are gated (:attr:`gateway.core.streams.Stream.gated`): an event reaches a
-    reader only once the publisher committed it where an adopter reads it (the broker)."""
+    reader only once the publisher committed it where an adopter reads it (the broker; ``--workers``: the
+    standby worker)."""
 
     durable: bool
 

@@ -190,6 +190,7 @@ class Follower(Protocol):
 
     transport: Transport
     relay: bool  # it feeds another worker's mirror of the stream (written first in every pass, at once)
+    standby: bool  # it feeds the stream's standby: it gets a gated stream's events before they are committed
     cursor: int
     parked: bool
     reader: LiveWriter | None
@@ -226,9 +227,10 @@ class Stream:
     options: dict[str, Any] = field(default_factory=dict)
     handover: bool = False  # being handed to another gateway (SIGTERM): it ends here "moved", without an end
     trace: GenerationTrace | None = None  # its generation's trace, for its readers (None: tracing is off)
-    # Durable delivery (``--broker``): a *gated* stream's new events wait in ``pending`` until the publisher
-    # says the broker holds them (:meth:`commit`), and its end reaches readers once the end record is there
-    # (``sealed``): a reader never sees what an adopter of the stream would not read. ``epoch``: the fencing
+    # Durable delivery (``--broker``; ``--workers`` without one: its standby worker): a *gated* stream's new
+    # events wait in ``pending`` until the publisher says the broker (the standby) holds them (:meth:`commit`),
+    # and its end reaches readers once the end record is there (``sealed``): a reader never sees what an adopter
+    # of the stream would not read. ``epoch``: the fencing
     # token of this gateway's ownership of it (every write to the broker carries it).
     gated: bool = False
     sealed: bool = False
@@ -241,6 +243,7 @@ class Stream:
         # dicts as insertion-ordered sets: the rotation in _wake needs a stable order
         self._waiters: dict[Transport, dict[Follower, None]] = {"sse": {}, "ws": {}}
         self._relays: dict[Follower, None] = {}  # see _wake
+        self._standbys: dict[Follower, None] = {}  # relays that read the pending events too (see append)
 
     @property
     def finished(self) -> bool:
@@ -256,7 +259,7 @@ class Stream:
         return len(self.events) + len(self.pending)
 
     def subscriber_count(self) -> int:
-        return len(self._waiters["sse"]) + len(self._waiters["ws"]) + len(self._relays)
+        return len(self._waiters["sse"]) + len(self._waiters["ws"]) + len(self._relays) + len(self._standbys)
 
     def publish(self, ev: ChunkEvent, step: Step | None = None) -> Event:
         """Append the next payload, stamped with its ``seq`` and timing (``step``: the engine step that
@@ -274,11 +277,13 @@ class Stream:
 
     def append(self, event: Event, step: Step | None = None) -> Event:
         """Add an already built event (its ``seq`` must be the next one) and write it to the readers (a gated
-        stream's: once committed)."""
+        stream's: to its standby relays at once, to the others once committed)."""
         if event.seq != self.next_seq:
             raise ValueError(f"stream {self.id}: event seq {event.seq}, expected {self.next_seq}")
         if self.gated:
             self.pending.append(event)
+            for standby in self._standbys:
+                self._wake_one(standby, event.seq, event, None)
             return event
         self.events.append(event)
         self.size += event.size
@@ -295,12 +300,12 @@ class Stream:
             k += 1
             self.events.append(ev)
             self.size += ev.size
-            self._wake(ev.seq, ev)
+            self._wake(ev.seq, ev, committed=True)
         if k:
             del self.pending[:k]
         if sealed and not self.pending and self.finished and not self.sealed:
             self.sealed = True
-            self._wake(len(self.events))
+            self._wake(len(self.events), committed=True)
 
     def continue_at(self, seq: int) -> None:
         """A new owner continues the log at ``seq`` (it adopted the stream from a log of ``seq`` events): events
@@ -343,7 +348,7 @@ class Stream:
         self.finished_at = time.monotonic()
         self._wake(len(self.events))
 
-    def _wake(self, seq: int, event: Event | None = None, step: Step | None = None) -> None:
+    def _wake(self, seq: int, event: Event | None = None, step: Step | None = None, committed: bool = False) -> None:
         """One pass over the readers for a new event (or the end): a caught-up reader that writes in the
         publisher's pass gets the event written here and now (:meth:`LiveWriter.write_now`);
         any other reader's loop is woken.
@@ -351,7 +356,11 @@ class Stream:
         Relays (another worker's mirror, ``--workers``) come first and are written at once, not at the
         step's end: that worker then writes its share of the readers on its core while this one writes its
         own. A pass outside an engine step (a mirror's, a broker commit's) is a step of its own: one
-        clock read, and each connection written once at its end."""
+        clock read, and each connection written once at its end. A commit (``committed``) skips the standby
+        relays: they had those events when they were appended."""
+        if not committed:
+            for standby in self._standbys:
+                self._wake_one(standby, seq, event, None)
         for relay in self._relays:
             self._wake_one(relay, seq, event, None)
         sse, ws = self._waiters["sse"], self._waiters["ws"]
@@ -384,10 +393,13 @@ class Stream:
 
     def add_follower(self, sub: Follower) -> None:
         """``sub`` reads this stream: woken (or written to) by every new event and by the end."""
-        (self._relays if sub.relay else self._waiters[sub.transport])[sub] = None
+        self._group(sub)[sub] = None
 
     def remove_follower(self, sub: Follower) -> None:
-        (self._relays if sub.relay else self._waiters[sub.transport]).pop(sub, None)
+        self._group(sub).pop(sub, None)
+
+    def _group(self, sub: Follower) -> dict[Follower, None]:
+        return self._standbys if sub.standby else self._relays if sub.relay else self._waiters[sub.transport]
 
 
 @dataclass(slots=True)

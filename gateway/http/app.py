@@ -112,10 +112,11 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None, server: Ser
             from gateway.scaleout.peers import Peers
 
             gw.peers = Peers(gw.hub, port=config.port, workers=config.workers, me=workers.worker_index(),
-                             idle_timeout=config.broker_idle_timeout, recheck=config.broker.lease_interval)
+                             idle_timeout=config.broker_idle_timeout, recheck=config.broker.lease_interval,
+                             standby_timeout=config.standby_timeout)
             if gw.remote is None:  # the workers mirror, hold standbys of and adopt each other's streams
                 gw.remote = gw.publisher = gw.peers
-                gw.peers.mirrors.adopt = Adopter(gw, gw.peers)
+                gw.peers.mirrors.adopt = Adopter(gw, gw.peers, refuse=gw.peers.refusal)
             # with --broker, Redis mirrors (and adoption) across workers too
         others = [b for b in dict.fromkeys((gw.remote, gw.peers)) if b is not None]
         for transport, delay in config.inject_delay.items():
@@ -163,7 +164,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None, server: Ser
         *service.page_routes(),
     ]
     if config.workers > 1:  # served only over each worker's private Unix socket (gateway.scaleout.workers)
-        routes += [Route("/internal/streams/{id}", internal.internal_stream, methods=["GET"]),
+        routes += [Route("/internal/streams/{id}", internal.internal_stream, methods=["GET", "POST"]),
                    Route("/internal/streams/{id}", internal.internal_cancel, methods=["DELETE"]),
                    Route("/internal/transcripts/{id}", internal.internal_transcript, methods=["GET"]),
                    Route("/internal/metrics", internal.internal_metrics, methods=["GET"]),

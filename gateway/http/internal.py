@@ -4,8 +4,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -14,13 +15,19 @@ from gateway.api.edge import gateway_of
 from gateway.api.responses.chat import encode_transcript
 from gateway.api.responses.routes import retained_transcript
 from gateway.core import sse
-from gateway.core.delivery import SseResponse, cancel, resume_point
+from gateway.core.conn import HttpConn
+from gateway.core.delivery import Outcome, SseResponse, cancel, read, release, resume_point, until_disconnect
 from gateway.errors import ClientError
 from gateway.http.service import refresh_metrics
 from gateway.scaleout import broker_codec as codec
 from gateway.scaleout.peers import owner_name
-from gateway.scaleout.workers import PEER, worker_index
+from gateway.scaleout.workers import PEER, STANDBY, worker_index
 from gateway.state import Gateway
+
+if TYPE_CHECKING:
+    from gateway.core.step import Step
+    from gateway.core.streams import Stream
+    from gateway.scaleout.peers import Peers
 
 
 def _over_unix_socket(request: Request) -> bool:
@@ -39,7 +46,78 @@ async def internal_stream(request: Request) -> Any:
     header = codec.encode_header(stream.endpoint, stream.model, owner_name(worker_index()), detached=stream.detached,
                                  held=len(stream.events) + stream.finished, request=stream.request,
                                  options=stream.options)
-    return SseResponse(gw.delivery, stream, PEER, after, preamble=sse.event(codec.pack(header)))
+    preamble = sse.event(codec.pack(header))
+    if request.method == "POST" and gw.peers is not None:  # the stream's standby
+        return StandbyRelay(gw, gw.peers, stream, after, preamble)
+    return SseResponse(gw.delivery, stream, PEER, after, preamble=preamble)
+
+
+class StandbyRelay:
+    """The relay to a stream's standby (``POST /internal/streams/{id}``): its log, pending events too
+    (:data:`gateway.scaleout.workers.STANDBY`), and on the request's body the standby's acknowledgements, one
+    line each (how many records it holds: :meth:`Peers.acked` commits them). After the end record the response
+    stays open until the standby holds the end too, or is given up (:class:`gateway.scaleout.peers.Peers`)."""
+
+    def __init__(self, gw: Gateway, peers: Peers, stream: Stream, after: int, preamble: bytes) -> None:
+        self.gw, self.peers, self.stream, self.after, self.preamble = gw, peers, stream, after, preamble
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        delivery, peers, stream = self.gw.delivery, self.peers, self.stream
+        rest = b""
+
+        async def acks() -> Any:
+            """``receive``, each line of the body handed to the gate as it comes."""
+            nonlocal rest
+            msg = await receive()
+            if msg["type"] == "http.request" and msg.get("body"):
+                *lines, rest = (rest + msg["body"]).split(b"\n")
+                if lines and lines[-1].isdigit():
+                    peers.acked(stream, int(lines[-1]))
+            return msg
+
+        delay = self.gw.config.relay_delay
+        conn = HttpConn(scope, send, delivery.policy.linger) if not delay else \
+            DelayedConn(scope, send, delivery.policy.linger, delay)
+        await send({"type": "http.response.start", "status": 200, "headers": SseResponse.headers})
+        gate = peers.relay(stream, opened=True)
+        outcome: Outcome | None = None
+        try:
+            await conn.write(self.preamble)
+            outcome = await until_disconnect(read(delivery, stream, STANDBY, self.after, conn), acks)
+            if outcome is None:
+                return  # the standby left
+            frame = outcome.ending.frame
+            data = frame.encode() if isinstance(frame, str) else frame
+            if outcome.cut:
+                await conn.cut(data)
+                return
+            await conn.write(data or b"")
+            while gate is not None and stream.gated and not stream.sealed:  # until it holds the end
+                gate.settled.clear()
+                if await until_disconnect(gate.settled.wait(), acks) is None:
+                    return  # the standby left (the gate gives it up)
+            await conn.end(b"")
+        finally:
+            release(stream, cut=bool(outcome and outcome.cut))
+            peers.relay(stream, opened=False)
+
+
+class DelayedConn(HttpConn):
+    """DIAGNOSTIC (``--relay-delay``, tests): a standby relay whose every write waits ``delay`` s first and is
+    never written in the publisher's pass, so the standby lags behind this worker's readers."""
+
+    __slots__ = ("delay",)
+
+    def __init__(self, scope: Any, send: Any, linger: float, delay: float) -> None:
+        super().__init__(scope, send, linger)
+        self.delay = delay
+
+    def write_now(self, data: bytes, step: Step | None = None) -> bool:
+        return False
+
+    async def write(self, data: bytes) -> None:
+        await asyncio.sleep(self.delay)
+        await super().write(data)
 
 
 async def internal_cancel(request: Request) -> Response:

@@ -336,8 +336,14 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self.disarm()
         super().on_headers_complete()
-        if not self.parser.should_upgrade():
+        if not self.parser.should_upgrade() and not self._private():
             self._arm(self.body_timeout, self._body_timed_out)  # cancelled at once if there is no body
+
+    def _private(self) -> bool:
+        """A peer worker's request on this worker's private Unix socket (--workers): its body is a standby's
+        acknowledgements for as long as its relay runs (gateway.scaleout.peers), so it has no deadline."""
+        sock = self.transport.get_extra_info("socket")
+        return sock is not None and sock.family == socket.AF_UNIX
 
     def on_message_complete(self) -> None:
         self.disarm()

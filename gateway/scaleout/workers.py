@@ -7,7 +7,8 @@
 - A reader that lands on a worker that does not run its stream gets a local *mirror* of it
   (:mod:`gateway.scaleout.mirror`, the same as ``--broker``'s), fed from the owner's log over the owner's Unix
   socket: ``GET /internal/streams/{id}`` (:mod:`gateway.http.internal`, in :class:`PeerFraming`), :class:`gateway.scaleout.peers.PeerLink`
-  on the peer. ``DELETE`` and cancel reach the owner through ``DELETE /internal/streams/{id}``.
+  on the peer (``POST`` from the stream's standby: :class:`StandbyFraming`, the gate in
+  :class:`gateway.scaleout.peers.Peers`). ``DELETE`` and cancel reach the owner through ``DELETE /internal/streams/{id}``.
 - ``/metrics`` on any worker merges every worker's metrics (:func:`gateway.scaleout.peers.merge_metrics`), so a
   scrape sees the whole server; ``tokenfan_workers`` says how many answered.
 - With ``--broker redis://…`` mirrors read Redis instead (across workers and replicas).
@@ -71,7 +72,15 @@ class PeerFraming(Framing):
         return Ending(sse.comment("cut: too slow, resume after the last id"))
 
 
+class StandbyFraming(PeerFraming):
+    """The relay to a stream's standby: also a gated stream's pending events, which wait for its acknowledgement
+    (:class:`gateway.scaleout.peers.Peers`)."""
+
+    standby = True
+
+
 PEER = PeerFraming()
+STANDBY = StandbyFraming()
 
 
 def bind_sockets(config: GatewayConfig) -> list[Any]:

@@ -123,3 +123,37 @@ def test_log_lines_quoted_are_logged_by_the_logger_they_name() -> None:
         words = max(re.split(r"'[^']*'|\d+", message), key=len).strip()[:30]
         logged = any(f.fullmatch(message) for t in texts for f in _log_formats(t))
         assert logged or (len(words) >= 12 and any(words in t for t in texts)), f"{page.name}: {name} does not log {message!r}"
+
+
+def _sizing_table() -> dict[str, float]:
+    """docs/benchmarks.md's `tokenfan bench sizing` table: what → KB."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = text[text.index("## Memory per stream, subscriber and event"):]
+    section = section[:section.index("\n## ", 4)]
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| ([^|]+?) \| ([\d.]+)(?: / [\d.]+)? \|$", section,
+                                                                  re.MULTILINE)}
+
+
+def test_operations_sizing_quotes_the_sizing_run() -> None:
+    """docs/operations.md's memory figures are the sizing run's (docs/benchmarks.md), and what it derives from
+    them follows from them and from the settings' defaults."""
+    from tokenfan_settings import BY_NAME
+
+    sizes = _sizing_table()
+    ops = (ROOT / "docs" / "operations.md").read_text()
+    quoted = {
+        "a running listed stream (fan-out, `/api/chat`), before its events": "gateway, per running listed stream",
+        "an SSE or WebSocket subscriber of a fan-out stream (its socket taken out of the server, the default)":
+            "gateway, per SSE subscriber",
+        "a background response": "gateway, per background response",
+    }
+    for row, key in quoted.items():
+        m = re.search(rf"^\| {re.escape(row)} \| ([\d.]+) KB \|$", ops, re.MULTILINE)
+        assert m, f"operations.md: no row {row!r}"
+        assert abs(float(m.group(1)) - sizes[key]) < 0.5, f"operations.md {row!r}: {m.group(1)} KB, the run {sizes[key]}"
+    redis_event = re.search(r"\*\*([\d.]+) KB per event\*\*", ops)
+    assert redis_event and float(redis_event.group(1)) == sizes["Redis, per event"]
+    # 10,000 subscribers (the --max-subscribers default) at the run's KB each
+    subscribers = BY_NAME["max_subscribers"].default
+    m = re.search(r"\(10,000 by default: (\d+) MB at ([\d.]+) KB each\)", ops)
+    assert m and subscribers == 10_000 and abs(int(m.group(1)) - subscribers * float(m.group(2)) / 1000) <= 1

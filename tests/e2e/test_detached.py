@@ -85,6 +85,7 @@ def test_sse_subscribers_read_every_event_and_are_released_at_their_real_end(
     info = _stream(url, 30)  # 0.75 s at 40 tokens/s: the first subscribers read it live
     path = f"/v1/streams/{info['id']}/events"
     t0 = time.monotonic()
+    reads: list[str] = []
     for _ in range(5):  # one after another, over a limit of 2 connections per client
         sock = _connect(url)
         sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
@@ -97,8 +98,12 @@ def test_sse_subscribers_read_every_event_and_are_released_at_their_real_end(
             break  # uvicorn keeps the connection; the reads below need the server's close
         text = _dechunk(body).decode()
         ids = [int(line[4:]) for line in text.splitlines() if line.startswith("id: ")]
-        assert ids == list(range(30)), text[-300:]  # 30 tokens: seq 0..29, the last with its finish_reason
+        # every event once, in order (a busy engine may put two of the 30 tokens in one step: fewer events)
+        assert ids and ids == list(range(len(ids))), text[-300:]
+        assert '"finish_reason":"length"' in text.split("id: ")[-1], text[-300:]  # the last event ends it
         assert text.endswith("data: [DONE]\n\n"), text[-200:]
+        reads.append(text)
+    assert len(set(reads)) <= 1, "the live subscriber and the later ones read the same events"
     live = time.monotonic() - t0
     wait_until(lambda: metric(url, "tokenfan_subscribers", {"transport": "sse"}) == 0, what="subscribers released")
     if detach:

@@ -126,6 +126,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None, server: Ser
         log.info("froze the start-up heap: %d objects", freeze_startup_heap())
         freezer = HeapFreezer(lambda: len(gw.watchdog.subs))  # every reader, on every path
         freezer.start()
+        app.state.heap = freezer  # /health's "gc"
         try:
             if extra_lifespan is not None:
                 async with extra_lifespan(gw):

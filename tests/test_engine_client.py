@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -305,6 +306,48 @@ def test_routing_load_counts_submits_the_answered_ping_did_not_see() -> None:
             await until(lambda: client.routing_load() == 0, "a later heartbeat")
             for h in handles:
                 h.close()
+        finally:
+            await client.close()
+            await engine.kill()
+
+    run(main)
+
+
+class _Recorder:
+    """A request's sink that records each delta's seq in ``order``; its first delta lets the rest of the
+    engine's burst reach the socket (the loop is held a moment) and schedules a callback beside the reader."""
+
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+
+    def on_delta(self, d: p.Delta, step: object) -> None:
+        self.order.append(f"d{d.seq}")
+        if d.seq == 0:
+            time.sleep(0.3)  # not a timing assertion: the burst is queued whole, or the test asks less of it
+            asyncio.get_running_loop().call_soon(self.order.append, "callback")
+
+    def on_failure(self, err: object) -> None:
+        self.order.append("failed")
+
+
+def test_the_reader_delivers_one_engine_step_per_loop_turn_so_other_callbacks_run_between_queued_steps() -> None:
+    async def main(address: str) -> None:
+        engine = FakeEngine(address, "e")
+        client = EngineClient(address, heartbeat_interval=0.05, heartbeat_timeout=30)
+        await client.start()
+        try:
+            await until(lambda: client.healthy, "first heartbeat")
+            handle = client.submit(submit("r"))
+            await engine.wait_for(lambda m: isinstance(m, p.Submit))
+            order: list[str] = []
+            handle.sink = _Recorder(order)  # type: ignore[assignment]
+            for seq in range(20):  # a gateway behind its engine finds a queue of steps
+                await engine.send(p.DeltaBatch(deltas=[p.Delta(request_id="r", seq=seq, text="t", token_count=1,
+                                                               emit_ns=p.now_ns())]))
+            await until(lambda: "d19" in order, "every step")
+            # the callback scheduled at the first step ran right after it, not after the whole queue
+            assert order.index("callback") == 1, order
+            handle.close()
         finally:
             await client.close()
             await engine.kill()

@@ -40,6 +40,7 @@ from gateway.core.follow import RolledBack, Subscription, Watchdog, follow
 from gateway.core.framing import Ending, Framing
 from gateway.core.generation import Generation, Renderer
 from gateway.core.streams import Event, Stream, StreamHub
+from gateway.core.turns import Turnstile
 from gateway.errors import APIError, bad_resume_point, error_class, stream_rolled_back
 
 if TYPE_CHECKING:
@@ -63,7 +64,8 @@ class Delivery:
     ``publisher`` (``--broker``: listed streams written to Redis) and ``remote`` (streams another gateway
     runs). ``inject_delay`` (bench calibration), ``direct_write`` (the one-pass write) and ``detach`` (fan-out
     subscribers leave their ASGI call: :mod:`gateway.core.bare`) are settings; ``detached`` holds those
-    subscribers' connections (the shutdown ends them)."""
+    subscribers' connections (the shutdown ends them); ``turnstile`` bounds the subscriber work of one loop
+    turn (each replay write of a reader's own loop, each fan-out subscription's first step)."""
 
     hub: StreamHub
     metrics: Metrics
@@ -75,6 +77,7 @@ class Delivery:
     direct_write: bool = True
     detach: bool = True
     detached: set[BareConn] = field(default_factory=set)
+    turnstile: Turnstile = field(default_factory=Turnstile)
 
 
 async def start(delivery: Delivery, handle: RequestHandle, renderer: Renderer, *, endpoint: str, model: str,
@@ -326,7 +329,8 @@ async def read(delivery: Delivery, stream: Stream, framing: Framing, after: int,
     try:
         last = await follow(stream, framing.transport, after, reader.write, delivery.policy, delivery.watchdog, idle=idle,
                             reader=reader if one_pass else None,
-                            merge=framing.merge, relay=framing.relay, standby=framing.standby)
+                            merge=framing.merge, relay=framing.relay, standby=framing.standby,
+                            turn=delivery.turnstile.turn)
     except SlowConsumer:
         m.errors.labels("network").inc()
         log.info("reader of %s cut: a write was blocked for more than %gs", stream.id, delivery.policy.send_timeout,

@@ -240,7 +240,8 @@ class EngineClient:
                 self._flush()
 
     async def _reader(self) -> None:
-        """Wake when the socket's FD signals; then receive everything it holds, without blocking."""
+        """Wake when the socket's FD signals; then receive everything it holds, without blocking, one message
+        per loop turn."""
         sock = self._sock
         assert sock is not None
         loop = asyncio.get_running_loop()
@@ -256,6 +257,10 @@ class EngineClient:
                     except zmq.Again:
                         break
                     self._on_message(frames)
+                    # One message (an engine step) per loop turn: a gateway that fell behind its engine
+                    # would otherwise drain a queue that refills while it works, for as long as it stays
+                    # behind, and run no timer (its pinger), accept or subscriber meanwhile.
+                    await asyncio.sleep(0)
                 await readable.wait()
         finally:
             loop.remove_reader(fd)

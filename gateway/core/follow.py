@@ -33,6 +33,7 @@ class RolledBack(Exception):
 # Writers: the transport-specific half of a subscriber.
 WriteEvents = Callable[[list[Event]], Awaitable[None]]
 WriteIdle = Callable[[], Awaitable[None]]
+Turn = Callable[[], Awaitable[None]]  # waits for the loop turn's share of subscriber work
 
 
 class Wake:
@@ -133,7 +134,7 @@ class Watchdog:
 async def follow(
     stream: Stream, transport: Transport, after: int, write: WriteEvents, policy: SlowConsumerPolicy,
     watchdog: Watchdog, *, idle: WriteIdle | None = None, reader: LiveWriter | None = None,
-    merge: MergeRules | None = None, relay: bool = False, standby: bool = False,
+    merge: MergeRules | None = None, relay: bool = False, standby: bool = False, turn: Turn | None = None,
 ) -> int:
     """Send every event with ``seq > after`` and then the live tail until the stream ends.
 
@@ -145,7 +146,9 @@ async def follow(
     the content events of a reader that lags (None: never merged). ``relay``: it feeds another worker's
     mirror (written first in every pass); ``standby``: it feeds the mirror an adopter would continue from, so
     it reads a gated stream's events before they are committed (:attr:`Stream.pending`, which wait for it) and
-    ends once the stream finished, before its end is sealed. The caller writes the stream's ending.
+    ends once the stream finished, before its end is sealed. ``turn``: awaited before each write of this loop
+    (a bounded share of the loop turn: :class:`gateway.core.turns.Turnstile`). The caller writes the stream's
+    ending.
 
     A resume point beyond the log (a mirror still reading it, or a store that lost what the reader read) waits
     up to :data:`BEYOND_WAIT_S` for the log to reach it. Raises :class:`RolledBack` when it does not, when the
@@ -189,6 +192,8 @@ async def follow(
                 raise RolledBack(sub.cursor, stream.next_seq)
         while True:
             sub.waiter.clear()
+            if turn is not None and sub.cursor < held():
+                await turn()  # before the checks: the log may have moved (or rolled back) meanwhile
             if sub.rolled_back is not None:
                 raise RolledBack(sub.cursor, sub.rolled_back)
             events = stream.events + stream.pending if standby and stream.pending else stream.events

@@ -39,6 +39,7 @@ from gateway.http import internal, service
 from gateway.http.access_log import AccessLogMiddleware
 from gateway.http.auth import AuthMiddleware
 from gateway.http.clients import ClientLimitMiddleware
+from gateway.http.heap import HeapFreezer
 from gateway.http.middleware import (
     IsolationHeaders,
     RawSend,
@@ -123,6 +124,9 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None, server: Ser
             log.warning("DIAGNOSTIC --inject-delay: every %s write is delayed by %.3f ms (benchmark calibration "
                         "only; never in production)", transport, delay * 1000)
         log.info("froze the start-up heap: %d objects", freeze_startup_heap())
+        freezer = HeapFreezer(lambda: len(gw.watchdog.subs))  # every reader, on every path
+        freezer.start()
+        app.state.heap = freezer  # /health's "gc"
         try:
             if extra_lifespan is not None:
                 async with extra_lifespan(gw):
@@ -130,6 +134,7 @@ def create_app(config: GatewayConfig, *, extra_lifespan: Any = None, server: Ser
             else:
                 yield
         finally:
+            freezer.stop()
             gc.unfreeze()  # what the shutdown drops is collectable again
             gw.watchdog.stop()
             gw.loop.stop()

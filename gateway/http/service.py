@@ -8,6 +8,7 @@ people and whole-deployment checks: 200 only when everything this gateway uses a
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,15 +117,26 @@ def broker_state(gw: Gateway) -> str | None:
     return gw.publisher.state() if isinstance(gw.publisher, Broker) else "unavailable"
 
 
+def heap_state(state: Any) -> dict[str, int]:
+    """The collector's view of this process for ``/health``: objects frozen (never scanned), objects tracked
+    (what a full collection scans now), and how often the live heap was frozen and thawed
+    (:mod:`gateway.http.heap`)."""
+    heap = getattr(state, "heap", None)
+    return {"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects()),
+            "freezes": heap.freezes if heap is not None else 0, "thaws": heap.thaws if heap is not None else 0}
+
+
 async def health(request: Request) -> Response:
     """200 when every :data:`CONDITIONS` asked by ``health`` holds (else 503 + Retry-After; ``workers`` says
     how many are ready, ``broker`` the broker's state: :func:`broker_state`). ``limits`` gives the admission
-    limits of this gateway (per process), ``version`` and ``protocol`` its release and wire protocol, ready or
-    not. For people and dashboards; the probes are :func:`livez` and :func:`readyz`."""
+    limits of this gateway (per process), ``version`` and ``protocol`` its release and wire protocol, ``gc``
+    the collector's view (:func:`heap_state`), ready or not. For people and dashboards; the probes are
+    :func:`livez` and :func:`readyz`."""
     gw: Gateway = gateway_of(request)
     hb = gw.engine.last_heartbeat
     engines = gw.engine.status()
-    extra: dict[str, Any] = {"version": __version__, "protocol": p.MAGIC.decode(), "limits": limits(gw)}
+    extra: dict[str, Any] = {"version": __version__, "protocol": p.MAGIC.decode(), "limits": limits(gw),
+                             "gc": heap_state(request.app.state)}
     facts = await facts_of(gw)
     ready = not failing(gw, facts, "health")
     broker = broker_state(gw)

@@ -5,7 +5,7 @@ What the gateway does beneath uvicorn's ASGI interface:
 
 - :class:`HeaderTimeoutProtocol`: uvicorn's httptools HTTP/1.1 protocol with read deadlines (slowloris): it
   overrides the parser callbacks and, on a body deadline, fails the request cycle (``cycle.disconnected``,
-  ``cycle.message_event``).
+  ``cycle.message_event``); after a WebSocket upgrade it drops its parser (``handle_websocket_upgrade``).
 - :class:`GracefulServer`: ``uvicorn.Server`` that drains before its own shutdown, handles SIGTERM without
   re-raising it (``capture_signals``) and, with ``--workers``, serves the shared port once the engine link is
   up (its ``startup`` builds the protocol as uvicorn's own does: ``server_state``, ``lifespan.state``).
@@ -15,7 +15,8 @@ What the gateway does beneath uvicorn's ASGI interface:
   transport; a cut writes the ending after what is buffered and marks the cycle complete (``response_complete``,
   ``keep_alive``, ``close_sent``); a fan-out subscriber's socket is taken (``--detach-subscribers``): uvicorn's
   protocol and cycle forget it (``server_state.connections``, ``transport``, ``pipeline``, ``stop_keepalive``,
-  the websockets library's ``conn.reader.buffer`` and ``conn.events``).
+  the websockets library's ``conn.reader.buffer`` and ``conn.events``) and, once its ASGI call returned, are
+  unlinked (the protocol's, the cycle's or ``conn``'s attributes cleared: their reference cycles go at once).
 
 :func:`connection_problems` lists what differs from :data:`SHAPE` (every class and attribute used, read from
 the classes and their methods' ``self.x = ...`` assignments) and whether the running uvicorn is of a series of
@@ -59,7 +60,8 @@ WRITTEN_FOR = ("0.52", "0.53", "0.54")
 SHAPE: dict[str, tuple[str, ...]] = {
     "uvicorn.protocols.http.httptools_impl:HttpToolsProtocol": (
         "cycle", "pipeline", "connections", "transport", "parser", "loop", "client", "connection_made",
-        "connection_lost", "on_message_begin", "on_headers_complete", "on_message_complete"),
+        "connection_lost", "on_message_begin", "on_headers_complete", "on_message_complete",
+        "handle_websocket_upgrade"),
     "uvicorn.protocols.http.httptools_impl:RequestResponseCycle": (
         "send", "transport", "flow", "chunked_encoding", "response_started", "response_complete", "disconnected",
         "more_body", "keep_alive", "message_event"),
@@ -179,13 +181,27 @@ class _Gone:
 GONE = _Gone()
 
 
-def _forget(proto: Any) -> None:
+def _forget(proto: Any, part: Any) -> None:
     """uvicorn's protocol lets go of the connection: out of the server's set (its graceful shutdown does not
-    wait for it), its timers cancelled, its transport replaced by :data:`GONE`."""
+    wait for it), its timers cancelled, its transport replaced by :data:`GONE`; once the exchange's ASGI call
+    returned, it and ``part`` (its request cycle, or its WebSocket's sans-I/O connection) are unlinked
+    (:func:`_unlink`)."""
     proto.connections.discard(proto)
     if isinstance(proto, HeaderTimeoutProtocol):
         proto.disarm()
     proto.transport = GONE
+    task = asyncio.current_task()  # the exchange's ASGI call, which returns next
+    if task is not None:
+        task.add_done_callback(lambda _: _unlink(proto, part))
+
+
+def _unlink(proto: Any, part: Any) -> None:
+    """Drop what a forgotten protocol and its ``part`` hold (the request cycle's scope holds the cycle's own
+    ``send``; the websockets connection, its reader and events), so they and their reference cycles (about 44
+    objects a subscriber) go at once by reference counting, not in a later collection."""
+    for obj in (part, proto):
+        if hasattr(obj, "__dict__"):
+            vars(obj).clear()
 
 
 class _HttpWriter:
@@ -268,7 +284,7 @@ class UvicornPort:
         if transport.is_closing() or proto.cycle is not cycle or proto.pipeline:
             return None
         taken = Taken(transport, bool(cycle.flow.write_paused))
-        _forget(proto)
+        _forget(proto, cycle)
         cycle.transport = GONE
         cycle.response_complete = True  # its ASGI call returns without uvicorn closing or reusing the socket
         return taken
@@ -297,7 +313,7 @@ class UvicornPort:
         taken = Taken(proto.transport, not proto.writable.is_set(), max_size=proto.config.ws_max_size,
                       ping_interval=proto.ping_interval, ping_timeout=proto.ping_timeout)
         proto.stop_keepalive()
-        _forget(proto)
+        _forget(proto, proto.conn)
         return taken
 
 
@@ -377,6 +393,12 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             cycle.disconnected = True
             cycle.message_event.set()
         self.transport.close()
+
+    def handle_websocket_upgrade(self) -> None:
+        super().handle_websocket_upgrade()
+        # uvicorn drops this protocol for the WebSocket's; without its parser (which points back at it) it
+        # goes at once by reference counting instead of in a later collection (one per WebSocket)
+        self.parser = None  # type: ignore[assignment]
 
 
 def protocol_class(header_timeout: float, body_timeout: float) -> type[HeaderTimeoutProtocol]:

@@ -224,12 +224,16 @@ class _Bare:
     as one): without the per-request wrappers of a function endpoint (``request_response`` or
     ``websocket_session`` and their exception wrapper, with the Request they hold), which would stay alive
     with each of thousands of subscribers for as long as it reads (about 2 KB each, tracemalloc). An error
-    raised before the response starts reaches the app's exception middleware as from any route."""
+    raised before the response starts reaches the app's exception middleware as from any route. Each call
+    first takes a turn of the gateway's :class:`gateway.core.turns.Turnstile`."""
 
     def __init__(self, endpoint: Any, kind: type[Request | WebSocket]) -> None:
         self.endpoint, self.kind = endpoint, kind
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        # A subscription's first step (the checks, the response head or the accept, detaching) takes a turn of
+        # the loop's bounded share for subscribers: a crowd arriving at once does not hold the loop.
+        await scope["app"].state.gateway.delivery.turnstile.turn()
         if self.kind is WebSocket:
             await self.endpoint(WebSocket(scope, receive, send))
             return

@@ -17,6 +17,9 @@ Scenarios (each with its own processes; the engine is shared):
   then the primary and gateway A are SIGKILLed together, the replica is promoted (``REPLICAOF NO ONE``) and
   the endpoint leads to it; A's readers resume on B, and one more reader per stream starts on B after the
   failover from the first event.
+- ``sentinel-failover``: the same, with three sentinels in the endpoint's place: the gateways find the primary
+  through them (``redis+sentinel://``) and the sentinels, not the bench, promote the replica once the primary
+  is down (``down-after-milliseconds`` 1000).
 - ``engine-cut``: gateway A (in an island) on two engines: one over ``tcp://`` with CURVE, whose link is cut for
   longer than ``--heartbeat-timeout`` (A migrates its requests to the other) and than the engine's
   ``--gateway-grace`` (the engine aborts them), then healed. Synthetic engines: their text is a function of
@@ -43,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +58,7 @@ from tokenfan_bench.network.endpoint import Endpoint
 from tokenfan_bench.network.partition import Island, available
 from tokenfan_bench.servers.processes import Proc, free_port, spawn, stop_all, wait_healthy
 
-SCENARIOS = ("redis-cut", "redis-restart", "redis-failover", "engine-cut")
+SCENARIOS = ("redis-cut", "redis-restart", "redis-failover", "sentinel-failover", "engine-cut")
 NEEDS_ISLANDS = ("redis-cut", "engine-cut")
 LEASE = ["--broker-lease-interval", "0.2", "--broker-lease-ttl", "0.8"]
 OPEN = ["--max-generations-per-client", "0", "--max-subscriptions-per-client", "0", "--max-connections-per-client",
@@ -244,18 +247,21 @@ class RedisProc:
         self.port, self.workdir, self.binds, self.extra = free_port(), workdir, binds, extra or []
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def command(self) -> list[str]:
         # (protected mode off: the extra address is an island's private veth, see tokenfan_bench.network.partition)
+        return ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", *self.binds, "--protected-mode",
+                "no" if self.binds else "yes", "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+                *self.extra]
+
+    def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", *self.binds,
-                                      "--protected-mode", "no" if self.binds else "yes", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.workdir), *self.extra],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        command = self.command()
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while subprocess.run(["redis-cli", "-p", str(self.port), "ping"], check=False,
                              capture_output=True).stdout.strip() != b"PONG":
             if time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start")
+                raise RuntimeError(f"{command[0]} did not start")
             time.sleep(0.05)
 
     def stop(self) -> None:
@@ -269,6 +275,33 @@ class RedisProc:
 
     def replicas_online(self) -> int:
         return self.cli("info", "replication").count("state=online")
+
+
+class SentinelProc(RedisProc):
+    """A ``redis-sentinel`` on ``port`` watching the primary on ``primary`` as ``service`` (quorum 2: one of
+    three; down after 1 s unanswered; a failover that stalls is given up, and tried again, after 3 s)."""
+
+    def __init__(self, workdir: Path, service: str, primary: int) -> None:
+        super().__init__(workdir, [])
+        self.service, self.primary = service, primary
+
+    def command(self) -> list[str]:
+        conf = self.workdir / "sentinel.conf"  # (the sentinel writes what it learns into it)
+        conf.write_text("\n".join([
+            f"port {self.port}", "bind 127.0.0.1", f"dir {self.workdir}",
+            f"sentinel monitor {self.service} 127.0.0.1 {self.primary} 2",
+            f"sentinel down-after-milliseconds {self.service} 1000",
+            f"sentinel failover-timeout {self.service} 3000"]) + "\n")
+        return ["redis-sentinel", str(conf)]
+
+    def master(self) -> int:
+        """The port of the primary this sentinel names."""
+        return int(self.cli("sentinel", "get-master-addr-by-name", self.service).split()[1])
+
+    def replicas(self) -> list[str]:
+        """The replicas this sentinel knows, by name (``ip:port``, as it reaches them)."""
+        fields = self.cli("sentinel", "replicas", self.service).splitlines()  # (flat: field, value, ...)
+        return [value for key, value in zip(fields[::2], fields[1::2], strict=True) if key == "name"]
 
 
 def engine_running(url: str) -> int:
@@ -438,10 +471,71 @@ def redis_scenario(kind: str, engine: str, tmp: Path, logs: Path, *, streams: in
     return Run(kind, histories, problems, t1 - t0, _recovery(histories, t1), idle, notes)
 
 
-def failover_scenario(engine: str, tmp: Path, logs: Path, *, streams: int, tokens: int, lag: float,
+class EndpointPromotion:
+    """``redis-failover``: both gateways reach Redis at one switchable endpoint (a managed Redis endpoint); the
+    failover is the bench's: ``REPLICAOF NO ONE`` on the replica, then the endpoint leads to it."""
+
+    def __init__(self, primary: RedisProc, replica: RedisProc, stack: contextlib.ExitStack) -> None:
+        self.replica = replica
+        self.endpoint = Endpoint(primary.port)
+        stack.callback(self.endpoint.close)
+        self.broker = self.endpoint.url
+        self.notes: dict[str, Any] = {}
+
+    def promote(self) -> None:
+        self.replica.cli("replicaof", "no", "one")
+        self.endpoint.switch(self.replica.port)
+
+
+class SentinelPromotion:
+    """``sentinel-failover``: three sentinels watch the primary (:class:`SentinelProc`) and the gateways ask them
+    (``redis+sentinel://``); the failover is theirs: the bench only waits until each names the replica, and it
+    says it is the primary. The replica's link to the primary goes through the held endpoint, so the primary's
+    ``INFO`` shows it at the endpoint's address (loopback) and its own listening port: what the sentinels
+    connect to (checked: each must list the replica at its real port)."""
+
+    SERVICE = "tokenfan"
+
+    def __init__(self, primary: RedisProc, replica: RedisProc, stack: contextlib.ExitStack, tmp: Path) -> None:
+        self.replica = replica
+        self.sentinels = [SentinelProc(tmp / f"sentinel-{i}", self.SERVICE, primary.port) for i in range(3)]
+        for s in self.sentinels:
+            s.start()
+            stack.callback(s.stop)
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        self.broker = f"redis+sentinel://{hosts}/{self.SERVICE}"
+        want = f"127.0.0.1:{replica.port}"
+        _until(lambda: all(want in s.replicas() for s in self.sentinels), 30, f"every sentinel listing {want}")
+        self.notes: dict[str, Any] = {"sentinels_saw_replica_as": self.sentinels[0].replicas()}
+
+    def promote(self) -> None:
+        t = time.monotonic()
+
+        def promoted() -> bool:
+            with contextlib.suppress(subprocess.SubprocessError, IndexError, ValueError):
+                return all(s.master() == self.replica.port for s in self.sentinels) and \
+                    self.replica.cli("role").split()[0] == "master"
+            return False
+
+        _until(promoted, 60, f"the sentinels promoting the replica on {self.replica.port}")
+        self.notes["promotion_s"] = round(time.monotonic() - t, 3)
+
+
+def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+FAILOVERS = ("redis-failover", "sentinel-failover")
+
+
+def failover_scenario(kind: str, engine: str, tmp: Path, logs: Path, *, streams: int, tokens: int, lag: float,
                       lease: list[str], replicas: str | None = None, env: dict[str, str] | None = None) -> Run:
-    """``redis-failover`` on the engine at ``engine`` (see the module docstring); ``replicas``: the gateways'
-    ``--broker-replicas`` (None: their default, ``auto``)."""
+    """``redis-failover`` or ``sentinel-failover`` on the engine at ``engine`` (see the module docstring);
+    ``replicas``: the gateways' ``--broker-replicas`` (None: their default, ``auto``)."""
     primary = RedisProc(tmp / "primary", [], ["--repl-diskless-sync-delay", "0"])
     with contextlib.ExitStack() as stack:
         primary.start()
@@ -451,19 +545,15 @@ def failover_scenario(engine: str, tmp: Path, logs: Path, *, streams: int, token
         replica = RedisProc(tmp / "replica", [], ["--replicaof", "127.0.0.1", str(link.port)])
         replica.start()
         stack.callback(replica.stop)
-        deadline = time.monotonic() + 30
-        while primary.replicas_online() < 1:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the replica never came online")
-            time.sleep(0.05)
-        endpoint = Endpoint(primary.port)  # what every gateway reaches Redis at
-        stack.callback(endpoint.close)
+        _until(lambda: primary.replicas_online() >= 1, 30, "the replica online")
+        promotion = EndpointPromotion(primary, replica, stack) if kind == "redis-failover" else \
+            SentinelPromotion(primary, replica, stack, tmp)
         procs = stack.enter_context(_procs())
         port_a, port_b = free_port(), free_port()
-        args = ["-m", "tokenfan.cli", "gateway", "--engine-address", engine, "--broker", endpoint.url, *lease, *OPEN,
-                *(["--broker-replicas", replicas] if replicas is not None else [])]
-        procs.append(spawn([*args, "--port", str(port_a)], logs / "redis-failover-gateway-a.log", env=env))
-        procs.append(spawn([*args, "--port", str(port_b)], logs / "redis-failover-gateway-b.log", env=env))
+        args = ["-m", "tokenfan.cli", "gateway", "--engine-address", engine, "--broker", promotion.broker, *lease,
+                *OPEN, *(["--broker-replicas", replicas] if replicas is not None else [])]
+        procs.append(spawn([*args, "--port", str(port_a)], logs / f"{kind}-gateway-a.log", env=env))
+        procs.append(spawn([*args, "--port", str(port_b)], logs / f"{kind}-gateway-b.log", env=env))
         url_a, url_b = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
         wait_healthy(url_a, procs[:1], 480)  # (healthy once the engine is: a vLLM boot took 244 s at load 17)
         wait_healthy(url_b, procs[1:], 480)
@@ -475,8 +565,7 @@ def failover_scenario(engine: str, tmp: Path, logs: Path, *, streams: int, token
             primary.stop()  # SIGKILL, and gateway A with it
             procs[0].signal_group(signal.SIGKILL)
             link.close()  # what it held dies with the primary
-            replica.cli("replicaof", "no", "one")
-            endpoint.switch(replica.port)
+            await asyncio.to_thread(promotion.promote)  # (the readers read on meanwhile)
             notes["replica_role"] = replica.cli("role").split()[0]
 
         driven = asyncio.run(_drive(url_a, [[url_a, url_b], [url_a, url_b]], streams, tokens, 3, fault, 120,
@@ -485,8 +574,9 @@ def failover_scenario(engine: str, tmp: Path, logs: Path, *, streams: int, token
         notes["running_at_fault"] = driven.running
         idle = _wait_idle(url_b, 30)
         notes["adopted_b"] = _sample(url_b, "tokenfan_adoptions_total", outcome="adopted")
+        notes.update(promotion.notes)
     problems = check(histories) + _still_ran(driven, "the replica fell behind")
-    return Run("redis-failover", histories, problems, t1 - t0, _recovery(histories, t1), idle, notes)
+    return Run(kind, histories, problems, t1 - t0, _recovery(histories, t1), idle, notes)
 
 
 def engine_scenario(tmp: Path, logs: Path, *, streams: int, tokens: int, cut: float, env: dict[str, str] | None = None
@@ -567,10 +657,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=600, help="max_tokens of each stream")
     ap.add_argument("--cut", type=float, default=3.0, help="the fault lasts this many lease TTLs (engine: "
                     "heartbeat timeouts or gateway graces, the longer)")
-    ap.add_argument("--lag", type=float, default=2.0, help="redis-failover: seconds the replica falls behind "
-                    "before the primary dies")
-    ap.add_argument("--broker-replicas", default=None, help="redis-failover: the gateways' --broker-replicas "
-                    "(default: theirs, auto; 0 shows what a failover does without replicated delivery)")
+    ap.add_argument("--lag", type=float, default=2.0, help="redis-failover, sentinel-failover: seconds the "
+                    "replica falls behind before the primary dies")
+    ap.add_argument("--broker-replicas", default=None, help="redis-failover, sentinel-failover: the "
+                    "gateways' --broker-replicas (default: theirs, auto; 0 shows what a failover does without "
+                    "replicated delivery)")
     ap.add_argument("--lease-ttl", type=float, default=0.8, help="--broker-lease-ttl of the gateways "
                     "(--broker-lease-interval is a quarter of it)")
     ap.add_argument("--model", type=Path, default=None, help="the engine's model for the Redis scenarios "
@@ -605,11 +696,11 @@ def main(argv: list[str]) -> int:
         engine: Proc | None = None
         try:
             for s in scenarios:
-                if s.startswith("redis"):
+                if s != "engine-cut":
                     if engine is None:
                         engine, address = _vllm_engine(args, tmp, logs)
-                    if s == "redis-failover":
-                        runs.append(failover_scenario(address, tmp, logs, streams=args.streams, tokens=args.tokens,
+                    if s in FAILOVERS:
+                        runs.append(failover_scenario(s, address, tmp, logs, streams=args.streams, tokens=args.tokens,
                                                       lag=args.lag, lease=lease, replicas=args.broker_replicas))
                     else:
                         runs.append(redis_scenario(s, address, tmp, logs, streams=args.streams, tokens=args.tokens,

@@ -61,16 +61,20 @@ def test_a_redis_restart_mid_stream_keeps_one_answer_per_stream(
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("kind", ["redis-failover", "sentinel-failover"])
 def test_a_failover_to_a_replica_2s_behind_keeps_what_every_reader_read(
-        vllm_gateway_url: str, vllm_engine: tuple[str, Proc], tmp_path: Path) -> None:
+        kind: str, vllm_gateway_url: str, vllm_engine: tuple[str, Proc], tmp_path: Path) -> None:
     """A Redis primary with one replica 2 s behind (its replication link held, the connection open); the primary
-    and gateway A SIGKILLed together, the replica promoted, the one endpoint both gateways reach Redis at switched
-    to it. A's readers (two per stream) resume on B, which adopts each stream from the promoted replica's log;
-    one more reader per stream starts on B after the failover. Each pipeline waited for the replica
-    (--broker-replicas auto), so that log holds whatever A's readers read: every reader reads one answer, each
-    event once, to [DONE] (docs/failures.md)."""
+    and gateway A SIGKILLed together and the replica promoted: by the bench, which switches the one endpoint both
+    gateways reach Redis at to it (``redis-failover``), or by three sentinels the gateways ask for the primary
+    (``sentinel-failover``). A's readers (two per stream) resume on B, which adopts each stream from the
+    promoted replica's log; one more reader per stream starts on B after the failover. Each pipeline waited for
+    the replica (--broker-replicas auto), so that log holds whatever A's readers read: every reader reads one
+    answer, each event once, to [DONE] (docs/failures.md)."""
     require("redis-server")
-    run = failover_scenario(vllm_engine[0], tmp_path, ARTIFACTS, streams=6, tokens=480, lag=2.0, lease=LEASE)
+    if kind == "sentinel-failover":
+        require("redis-sentinel")
+    run = failover_scenario(kind, vllm_engine[0], tmp_path, ARTIFACTS, streams=6, tokens=480, lag=2.0, lease=LEASE)
     _report(run)
     assert run.notes["replica_role"] == "master"
     assert run.notes["adopted_b"] == 6, run.notes

@@ -442,8 +442,9 @@ def test_a_resume_point_beyond_a_normal_end_is_rolled_back_not_done() -> None:
 
 
 def test_a_resume_point_beyond_an_owners_log_or_past_its_continuation_is_rolled_back_at_once() -> None:
-    """Nothing can bring the log to it: the stream is this gateway's own (its whole log is shorter), or a new
-    owner continued it from before the resume point (a reader coming back after the adoption)."""
+    """Nothing can bring the log to it: the stream is this gateway's own and finished (its whole log is
+    shorter), or a new owner continued it from before the resume point (a reader coming back after the
+    adoption). On its own running stream the reader waits for the log instead."""
     async def main() -> None:
         hub = StreamHub(Retention())
         own = hub.create("chat.completions", "m")
@@ -452,8 +453,22 @@ def test_a_resume_point_beyond_an_owners_log_or_past_its_continuation_is_rolled_
         async def w(batch: list[Event]) -> None:
             pass
 
+        got: list[int] = []
+
+        async def keep(batch: list[Event]) -> None:
+            got.extend(ev.seq for ev in batch)
+
+        # running: a resume point ahead of the owner's log waits for the log to grow to it
+        reader = asyncio.create_task(follow(own, "sse", 3, keep, SlowConsumerPolicy()))
+        await asyncio.sleep(0.05)
+        assert not reader.done()
+        publish_text(own, ["c", "d", "e"])
+        own.finish("done")
+        await asyncio.wait_for(reader, 1)
+        assert got == [4]
+        # finished short of it: nothing can bring the log there
         with pytest.raises(RolledBack):
-            await asyncio.wait_for(follow(own, "sse", 5, w, SlowConsumerPolicy()), 1)
+            await asyncio.wait_for(follow(own, "sse", 7, w, SlowConsumerPolicy()), 1)
         mirror = hub.create("chat.completions", "m", "str-mirror")
         mirror.mirrored = True
         publish_text(mirror, ["a", "b", "c"])

@@ -153,8 +153,9 @@ async def follow(
     A resume point beyond the log (a mirror still reading it, or a store that lost what the reader read) waits
     up to :data:`BEYOND_WAIT_S` for the log to reach it. Raises :class:`RolledBack` when it does not, when the
     stream ends short of it, or when a new owner continues the log from before it (:meth:`Stream.continue_at`);
-    at once when nothing can bring the log to it: the stream is this gateway's own and its whole log (committed
-    or not) is shorter, or its latest owner continued it from before the resume point.
+    at once when nothing can bring the log to it: the stream is this gateway's own, finished, and its whole log
+    (committed or not) is shorter, or its latest owner continued it from before the resume point. On this
+    gateway's own running stream it waits with no deadline: the log grows to it.
     """
     # Lagging = more than coalesce_after events were published while our last write was in progress:
     # the client is the bottleneck, so merge. Events that were already there when a write started
@@ -189,7 +190,11 @@ async def follow(
             if stream.continued_at is not None and sub.cursor > stream.continued_at:
                 raise RolledBack(sub.cursor, stream.continued_at)
             if not stream.mirrored and sub.cursor > stream.next_seq:
-                raise RolledBack(sub.cursor, stream.next_seq)
+                if stream.finished:  # its own whole log is shorter: nothing can bring it there
+                    raise RolledBack(sub.cursor, stream.next_seq)
+                # its own running stream: its log grows to the point (a client may resume ahead of what it
+                # read, as `starting_after` does right after creating a background response); no deadline
+                beyond_until = None
         while True:
             sub.waiter.clear()
             if turn is not None and sub.cursor < held():

@@ -96,7 +96,7 @@ def examples() -> list[Example]:
 
 EXAMPLES = examples()
 RUN = [e for e in EXAMPLES if e.skipped is None]
-NOT_RUN = 13  # blocks that say why they are not run here (a GPU, a model download, minutes of measurement, …)
+NOT_RUN = 17  # blocks that say why they are not run here (a GPU, a model download, minutes of measurement, …)
 
 
 def with_url(code: str, url: str) -> str:

@@ -134,7 +134,12 @@ def quic_handshake_ok(port: int, leaf: Leaf) -> bool:
 
 
 def reloads(url: str, part: str, result: str, verify: ssl.SSLContext | bool = True) -> float:
-    text = httpx.get(url + "/metrics", verify=verify, timeout=10).text
+    """The reload counter; -1 when the scrape's new connection was dropped unanswered (Granian's old worker
+    stopping in that moment: docs/tls.md), so a poll asks again."""
+    try:
+        text = httpx.get(url + "/metrics", verify=verify, timeout=10).text
+    except httpx.RemoteProtocolError:
+        return -1.0
     return sample(text, "tokenfan_reloads_total", {"part": part, "result": result}) or 0.0
 
 

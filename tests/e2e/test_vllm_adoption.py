@@ -28,7 +28,7 @@ import asyncio
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +95,38 @@ def fold_raw(reader: Reader, seq: int, chunk: dict[str, Any]) -> None:
     fold_parts(reader, seq, chunk)
 
 
+def hermes_tail(got: Answer, want: Answer) -> Answer | None:
+    """``got`` with the tool calls of ``want`` where they differ only as vLLM's hermes parser makes them by the
+    engine's grouping of the last steps: it appends a ``required`` call's unstreamed arguments only when the
+    last output carries a tool-call delta, so ``null`` reads ``null{}`` (docs/tests.md; the control and the
+    adopted stream group their last steps as their engine's load had it). None when anything else differs."""
+    if got.tools.keys() != want.tools.keys():
+        return None
+    tools: dict[int, dict[str, Any]] = {}
+    for i, call in got.tools.items():
+        theirs = want.tools[i]
+        a, b = str(call.get("arguments")), str(theirs.get("arguments"))
+        if a != b and a + "{}" != b and b + "{}" != a:
+            return None
+        tools[i] = {**call, "arguments": theirs.get("arguments")}
+    return replace(got, tools=tools) if tools != got.tools else None
+
+
 def compare_once(name: str, got: Answer, want: Answer) -> str | None:
-    """None when ``got`` is its control's answer (:func:`check_vllm`) or left it at a near tie (printed);
-    else the miss."""
+    """None when ``got`` is its control's answer (:func:`check_vllm`), differs only by hermes' grouping of
+    the last steps (:func:`hermes_tail`) or left it at a near tie (each printed); else the miss."""
     try:
         check_vllm({name: got}, {name: want})
         return None
     except AssertionError as exc:
+        same_but_tail = hermes_tail(got, want)
+        if same_but_tail is not None:
+            try:
+                check_vllm({name: same_but_tail}, {name: want})
+                print(f"{name}: accepted, a required call's arguments differ only by hermes' last grouping")
+                return None
+            except AssertionError:
+                pass
         tie = near_tie(got, want)
         if tie is None:
             return f"{name}: {exc!r}"

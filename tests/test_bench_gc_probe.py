@@ -37,7 +37,7 @@ def test_a_probed_process_logs_its_collections_and_the_summary_splits_them_by_ph
     assert before["generations"][1]["count"] >= 1 and before["generations"][2]["count"] == 0
     assert after["generations"][2]["count"] >= 1 and after["generations"][2]["total_ms"] > 0
     assert after["largest"] is not None and after["largest"]["ms"] >= max(
-        c["s"] * 1000 for c in collections if c["t"] >= mid) - 1e-6
+        c["s"] * 1000 for c in collections if c["t"] >= mid) - 5e-4  # the summary rounds to a microsecond
 
 
 def test_without_the_probes_directory_a_process_is_not_probed(tmp_path: Path) -> None:

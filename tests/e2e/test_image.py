@@ -382,7 +382,7 @@ def test_the_image_names_a_non_root_user_and_holds_no_compiler_tests_or_pip_cach
     assert not caches, caches
     app = rootfs / "opt/tokenfan"
     assert sorted(p.name for p in app.iterdir() if not p.name.endswith(".egg-info")) == sorted(
-        ["pyproject.toml", "README.md", "tokenfan_settings", "tokenfan", "engine_worker", "gateway", "tokenfan_bench",
+        ["pyproject.toml", "setup.py", "README.md", "tokenfan_settings", "tokenfan", "engine_worker", "gateway", "tokenfan_bench",
          "web"])
     assert not [p for p in app.rglob("test_*.py")] and not (app / "tests").exists()
     assert not list((rootfs / "var/lib/apt/lists").glob("*_Packages*")), "apt lists left in the image"

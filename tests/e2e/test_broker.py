@@ -46,17 +46,20 @@ def _redis_server_installed() -> None:
 class RedisServer:
     """A ``redis-server`` without persistence that a test can kill and start again on the same port."""
 
-    def __init__(self, workdir: Path) -> None:
+    start_timeout = 10.0
+
+    def __init__(self, workdir: Path, *args: str) -> None:
         self.port = free_port()
         self.workdir = workdir
+        self.args = args  # more redis-server options (``--maxmemory 4mb`` …)
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.workdir)],
+                                      "--appendonly", "no", "--dir", str(self.workdir), *self.args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(self.ping, timeout=10, what="redis up")
+        wait_until(self.ping, timeout=self.start_timeout, what="redis up")
 
     def kill(self) -> None:
         assert self.proc is not None

@@ -31,6 +31,7 @@ import redis
 import websockets
 
 from tests.e2e.helpers import sse_events, until, wait_until
+from tests.e2e.test_broker import RedisServer
 from tests.procs import NO_CLIENT_LIMITS, Proc, spawn, start_engine, stop_all
 from tests.system import require
 from tokenfan_bench.servers.processes import free_port
@@ -43,37 +44,14 @@ def _redis_server_installed() -> None:
     require("redis-server")
 
 
-class Redis:
+class Redis(RedisServer):
     """A ``redis-server`` without persistence on a fixed port: started, stopped (SIGSTOP), killed, again."""
 
-    def __init__(self, workdir: Path, *args: str) -> None:
-        self.port, self.workdir, self.args = free_port(), workdir, args
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.workdir), *self.args],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(self.ping, timeout=20, what="redis up")
+    start_timeout = 20.0
 
     def signal(self, sig: signal.Signals) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, sig)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def ping(self) -> bool:
-        try:
-            return bool(self.client().ping())
-        except redis.RedisError:
-            return False
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=2)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
